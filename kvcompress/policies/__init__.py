@@ -1,0 +1,56 @@
+"""KV-cache compression policies in pure torch (no vLLM): budgets, scores, selection, plans.
+
+- budgets:   tokens kept per layer (PyramidKV arithmetic schedule, uniform), exact totals.
+- scores:    observation-window scores per KV head (GQA-aware), pooling, H2O attention mass.
+- selection: keep masks (top-k per head, Ada-KV shared allocation, sinks + recent) and indices.
+- plan:      ``plan_keep``, the engine's entry point, returning a ``KeepPlan``.
+"""
+
+from .budgets import distribute_exactly, layer_budgets, resolve_budget
+from .plan import KeepPlan, plan_keep
+from .scores import (
+    accumulate_attention_mass,
+    aggregate_window_probs,
+    finalize_window_scores,
+    observation_window_scores,
+    pool_scores,
+    window_attention_probs,
+)
+from .selection import (
+    PAD_INDEX,
+    mask_to_indices,
+    positions_to_mask,
+    ranking_keys,
+    shared_quota_mask,
+    shared_quota_positions,
+    sink_recent_mask,
+    top_quota_mask,
+    top_quota_positions,
+    window_mask,
+)
+from .validation import METHODS
+
+__all__ = [
+    "METHODS",
+    "PAD_INDEX",
+    "KeepPlan",
+    "accumulate_attention_mass",
+    "aggregate_window_probs",
+    "distribute_exactly",
+    "finalize_window_scores",
+    "layer_budgets",
+    "mask_to_indices",
+    "observation_window_scores",
+    "plan_keep",
+    "pool_scores",
+    "positions_to_mask",
+    "ranking_keys",
+    "resolve_budget",
+    "shared_quota_mask",
+    "shared_quota_positions",
+    "sink_recent_mask",
+    "top_quota_mask",
+    "top_quota_positions",
+    "window_attention_probs",
+    "window_mask",
+]
