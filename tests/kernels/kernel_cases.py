@@ -1,0 +1,153 @@
+"""Random per-head paged KV layouts and a dense naive attention for the kernel tests."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Tolerances of a kernel vs the fp32-exact torch reference, by dtype.
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor  # [T, H_q, D]
+    pool: torch.Tensor  # [num_pages, 2, P, D]
+    page_tables: torch.Tensor  # int32 [R, H_kv, max_pages]
+    kv_lens: torch.Tensor  # int32 [R, H_kv]
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    scale: float
+
+    def to(self, device: torch.device | str) -> PagedCase:
+        return PagedCase(
+            query=self.query.to(device),
+            pool=self.pool.to(device),
+            page_tables=self.page_tables.to(device),
+            kv_lens=self.kv_lens.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            scale=self.scale,
+        )
+
+    @property
+    def query_lens(self) -> list[int]:
+        starts = self.query_start_loc.tolist()
+        return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def make_case(
+    query_lens: list[int],
+    context_lens: list[list[int]],
+    *,
+    group: int,
+    head_size: int,
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    spare_pages: int = 3,
+    poison: bool = True,
+) -> PagedCase:
+    """Build a random layout: context_lens[r][h] tokens already cached before the new ones.
+
+    Pages of all (request, head) pairs are a random permutation of the pool; unused slots (free
+    pages, tails of last pages) and the page-table padding are poisoned (NaN / -1), so a kernel
+    that reads outside a head's length produces NaN or crashes instead of passing by luck.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_requests = len(query_lens)
+    num_kv_heads = len(context_lens[0])
+    pairs = zip(query_lens, context_lens, strict=True)
+    kv_lens = torch.tensor([[c + q for c in ctx] for q, ctx in pairs], dtype=torch.int32)
+    pages_needed = [[math.ceil(n / page_size) for n in row] for row in kv_lens.tolist()]
+    total_pages = sum(map(sum, pages_needed)) + spare_pages
+    max_pages = max(max(row) for row in pages_needed) + 1
+    order = torch.randperm(total_pages, generator=generator).tolist()
+    page_tables = torch.full((num_requests, num_kv_heads, max_pages), -1, dtype=torch.int32)
+    cursor = 0
+    for r in range(num_requests):
+        for h in range(num_kv_heads):
+            n = pages_needed[r][h]
+            page_tables[r, h, :n] = torch.tensor(order[cursor : cursor + n], dtype=torch.int32)
+            cursor += n
+
+    pool = torch.randn(total_pages, 2, page_size, head_size, generator=generator).to(dtype)
+    if poison:
+        used = torch.zeros(total_pages, page_size, dtype=torch.bool)
+        for r in range(num_requests):
+            for h in range(num_kv_heads):
+                for j in range(int(kv_lens[r, h])):
+                    used[int(page_tables[r, h, j // page_size]), j % page_size] = True
+        pool.masked_fill_(~used[:, None, :, None], float("nan"))
+
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], num_kv_heads * group, head_size, generator=generator)
+    return PagedCase(
+        query=query.to(dtype),
+        pool=pool,
+        page_tables=page_tables,
+        kv_lens=kv_lens,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        scale=1.0 / math.sqrt(head_size),
+    )
+
+
+def head_keys_values(case: PagedCase, r: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of head (r, h) in physical order, float64, read slot by slot."""
+    pool = case.pool.cpu()
+    page_size = pool.shape[2]
+    n = int(case.kv_lens[r, h])
+    pages = [int(case.page_tables[r, h, j // page_size]) for j in range(n)]
+    kv = torch.stack([pool[p, :, j % page_size] for j, p in enumerate(pages)]).double()
+    return kv[:, 0], kv[:, 1]
+
+
+def dense_attention(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive per-request, per-query-head attention in float64: (out [T, H_q, D], lse [T, H_q])."""
+    num_tokens, num_query_heads, head_size = case.query.shape
+    num_kv_heads = case.page_tables.shape[1]
+    group = num_query_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_query_heads, head_size, dtype=torch.float64)
+    lse = torch.zeros(num_tokens, num_query_heads, dtype=torch.float64)
+    starts = case.query_start_loc.tolist()
+    query = case.query.cpu()
+    for r, query_len in enumerate(case.query_lens):
+        for h in range(num_kv_heads):
+            keys, values = head_keys_values(case, r, h)
+            for hq, i in itertools.product(range(h * group, (h + 1) * group), range(query_len)):
+                t = starts[r] + i
+                limit = int(case.kv_lens[r, h]) - query_len + i
+                q = query[t, hq].double()
+                scores = (keys[: limit + 1] @ q) * case.scale
+                probs = torch.softmax(scores, dim=0)
+                out[t, hq] = probs @ values[: limit + 1]
+                lse[t, hq] = torch.logsumexp(scores, dim=0)
+    return out, lse
+
+
+def dense_window_scores(case: PagedCase, window_start: list[int], max_len: int) -> torch.Tensor:
+    """Naive observation-window scores: float64 [R, H_kv, max_len], summed over rows and group."""
+    num_query_heads = case.query.shape[1]
+    num_kv_heads = case.page_tables.shape[1]
+    group = num_query_heads // num_kv_heads
+    scores = torch.zeros(len(case.query_lens), num_kv_heads, max_len, dtype=torch.float64)
+    starts = case.query_start_loc.tolist()
+    query = case.query.cpu()
+    for r, query_len in enumerate(case.query_lens):
+        for h in range(num_kv_heads):
+            keys, _ = head_keys_values(case, r, h)
+            for hq, i in itertools.product(
+                range(h * group, (h + 1) * group), range(window_start[r], query_len)
+            ):
+                limit = int(case.kv_lens[r, h]) - query_len + i
+                q = query[starts[r] + i, hq].double()
+                probs = torch.softmax((keys[: limit + 1] @ q) * case.scale, dim=0)
+                scores[r, h, : limit + 1] += probs
+    return scores

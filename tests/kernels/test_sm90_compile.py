@@ -1,0 +1,92 @@
+"""Every Triton kernel configuration the launchers pick compiles for an H100/H200 (sm_90).
+
+Runs without a GPU: Triton's frontend, LLVM and the bundled ptxas only. Catches what the CPU
+interpreter lets through (non-constexpr globals, dot shape/type rules, shared-memory overflow).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from aot_compile import capture_launches
+from kernel_cases import make_case
+
+from kvcompress.kernels import (
+    move_kv_triton,
+    paged_attention_triton,
+    window_scores_triton,
+    write_kv_triton,
+)
+
+H100_MAX_SHARED_BYTES = 232448
+
+
+def _has_ptxas() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin"))
+
+
+pytestmark = pytest.mark.skipif(not _has_ptxas(), reason="triton NVIDIA backend not available")
+
+
+def compile_all(launches) -> None:
+    assert launches, "the launcher launched nothing"
+    for launch in launches:
+        compiled = launch.compile(arch=90)
+        assert compiled.metadata.shared <= H100_MAX_SHARED_BYTES, launch.kernel.__name__
+
+
+@pytest.mark.parametrize(
+    "query_lens, group, head_size, page_size, dtype, num_splits",
+    [
+        ([1, 1], 4, 128, 16, torch.bfloat16, 1),  # Llama-3-8B decode
+        ([1, 1], 4, 128, 16, torch.bfloat16, 8),  # split-K decode + combine
+        ([1], 4, 128, 16, torch.bfloat16, 4),  # one request: ints equal to 1 become constexpr
+        ([9, 1], 4, 128, 16, torch.bfloat16, 1),  # prefill chunk tile
+        ([9, 1], 8, 64, 32, torch.float16, 1),
+        ([1, 1], 1, 128, 8, torch.float32, 2),  # ieee fp32 dot (decode tile: compiles faster)
+        ([3, 1], 3, 96, 16, torch.bfloat16, 1),  # padded head dim, odd group
+    ],
+)
+def test_paged_attention_compiles(
+    monkeypatch, query_lens, group, head_size, page_size, dtype, num_splits
+):
+    case = make_case(query_lens, [[30, 20]] * len(query_lens), group=group, head_size=head_size,
+                     page_size=page_size, dtype=dtype, poison=False)
+    with capture_launches(monkeypatch) as launches:
+        paged_attention_triton(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            case.scale, torch.empty_like(case.query),
+            lse_out=torch.empty(case.query.shape[:2]), num_splits=num_splits,
+        )
+    compile_all(launches)
+
+
+@pytest.mark.parametrize(
+    "query_lens, group, head_size, dtype",
+    [([9, 5], 4, 128, torch.bfloat16), ([1, 1], 8, 64, torch.float16)],
+)
+def test_window_scores_compiles(monkeypatch, query_lens, group, head_size, dtype):
+    case = make_case(query_lens, [[30, 20]] * 2, group=group, head_size=head_size, page_size=16,
+                     dtype=dtype, poison=False)
+    with capture_launches(monkeypatch) as launches:
+        window_scores_triton(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            torch.zeros(2, dtype=torch.int32), case.scale, torch.zeros(2, 2, 64),
+        )
+    compile_all(launches)
+
+
+def test_cache_kernels_compile(monkeypatch):
+    pool = torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
+    with capture_launches(monkeypatch) as launches:
+        key = torch.zeros(5, 8, 128, dtype=torch.bfloat16)
+        write_kv_triton(key, key, pool, torch.zeros(5, 8, dtype=torch.int64))
+        slots = torch.arange(10, dtype=torch.int64)
+        move_kv_triton(pool, slots, slots + 10)
+    compile_all(launches)
