@@ -1,0 +1,106 @@
+"""Per-head paged attention on CPU through vLLM's own C++ attention kernel.
+
+vLLM's CPU kernel reads one block table per sequence. Treating every (request, KV head)
+pair as its own sequence with one KV head and G query heads lets it read our per-head
+page tables unchanged: the pool viewed as ``[pages, 1, 2 * page_size, head_size]`` is
+exactly its KV-cache layout (K transposed per page for the vec/vec16 ISAs, V row-major).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+
+from kvcompress.attention.page_format import CPU_PAGE_FORMAT
+from kvcompress.engine.kv_state import StepBatch
+from kvcompress.paging import PageLayout
+
+
+def cpu_isa(page_size: int, head_size: int) -> str:
+    """The kernel variant whose K layout we know (transposed pages); AMX packs differently."""
+    if head_size % 16:
+        raise NotImplementedError(f"kvcompress on CPU needs head_size % 16 == 0, got {head_size}")
+    return "vec" if page_size % 32 == 0 and head_size % 32 == 0 else "vec16"
+
+
+@dataclass
+class CpuStepArgs:
+    """The step's batch re-indexed as one sequence per (KV head, request), head-major."""
+
+    query_start_loc: torch.Tensor  # [H * R + 1] int32
+    seq_lens: torch.Tensor  # [L, H * R] int32
+    block_tables: torch.Tensor  # [L, H * R, max_pages] int32
+    scheduler_metadata: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class CpuPagedKernel:
+    page_format = CPU_PAGE_FORMAT
+
+    def __init__(self, layout: PageLayout, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.isa = cpu_isa(layout.page_size, layout.head_size)
+
+    def prepare(self, step: StepBatch) -> CpuStepArgs:
+        num_reqs, _, max_pages = step.page_tables.shape
+        layers, heads = self.layout.num_layers, self.layout.num_kv_heads
+        tables = step.page_tables.view(num_reqs, layers, heads, max_pages)
+        block_tables = tables.permute(1, 2, 0, 3).reshape(layers, heads * num_reqs, max_pages)
+        lengths = step.lengths_after.view(num_reqs, layers, heads)
+        seq_lens = lengths.permute(1, 2, 0).reshape(layers, heads * num_reqs)
+        starts = torch.tensor(step.query_start_loc, dtype=torch.int32)
+        total = int(starts[-1])
+        head_offsets = torch.arange(heads, dtype=torch.int32)[:, None] * total
+        query_start_loc = torch.cat(
+            [(head_offsets + starts[None, :-1]).flatten(), torch.tensor([heads * total])]
+        ).to(torch.int32)
+        return CpuStepArgs(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.to(torch.int32).contiguous(),
+            block_tables=block_tables.to(torch.int32).contiguous(),
+        )
+
+    def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """key/value ``[T, H, D]`` to per-head ``slots [T, H]``."""
+        key_cache, value_cache = self._caches(pool)
+        head_size = self.layout.head_size
+        ops.cpu_attn_reshape_and_cache(
+            key.reshape(-1, 1, head_size), value.reshape(-1, 1, head_size),
+            key_cache, value_cache, slots.reshape(-1), self.isa,
+        )
+
+    def attend(self, args: CpuStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
+               output: torch.Tensor, scale: float) -> None:
+        num_tokens, num_q_heads, head_size = query.shape
+        heads = self.layout.num_kv_heads
+        group = num_q_heads // heads
+        per_sequence = query.view(num_tokens, heads, group, head_size).transpose(0, 1)
+        per_sequence = per_sequence.reshape(heads * num_tokens, group, head_size)
+        metadata = args.scheduler_metadata.get(layer)
+        if metadata is None:
+            metadata = args.scheduler_metadata[layer] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=args.seq_lens.shape[1], num_heads=group, num_kv_heads=1,
+                head_dim=head_size, seq_lens=args.seq_lens[layer], dtype=self.dtype,
+                query_start_loc=args.query_start_loc, causal=True, sliding_window_size=-1,
+                isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            )
+        result = torch.empty_like(per_sequence)
+        key_cache, value_cache = self._caches(pool)
+        ops.cpu_attention_with_kv_cache(
+            query=per_sequence, key_cache=key_cache, value_cache=value_cache, output=result,
+            query_start_loc=args.query_start_loc, seq_lens=args.seq_lens[layer], scale=scale,
+            causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=args.block_tables[layer], softcap=0,
+            scheduler_metadata=metadata, s_aux=None,
+        )
+        output.view(num_tokens, heads, group, head_size).copy_(
+            result.view(heads, num_tokens, group, head_size).transpose(0, 1)
+        )
+
+    def _caches(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_pages, _, page_size, head_size = pool.shape
+        return pool.view(num_pages, 1, 2 * page_size, head_size).chunk(2, dim=2)

@@ -1,0 +1,77 @@
+"""How K and V sit inside a page of the pool ``[num_pages, 2, page_size, head_size]``.
+
+Index 0 of dim 1 holds K, index 1 holds V, ``page_size`` tokens of one KV head each.
+V is always stored row-major ``[page_size, head_size]``. K is row-major on GPU, and
+transposed ``[head_size, page_size]`` on CPU, the layout vLLM's CPU attention kernel
+(vec / vec16 ISA) reads and writes, so that kernel can run over our pages unchanged.
+
+No vLLM imports: moves and reads here are plain torch, shared by engine and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    keys_transposed: bool
+
+    def key_view(self, pool: torch.Tensor) -> torch.Tensor:
+        """K part indexed as ``[page, token, dim]`` (a strided view when transposed)."""
+        num_pages, _, page_size, head_size = pool.shape
+        keys = pool[:, 0]
+        if self.keys_transposed:
+            return keys.reshape(num_pages, head_size, page_size).transpose(1, 2)
+        return keys
+
+    @staticmethod
+    def value_view(pool: torch.Tensor) -> torch.Tensor:
+        return pool[:, 1]
+
+    def write_tokens(
+        self, pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Store ``keys/values [N, D]`` at flat ``slots [N]`` (page * page_size + offset)."""
+        page_size = pool.shape[2]
+        pages, offsets = slots // page_size, slots % page_size
+        self.key_view(pool)[pages, offsets] = keys.to(pool.dtype)
+        self.value_view(pool)[pages, offsets] = values.to(pool.dtype)
+
+    def read_tokens(
+        self, pool: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        page_size = pool.shape[2]
+        pages, offsets = slots // page_size, slots % page_size
+        return self.key_view(pool)[pages, offsets], self.value_view(pool)[pages, offsets]
+
+    def move_tokens(
+        self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
+        """Copy K and V of ``src_slots`` to ``dst_slots`` (all reads happen before writes)."""
+        if src_slots.numel() == 0:
+            return
+        keys, values = self.read_tokens(pool, src_slots)
+        self.write_tokens(pool, keys, values, dst_slots)
+
+    def gather_rows(
+        self, pool: torch.Tensor, page_tables: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``num_tokens`` positions of each row of ``page_tables
+        [..., max_pages]``: two tensors ``[..., num_tokens, head_size]``."""
+        page_size, head_size = pool.shape[2], pool.shape[3]
+        num_pages = -(-num_tokens // page_size)
+        pages = page_tables[..., :num_pages]
+        keys = self.key_view(pool)[pages]  # [..., num_pages, page_size, D]
+        values = self.value_view(pool)[pages]
+        shape = (*pages.shape[:-1], num_pages * page_size, head_size)
+        return (
+            keys.reshape(shape)[..., :num_tokens, :],
+            values.reshape(shape)[..., :num_tokens, :],
+        )
+
+
+CPU_PAGE_FORMAT = PageFormat(keys_transposed=True)
+GPU_PAGE_FORMAT = PageFormat(keys_transposed=False)

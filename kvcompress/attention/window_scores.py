@@ -1,0 +1,48 @@
+"""Observation-window scores collected where attention already runs (pure torch).
+
+On a request's last prefill chunk(s) the queries of its observation window (the last W
+prompt positions) score every earlier prompt key: fp32 softmax probabilities, reduced
+over the query heads of each KV head, summed over the window queries, added into the
+request's ``[layers, kv_heads, prompt_len]`` accumulator. Only those W queries are
+scored, never the whole chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.attention.page_format import PageFormat
+from kvcompress.engine.kv_state import StepBatch
+from kvcompress.policies.scores import aggregate_window_probs
+
+
+def accumulate_window_scores(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    page_format: PageFormat,
+    step: StepBatch,
+    layer: int,
+    scale: float,
+    group_reduce: str = "mean",
+) -> None:
+    rows = step.layer_rows(layer)
+    num_kv_heads = step.layout.num_kv_heads
+    for window in step.window_queries:
+        index = window.batch_index
+        first = step.query_start_loc[index] + window.first_query
+        queries = query[first : first + window.num_queries].float()  # [w, Hq, D]
+        lengths_before = step.lengths_before[index, rows]
+        lengths_after = lengths_before + step.num_new_tokens[index]
+        num_keys = min(window.prompt_len, int(lengths_after.min()))
+        keys, _ = page_format.gather_rows(pool, step.page_tables[index, rows], num_keys)
+        group = queries.shape[1] // num_kv_heads
+        grouped = queries.view(window.num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
+        logits = torch.matmul(grouped, keys.float().transpose(-1, -2)[:, None]) * scale
+        # [H, G, w, S]: query i of head h sees physical positions <= before[h] + offset + i.
+        query_pos = lengths_before[:, None] + window.first_query
+        query_pos = query_pos + torch.arange(window.num_queries, device=query_pos.device)
+        key_pos = torch.arange(num_keys, device=query_pos.device)
+        future = key_pos[None, None, :] > query_pos[:, :, None]  # [H, w, S]
+        logits.masked_fill_(future[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        window.scores[layer, :, :num_keys] += aggregate_window_probs(probs, group_reduce)

@@ -1,0 +1,115 @@
+"""vLLM's KV-cache manager with admission and preemption decided in per-head pages.
+
+vLLM's own manager is kept, wrapped, over a *virtual* block pool that is large enough
+never to be the limit: it keeps doing the logical bookkeeping the scheduler relies on
+(block ids, per-request block lists), but no memory stands behind those blocks. Memory
+lives in the page pool, and whether a request may run is decided here, in pages.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request, RequestStatus
+
+from kvcompress.paging import PageManager
+
+logger = init_logger(__name__)
+
+# Enough virtual blocks for every running request at max length, within reason: each
+# is a small Python object on the scheduler side.
+_MAX_VIRTUAL_BLOCKS = 1 << 21
+
+
+def virtual_kv_cache_config(
+    kv_cache_config: KVCacheConfig, max_num_seqs: int, max_model_len: int
+) -> KVCacheConfig:
+    """A copy of ``kv_cache_config`` whose block count is never the admission limit."""
+    block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    wanted = max_num_seqs * cdiv(max_model_len, block_size) + 1  # + vLLM's null block
+    virtual = copy.deepcopy(kv_cache_config)
+    virtual.num_blocks = max(kv_cache_config.num_blocks, min(wanted, _MAX_VIRTUAL_BLOCKS))
+    if wanted > _MAX_VIRTUAL_BLOCKS:
+        logger.warning(
+            "kvcompress: capping logical KV blocks at %d; with --max-num-seqs %d and "
+            "--max-model-len %d the logical pool, not the page pool, may limit admission",
+            _MAX_VIRTUAL_BLOCKS, max_num_seqs, max_model_len,
+        )
+    return virtual
+
+
+class PagedKVCacheManager:
+    """Wraps a vLLM KVCacheManager; everything not overridden here goes to it."""
+
+    def __init__(self, inner: KVCacheManager, pages: PageManager, watermark: float) -> None:
+        self.inner = inner
+        self.pages = pages
+        self.watermark_pages = int(watermark * pages.total_pages)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def usage(self) -> float:
+        return self.pages.usage
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        *args: Any,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+        **kwargs: Any,
+    ) -> KVCacheBlocks | None:
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        computed += num_external_computed_tokens
+        logical_len = min(
+            computed + num_new_tokens + num_lookahead_tokens, self.inner.max_model_len
+        )
+        reserve = 0
+        if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING, RequestStatus.PREEMPTED
+        ):
+            reserve = self.watermark_pages
+        request_id = request.request_id
+        if full_sequence_must_fit:
+            full_len = min(request.num_tokens, self.inner.max_model_len)
+            if self.pages.pages_needed(request_id, full_len) + reserve > self.pages.num_free:
+                return None
+        if self.pages.pages_needed(request_id, logical_len) + reserve > self.pages.num_free:
+            return None
+        blocks = self.inner.allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            *args,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+            **kwargs,
+        )
+        if blocks is None:
+            return None
+        allocated = self.pages.allocate(request_id, logical_len, reserve=0)
+        assert allocated, "page check and allocation disagree"
+        return blocks
+
+    def free(self, request: Request) -> None:
+        self.inner.free(request)
+        self.pages.free(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> Any:
+        self.pages.free(request.request_id)
+        return self.inner.pop_blocks_for_free(request)

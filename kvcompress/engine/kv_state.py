@@ -1,0 +1,191 @@
+"""Worker-side mirror of the page tables and the per-step attention metadata.
+
+The worker holds, per request: the page table (identical to the scheduler's), how many
+tokens each (layer, KV head) row physically stores, and while its observation window is
+being processed, the window-score accumulator. No vLLM imports: testable alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
+
+
+@dataclass
+class RequestKV:
+    table: HeadPageTable
+    # Per row: tokens physically stored (K and V written).
+    lengths: np.ndarray
+    prompt_len: int = 0
+    # Compression already happened since the request was (re)admitted.
+    compressed: bool = False
+    # [num_layers, num_kv_heads, prompt_len] summed window probabilities, fp32.
+    window_scores: torch.Tensor | None = None
+
+
+@dataclass
+class WindowQueries:
+    """Queries of one request that fall inside its observation window in this step."""
+
+    batch_index: int
+    first_query: int  # offset within the request's queries in this step
+    num_queries: int
+    prompt_len: int
+    scores: torch.Tensor  # the request's accumulator, [L, H, prompt_len]
+
+
+@dataclass
+class StepBatch:
+    """Everything the attention backend needs for one forward pass, in batch order."""
+
+    layout: PageLayout
+    req_ids: list[str]
+    query_start_loc: list[int]
+    num_new_tokens: torch.Tensor  # [R] int64
+    lengths_before: torch.Tensor  # [R, rows] int64, before this step's tokens
+    page_tables: torch.Tensor  # [R, rows, max_pages] int64
+    slot_mapping: torch.Tensor  # [T, rows] int64, where each new token goes per row
+    decode_indices: torch.Tensor  # requests with exactly one new token
+    prefill_indices: list[int]  # requests with several new tokens
+    window_queries: list[WindowQueries] = field(default_factory=list)
+    # Requests whose prompt completes in this step and need compaction afterwards.
+    completing_prompt: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def layer_rows(self, layer: int) -> slice:
+        heads = self.layout.num_kv_heads
+        return slice(layer * heads, (layer + 1) * heads)
+
+    @property
+    def lengths_after(self) -> torch.Tensor:
+        return self.lengths_before + self.num_new_tokens[:, None]
+
+
+class WorkerKVState:
+    """Per-request page tables and lengths on one worker, keyed by request id."""
+
+    def __init__(self, layout: PageLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.requests: dict[str, RequestKV] = {}
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def apply_deltas(self, deltas: Mapping[str, PageTableDelta]) -> None:
+        rows = self.layout.num_rows
+        for request_id, delta in deltas.items():
+            state = self.requests.get(request_id)
+            if delta.fresh or state is None:
+                state = RequestKV(
+                    table=HeadPageTable(rows, self.layout.page_size),
+                    lengths=np.zeros(rows, dtype=np.int64),
+                )
+                self.requests[request_id] = state
+            for counts, page_ids in delta.appends:
+                state.table.append(counts, page_ids)
+
+    def owned_pages(self) -> int:
+        return sum(state.table.total_pages for state in self.requests.values())
+
+    def prepare_step(
+        self,
+        req_ids: Sequence[str],
+        num_new_tokens: np.ndarray,
+        num_computed_before: np.ndarray,
+        prompt_lens: np.ndarray,
+        window: int,
+        wants_compression: Sequence[bool],
+    ) -> StepBatch:
+        """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
+        when its prompt completes (so its window scores must be collected)."""
+        layout = self.layout
+        states = [self.requests[request_id] for request_id in req_ids]
+        num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
+        lengths_before_np = np.stack([state.lengths for state in states])
+        lengths_after_np = lengths_before_np + np.asarray(num_new_tokens)[:, None]
+        max_pages = max(1, int(max(state.table.num_pages.max() for state in states)))
+        tables = np.zeros((len(states), layout.num_rows, max_pages), dtype=np.int64)
+        for index, state in enumerate(states):
+            width = min(max_pages, state.table.pages.shape[1])
+            tables[index, :, :width] = state.table.pages[:, :width]
+        for index, state in enumerate(states):
+            needed = (lengths_after_np[index] + layout.page_size - 1) // layout.page_size
+            if np.any(needed > state.table.num_pages):
+                raise RuntimeError(
+                    f"request {req_ids[index]}: no page reserved for its new tokens "
+                    f"(scheduler and worker page tables disagree)"
+                )
+        query_start_loc = np.concatenate([[0], np.cumsum(num_new_tokens)]).tolist()
+        page_tables = torch.as_tensor(tables)
+        lengths_before = torch.as_tensor(lengths_before_np)
+        slot_mapping = self._slot_mapping(page_tables, lengths_before, num_new)
+
+        window_queries: list[WindowQueries] = []
+        completing: list[int] = []
+        for index, state in enumerate(states):
+            prompt_len = int(prompt_lens[index])
+            start = int(num_computed_before[index])
+            stop = start + int(num_new_tokens[index])
+            if state.prompt_len != prompt_len:
+                state.prompt_len = prompt_len
+            if state.compressed or not wants_compression[index]:
+                continue
+            if start < prompt_len <= stop:
+                completing.append(index)
+            window_start = max(0, prompt_len - window)
+            first = max(start, window_start)
+            last = min(stop, prompt_len)
+            if first < last:
+                if state.window_scores is None:
+                    state.window_scores = torch.zeros(
+                        layout.num_layers, layout.num_kv_heads, prompt_len,
+                        dtype=torch.float32, device=self.device,
+                    )
+                window_queries.append(
+                    WindowQueries(index, first - start, last - first, prompt_len,
+                                  state.window_scores)
+                )
+
+        multi = (num_new != 1).nonzero().flatten().tolist()
+        return StepBatch(
+            layout=layout,
+            req_ids=list(req_ids),
+            query_start_loc=query_start_loc,
+            num_new_tokens=num_new.to(self.device),
+            lengths_before=lengths_before.to(self.device),
+            page_tables=page_tables.to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            decode_indices=(num_new == 1).nonzero().flatten().to(self.device),
+            prefill_indices=multi,
+            window_queries=window_queries,
+            completing_prompt=completing,
+        )
+
+    def finish_step(self, batch: StepBatch) -> None:
+        """The forward wrote every new token: advance the physical lengths."""
+        lengths_after = batch.lengths_after.cpu().numpy()
+        for index, request_id in enumerate(batch.req_ids):
+            self.requests[request_id].lengths = lengths_after[index].copy()
+
+    def _slot_mapping(
+        self, page_tables: torch.Tensor, lengths_before: torch.Tensor, num_new: torch.Tensor
+    ) -> torch.Tensor:
+        """Slot of every new token in every row: the row's next free physical position."""
+        page_size = self.layout.page_size
+        request_of_token = torch.repeat_interleave(torch.arange(len(num_new)), num_new)
+        first_token = torch.cumsum(num_new, 0) - num_new
+        offset = torch.arange(int(num_new.sum())) - first_token[request_of_token]
+        position = lengths_before[request_of_token] + offset[:, None]  # [T, rows]
+        rows = torch.arange(page_tables.shape[1])
+        pages = page_tables[request_of_token[:, None], rows[None, :], position // page_size]
+        return pages * page_size + position % page_size

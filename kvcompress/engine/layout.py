@@ -1,0 +1,41 @@
+"""Derive the page layout from vLLM's KV-cache config, identically in every process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+
+from kvcompress.paging import PageLayout
+
+
+def attention_layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
+    """The model's attention layers in depth order (row order of the page tables)."""
+    groups = kv_cache_config.kv_cache_groups
+    specs = [group.kv_cache_spec for group in groups]
+    if len(groups) != 1 or type(specs[0]) is not FullAttentionSpec:
+        kinds = sorted({type(spec).__name__ for spec in specs})
+        raise NotImplementedError(
+            "kvcompress supports decoder-only models whose layers all use full attention "
+            f"(one FullAttentionSpec KV-cache group); this model has {kinds}"
+        )
+    return sorted(groups[0].layer_names, key=extract_layer_index)
+
+
+def page_layout(kv_cache_config: KVCacheConfig, page_size: int) -> PageLayout:
+    """Pages of ``page_size`` tokens fitting in the bytes vLLM budgets for its KV cache."""
+    layer_names = attention_layer_names(kv_cache_config)
+    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if spec.head_size_v != spec.head_size:
+        raise NotImplementedError("kvcompress needs equal key and value head sizes")
+    kv_cache_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+    return PageLayout.for_memory(
+        kv_cache_bytes=kv_cache_bytes,
+        num_layers=len(layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        page_size=page_size,
+        dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
+    )

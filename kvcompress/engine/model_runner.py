@@ -1,0 +1,92 @@
+"""vLLM model runners that keep the KV cache in per-head pages and compress it."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from copy import copy
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.utils import bind_kv_cache
+
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.layout import attention_layer_names, page_layout
+from kvcompress.engine.messages import COMPACTIONS_ATTR, Compaction
+from kvcompress.engine.runtime import PagedKVRuntime, set_current_runtime
+
+logger = init_logger(__name__)
+
+
+class PagedKVRunnerMixin:
+    """Replaces vLLM's per-layer KV tensors by one page pool and reports compactions.
+
+    Mixed in before a vLLM model runner class; platform specifics come from
+    ``make_kernel`` (the attention kernel and page format of the platform).
+    """
+
+    paged_runtime: PagedKVRuntime | None = None
+    _pending_compactions: dict[str, Compaction]
+
+    def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
+        raise NotImplementedError
+
+    def initialize_kv_cache_tensors(
+        self,
+        kv_cache_config: Any,
+        kernel_block_sizes: list[int],
+        kv_cache_allocation_context: AbstractContextManager | None = None,
+    ) -> dict[str, torch.Tensor]:
+        config = KVCompressionConfig.from_mapping(self.vllm_config.additional_config)
+        layout = page_layout(kv_cache_config, config.page_size)
+        layer_names = attention_layer_names(kv_cache_config)
+        dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
+        runtime = PagedKVRuntime(
+            config, layout, layer_names, self.make_kernel(layout, dtype), dtype, self.device
+        )
+        runtime.bind_input_batch(self.input_batch)
+        self.paged_runtime = runtime
+        self._pending_compactions = {}
+        set_current_runtime(runtime)
+        kv_caches = {name: runtime.pool for name in layer_names}
+        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
+        logger.info(
+            "kvcompress: page pool of %d pages x %d tokens (%.2f GiB) shared by %d layers",
+            layout.total_pages, layout.page_size,
+            runtime.pool.numel() * runtime.pool.element_size() / 2**30, len(layer_names),
+        )
+        return kv_caches
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        runtime = self.paged_runtime
+        if runtime is not None:
+            runtime.begin_step(scheduler_output)
+        result = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
+        if runtime is not None:
+            self._pending_compactions.update(runtime.end_step())
+            if isinstance(result, ModelRunnerOutput):
+                result = self._attach_compactions(result)
+        return result
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        output = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        if self.paged_runtime is not None and isinstance(output, ModelRunnerOutput):
+            output = self._attach_compactions(output)
+        return output
+
+    def _attach_compactions(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        if not self._pending_compactions:
+            return output
+        output = copy(output)  # may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
+        setattr(output, COMPACTIONS_ATTR, self._pending_compactions)
+        self._pending_compactions = {}
+        return output
+
+
+class KVCompressCPUModelRunner(PagedKVRunnerMixin, CPUModelRunner):
+    def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
+        from kvcompress.attention.cpu_kernel import CpuPagedKernel
+
+        return CpuPagedKernel(layout, dtype)

@@ -1,0 +1,121 @@
+"""Worker-side paged-KV runtime: the pool, the page-table mirror, per-step metadata and
+the compression step, bound to one vLLM model runner.
+
+One runtime per worker process; the attention metadata builder finds it through
+``current_runtime()`` (builders are created by vLLM and get no reference to the runner).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from kvcompress.attention.backend import PagedAttentionMetadata
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.compaction import (
+    CompactionStats,
+    compact_completed_prompts,
+    wants_compression,
+)
+from kvcompress.engine.kv_state import StepBatch, WorkerKVState
+from kvcompress.engine.messages import Compaction, page_deltas
+from kvcompress.paging import PageLayout
+
+logger = init_logger(__name__)
+
+_current: PagedKVRuntime | None = None
+
+
+def current_runtime() -> PagedKVRuntime | None:
+    return _current
+
+
+def set_current_runtime(runtime: PagedKVRuntime | None) -> None:
+    global _current
+    _current = runtime
+
+
+class PagedKVRuntime:
+    def __init__(
+        self,
+        config: KVCompressionConfig,
+        layout: PageLayout,
+        layer_names: list[str],
+        kernel: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        group_reduce: str = "mean",
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.kernel = kernel
+        self.page_format = kernel.page_format
+        self.layer_index = {name: index for index, name in enumerate(layer_names)}
+        self.group_reduce = group_reduce
+        self.pool = torch.zeros(
+            (layout.total_pages, 2, layout.page_size, layout.head_size),
+            dtype=dtype, device=device,
+        )
+        self.state = WorkerKVState(layout, device)
+        self.step: StepBatch | None = None
+        self.stats = CompactionStats()
+        self._input_batch: Any = None
+
+    def bind_input_batch(self, input_batch: Any) -> None:
+        self._input_batch = input_batch
+
+    # ------------------------------------------------------------ per step
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Mirror the scheduler's page-table changes before the batch is prepared."""
+        self.step = None
+        self.state.drop(scheduler_output.finished_req_ids)
+        self.state.drop(scheduler_output.preempted_req_ids or ())
+        self.state.apply_deltas(page_deltas(scheduler_output))
+
+    def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata:
+        num_reqs = common.num_reqs
+        batch = self._input_batch
+        req_ids = batch.req_ids[:num_reqs]
+        query_start = common.query_start_loc_cpu.numpy()
+        num_new = np.diff(query_start[: num_reqs + 1]).astype(np.int64)
+        num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        prompt_lens = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
+        step = self.state.prepare_step(
+            req_ids,
+            num_new,
+            num_computed,
+            prompt_lens,
+            window=self.config.window,
+            wants_compression=[wants_compression(self.config, int(n)) for n in prompt_lens],
+        )
+        self.step = step
+        return PagedAttentionMetadata(
+            step=step,
+            num_actual_tokens=int(query_start[num_reqs]),
+            kernel=self.kernel,
+            kernel_args=self.kernel.prepare(step),
+            layer_index=self.layer_index,
+            group_reduce=self.group_reduce,
+        )
+
+    def end_step(self) -> dict[str, Compaction]:
+        """After the forward: lengths advance, then completed prompts are compacted."""
+        step, self.step = self.step, None
+        if step is None:
+            return {}
+        self.state.finish_step(step)
+        if not step.completing_prompt:
+            return {}
+        started = time.perf_counter()
+        compactions = compact_completed_prompts(
+            self.state, step, self.pool, self.page_format, self.config, self.stats
+        )
+        self.stats.seconds += time.perf_counter() - started
+        return compactions
+
+    def owned_pages(self) -> int:
+        return self.state.owned_pages()

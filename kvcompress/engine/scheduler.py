@@ -1,0 +1,56 @@
+"""vLLM's scheduler with a per-head page pool behind its KV-cache manager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.kv_manager import PagedKVCacheManager, virtual_kv_cache_config
+from kvcompress.engine.layout import page_layout
+from kvcompress.engine.messages import attach_page_deltas, compactions
+from kvcompress.paging import PageManager
+
+logger = init_logger(__name__)
+
+
+class KVCompressScheduler(Scheduler):
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, *args: Any,
+                 **kwargs: Any) -> None:
+        self.compression = KVCompressionConfig.from_mapping(vllm_config.additional_config)
+        layout = page_layout(kv_cache_config, self.compression.page_size)
+        virtual_config = virtual_kv_cache_config(
+            kv_cache_config,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+            max_model_len=vllm_config.model_config.max_model_len,
+        )
+        super().__init__(vllm_config, virtual_config, *args, **kwargs)
+        self.page_manager = PageManager(layout)
+        self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
+            self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark
+        )
+        self.num_pages_freed_by_compression = 0
+        logger.info(
+            "kvcompress: %d pages of %d tokens (one KV head of one layer each) for %d "
+            "layers x %d KV heads; %d uncompressed tokens fit",
+            layout.total_pages, layout.page_size, layout.num_layers, layout.num_kv_heads,
+            layout.token_capacity,
+        )
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        scheduler_output = super().schedule(*args, **kwargs)
+        attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
+        return scheduler_output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> Any:
+        # Release compacted pages first: requests finishing in this step free the rest.
+        for request_id, compaction in compactions(model_runner_output).items():
+            self.num_pages_freed_by_compression += self.page_manager.release_after_compression(
+                request_id, compaction.logical_len, compaction.physical_lengths
+            )
+        return super().update_from_output(scheduler_output, model_runner_output)

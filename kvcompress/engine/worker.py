@@ -1,0 +1,29 @@
+"""vLLM workers for kvcompress: vLLM's own workers with the paged-KV model runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from kvcompress.engine.model_runner import KVCompressCPUModelRunner
+
+BACKEND_PATH = "kvcompress.attention.backend.KVCompressAttentionBackend"
+
+
+class KVCompressCPUWorker(CPUWorker):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Only this worker's process resolves CPU_ATTN to our backend.
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        super().__init__(*args, **kwargs)
+
+    def init_device(self) -> None:
+        super().init_device()
+        if self.use_v2_model_runner:
+            raise NotImplementedError(
+                "kvcompress needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        # vLLM's init_device builds the stock runner; replace it before the model loads.
+        self.model_runner = KVCompressCPUModelRunner(self.vllm_config, torch.device("cpu"))

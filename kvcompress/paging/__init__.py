@@ -1,0 +1,7 @@
+"""Per-head paged KV accounting: page tables and the page pool (no vLLM imports)."""
+
+from kvcompress.paging.layout import PageLayout
+from kvcompress.paging.page_manager import PageManager, PageTableDelta
+from kvcompress.paging.page_table import HeadPageTable
+
+__all__ = ["HeadPageTable", "PageLayout", "PageManager", "PageTableDelta"]

@@ -1,0 +1,73 @@
+"""A request's page table: for every (layer, KV head) row, the pages it holds, in order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def pages_for_lengths(lengths: np.ndarray, page_size: int) -> np.ndarray:
+    return (lengths + (page_size - 1)) // page_size
+
+
+class HeadPageTable:
+    """Page ids per row (``pages[row, :num_pages[row]]``), growing on demand.
+
+    Both the scheduler's page manager and the worker's mirror use this class and apply
+    the same appends and truncations, so their tables stay identical.
+    """
+
+    def __init__(self, num_rows: int, page_size: int, initial_capacity: int = 4) -> None:
+        self.page_size = page_size
+        self.pages = np.zeros((num_rows, max(1, initial_capacity)), dtype=np.int32)
+        self.num_pages = np.zeros(num_rows, dtype=np.int32)
+
+    @property
+    def num_rows(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def total_pages(self) -> int:
+        return int(self.num_pages.sum())
+
+    def pages_missing(self, lengths: np.ndarray) -> np.ndarray:
+        """Pages each row still needs to hold ``lengths`` tokens (0 where it has enough)."""
+        needed = pages_for_lengths(lengths, self.page_size) - self.num_pages
+        return np.maximum(needed, 0).astype(np.int32)
+
+    def append(self, counts: np.ndarray, page_ids: np.ndarray) -> None:
+        """Append ``counts[row]`` pages to each row, taken in row order from ``page_ids``."""
+        total = int(counts.sum())
+        if total != len(page_ids):
+            raise ValueError(f"{total} pages requested by counts, {len(page_ids)} given")
+        if total == 0:
+            return
+        self._reserve(int((self.num_pages + counts).max()))
+        rows = np.repeat(np.arange(self.num_rows), counts)
+        first_of_row = np.cumsum(counts) - counts
+        offset_in_row = np.arange(total) - np.repeat(first_of_row, counts)
+        self.pages[rows, self.num_pages[rows] + offset_in_row] = page_ids
+        self.num_pages += counts.astype(np.int32)
+
+    def truncate(self, lengths: np.ndarray) -> np.ndarray:
+        """Drop trailing pages beyond what ``lengths`` tokens need; return the dropped ids."""
+        keep = np.minimum(pages_for_lengths(lengths, self.page_size), self.num_pages)
+        dropped = self._pages_between(keep, self.num_pages)
+        self.num_pages = keep.astype(np.int32)
+        return dropped
+
+    def all_pages(self) -> np.ndarray:
+        return self._pages_between(np.zeros_like(self.num_pages), self.num_pages)
+
+    def _pages_between(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        width = self.pages.shape[1]
+        columns = np.arange(width)[None, :]
+        mask = (columns >= start[:, None]) & (columns < stop[:, None])
+        return self.pages[mask]
+
+    def _reserve(self, width: int) -> None:
+        if width <= self.pages.shape[1]:
+            return
+        new_width = max(width, 2 * self.pages.shape[1])
+        grown = np.zeros((self.num_rows, new_width), dtype=np.int32)
+        grown[:, : self.pages.shape[1]] = self.pages
+        self.pages = grown
