@@ -11,14 +11,17 @@ vLLM has no seam for a plugin to add CLI flags or to react to an engine config, 
 - ``create_engine_config`` validates the settings before any engine process starts and,
   when compression is on, selects our scheduler and worker classes.
 
-Everything else (scheduler, worker, attention backend) is reached through vLLM's own
-seams: ``scheduler_cls``, ``worker_cls`` and the attention backend registry.
+Everything else is reached through vLLM's own seams (``scheduler_cls``, ``worker_cls``),
+except the CPU attention backend: ``attention_backend_override`` scopes a registry
+override to the construction of one kvcompress model.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 SUPPORTED_VLLM_PREFIX = "0.32."
@@ -102,3 +105,29 @@ def merge_flags_into_additional_config(engine_args: Any, args: argparse.Namespac
         merged = dict(engine_args.additional_config or {})
         merged.update(given)
         engine_args.additional_config = merged
+
+
+@contextlib.contextmanager
+def attention_backend_override(backend_name: str, class_path: str) -> Iterator[None]:
+    """Resolve vLLM's ``backend_name`` attention backend to ``class_path`` inside the block.
+
+    On CPU, vLLM only ever picks CPU_ATTN, so the way in is its registry override. It is
+    process-global and vLLM caches backend selections, so the override is scoped to the
+    model construction of one kvcompress engine and both caches are cleared around it:
+    a vanilla engine built later in the same process gets vLLM's own backend again.
+    """
+    from vllm.v1.attention.backends import registry
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    backend = registry.AttentionBackendEnum[backend_name]
+    previous = registry._ATTN_OVERRIDES.get(backend)
+    registry.register_backend(backend, class_path)
+    _cached_get_attn_backend.cache_clear()
+    try:
+        yield
+    finally:
+        if previous is None:
+            registry._ATTN_OVERRIDES.pop(backend, None)
+        else:
+            registry._ATTN_OVERRIDES[backend] = previous
+        _cached_get_attn_backend.cache_clear()

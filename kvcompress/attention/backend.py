@@ -85,9 +85,9 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> PagedAttentionMetadata | None:
-        from kvcompress.engine.runtime import current_runtime
+        from kvcompress.engine.runtime import runtime_for
 
-        runtime = current_runtime()
+        runtime = runtime_for(self.vllm_config)
         if runtime is None:
             return None  # profiling / warm-up before the page pool exists
         return runtime.build_attention_metadata(common_attn_metadata)

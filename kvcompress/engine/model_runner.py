@@ -15,7 +15,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.layout import attention_layer_names, page_layout
 from kvcompress.engine.messages import COMPACTIONS_ATTR, Compaction
-from kvcompress.engine.runtime import PagedKVRuntime, set_current_runtime
+from kvcompress.engine.runtime import PagedKVRuntime, register_runtime
 
 logger = init_logger(__name__)
 
@@ -49,7 +49,7 @@ class PagedKVRunnerMixin:
         runtime.bind_input_batch(self.input_batch)
         self.paged_runtime = runtime
         self._pending_compactions = {}
-        set_current_runtime(runtime)
+        register_runtime(self.vllm_config, runtime)
         kv_caches = {name: runtime.pool for name in layer_names}
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
         logger.info(
@@ -75,6 +75,12 @@ class PagedKVRunnerMixin:
         if self.paged_runtime is not None and isinstance(output, ModelRunnerOutput):
             output = self._attach_compactions(output)
         return output
+
+    def shutdown(self) -> None:
+        if self.paged_runtime is not None:
+            register_runtime(self.vllm_config, None)
+            self.paged_runtime = None  # releases the page pool
+        super().shutdown()  # type: ignore[misc]
 
     def _attach_compactions(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         if not self._pending_compactions:

@@ -1,8 +1,9 @@
 """Worker-side paged-KV runtime: the pool, the page-table mirror, per-step metadata and
 the compression step, bound to one vLLM model runner.
 
-One runtime per worker process; the attention metadata builder finds it through
-``current_runtime()`` (builders are created by vLLM and get no reference to the runner).
+The attention metadata builder finds the runtime of its engine through
+``runtime_for(vllm_config)``: vLLM creates builders with the engine's config but no
+reference to the runner, and several engines may share one process (uniproc executor).
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ from kvcompress.paging import PageLayout
 
 logger = init_logger(__name__)
 
-_current: PagedKVRuntime | None = None
+_RUNTIMES: dict[int, PagedKVRuntime] = {}
 
 
-def current_runtime() -> PagedKVRuntime | None:
-    return _current
+def runtime_for(vllm_config: Any) -> PagedKVRuntime | None:
+    return _RUNTIMES.get(id(vllm_config))
 
 
-def set_current_runtime(runtime: PagedKVRuntime | None) -> None:
-    global _current
-    _current = runtime
+def register_runtime(vllm_config: Any, runtime: PagedKVRuntime | None) -> None:
+    if runtime is None:
+        _RUNTIMES.pop(id(vllm_config), None)
+    else:
+        _RUNTIMES[id(vllm_config)] = runtime
 
 
 class PagedKVRuntime:

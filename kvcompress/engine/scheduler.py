@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.logger import init_logger
@@ -34,6 +35,8 @@ class KVCompressScheduler(Scheduler):
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark
         )
         self.num_pages_freed_by_compression = 0
+        # Tests and soak runs check the page invariants after every step.
+        self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
         logger.info(
             "kvcompress: %d pages of %d tokens (one KV head of one layer each) for %d "
             "layers x %d KV heads; %d uncompressed tokens fit",
@@ -53,4 +56,13 @@ class KVCompressScheduler(Scheduler):
             self.num_pages_freed_by_compression += self.page_manager.release_after_compression(
                 request_id, compaction.logical_len, compaction.physical_lengths
             )
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.check_pages_every_step:
+            self.check_pages()
+        return outputs
+
+    def check_pages(self) -> None:
+        """Every page free or owned once, and only by requests the scheduler still knows."""
+        self.page_manager.check_invariants()
+        leaked = self.page_manager.request_ids() - set(self.requests)
+        assert not leaked, f"pages held by requests the scheduler forgot: {sorted(leaked)}"

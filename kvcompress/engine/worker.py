@@ -5,20 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from kvcompress.engine.model_runner import KVCompressCPUModelRunner
+from kvcompress.vllm_hooks import attention_backend_override
 
 BACKEND_PATH = "kvcompress.attention.backend.KVCompressAttentionBackend"
 
 
 class KVCompressCPUWorker(CPUWorker):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Only this worker's process resolves CPU_ATTN to our backend.
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-        super().__init__(*args, **kwargs)
-
     def init_device(self) -> None:
         super().init_device()
         if self.use_v2_model_runner:
@@ -27,3 +22,8 @@ class KVCompressCPUWorker(CPUWorker):
             )
         # vLLM's init_device builds the stock runner; replace it before the model loads.
         self.model_runner = KVCompressCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        # Attention layers pick their backend while the model is built.
+        with attention_backend_override("CPU_ATTN", BACKEND_PATH):
+            super().load_model(*args, **kwargs)

@@ -74,6 +74,9 @@ class PageManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def request_ids(self) -> set[str]:
+        return set(self._requests)
+
     # ------------------------------------------------------------- allocation
     def pages_needed(self, request_id: str, logical_len: int) -> int:
         """Pages the request must gain to hold ``logical_len`` logical tokens."""

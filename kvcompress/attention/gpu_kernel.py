@@ -1,0 +1,210 @@
+"""Per-head paged attention on GPU through kvcompress's own Triton kernels.
+
+Same interface as :class:`kvcompress.attention.cpu_kernel.CpuPagedKernel` (``page_format``,
+``prepare``, ``write``, ``attend``, ``move``) over the GPU page format (K row-major). The
+kernels take per-head page tables directly, so no re-indexing is needed: ``prepare`` only
+casts the step's tables and lengths to int32 once per step, and reads the host-side maxima
+every layer's launch needs, so no layer waits on a device->host copy.
+
+Compaction moves go through :meth:`TritonPagedKernel.move`: the native CUDA kernel
+(``csrc/``, see :mod:`kvcompress.kernels.cuda_ext`) when it is available, else the Triton
+move, else the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcompress.attention.page_format import GPU_PAGE_FORMAT
+from kvcompress.attention.window_scores import accumulate_window_scores
+from kvcompress.engine.kv_state import StepBatch
+from kvcompress.kernels import move_kv, paged_attention, window_scores, write_kv
+from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
+from kvcompress.paging import PageLayout
+
+
+@dataclass
+class WindowBatch:
+    """This step's observation-window queries as one sub-batch for the window-score kernel.
+
+    Sub-request i holds only window i's query rows, and its K/V length is cut right after
+    its last window query: the kernel's causal rule (row j sees positions up to
+    ``kv_len - num_rows + j``) then matches the real query positions.
+    """
+
+    rows: torch.Tensor  # int64 [N]: query rows of every window, window after window
+    query_start_loc: torch.Tensor  # int32 [W + 1]
+    window_start: torch.Tensor  # int32 [W], zeros: every row of a sub-request is scored
+    page_tables: torch.Tensor  # int32 [W, rows, max_pages]
+    kv_lens: torch.Tensor  # int32 [W, rows]
+    max_window_len: int
+    num_keys: list[list[int]]  # [W][layer]: positions window i scores in that layer
+
+
+@dataclass
+class TritonStepArgs:
+    page_tables: torch.Tensor  # int32 [R, rows, max_pages]
+    kv_lens: torch.Tensor  # int32 [R, rows], this step's tokens included
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    max_query_len: int
+    max_kv_len: list[int]  # per layer, host side
+    windows: WindowBatch | None = None
+
+
+class TritonPagedKernel:
+    page_format = GPU_PAGE_FORMAT
+
+    def __init__(
+        self,
+        layout: PageLayout,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        *,
+        use_triton: bool | None = None,
+        native_move: MoveFn | None = None,
+    ) -> None:
+        """``use_triton``: None picks Triton for CUDA tensors and the torch references
+        otherwise (True forces Triton, e.g. under ``TRITON_INTERPRET=1`` in tests).
+        ``native_move``: the CUDA move op; looked up (and JIT-built once) for CUDA devices
+        when not given, so a build happens at start-up rather than at the first compaction.
+        """
+        self.layout = layout
+        self.dtype = dtype
+        self.use_triton = use_triton
+        if native_move is None and device is not None and torch.device(device).type == "cuda":
+            native_move = native_move_kv()
+        self.native_move = native_move
+
+    # ------------------------------------------------------------------ per step
+    def prepare(self, step: StepBatch) -> TritonStepArgs:
+        layout = self.layout
+        starts = step.query_start_loc
+        device = step.page_tables.device
+        lengths = step.lengths_after
+        # One small device->host copy per step (not per layer) for the launch hints.
+        host_lengths = lengths.cpu()
+        per_layer = host_lengths.view(step.num_reqs, layout.num_layers, layout.num_kv_heads)
+        max_kv_len = (
+            per_layer.amax(dim=(0, 2)).tolist() if step.num_reqs else [0] * layout.num_layers
+        )
+        query_lens = [stop - start for start, stop in zip(starts[:-1], starts[1:])]
+        return TritonStepArgs(
+            page_tables=step.page_tables.to(torch.int32),
+            kv_lens=lengths.to(torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+            max_query_len=max(query_lens, default=0),
+            max_kv_len=[int(value) for value in max_kv_len],
+            windows=self._window_batch(step, host_lengths, query_lens),
+        )
+
+    def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """key/value ``[T, H, D]`` to per-head ``slots [T, H]``."""
+        shape = (slots.shape[0], self.layout.num_kv_heads, self.layout.head_size)
+        write_kv(key.reshape(shape), value.reshape(shape), pool, slots,
+                 use_triton=self.use_triton)
+
+    def attend(self, args: TritonStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
+               output: torch.Tensor, scale: float) -> None:
+        rows = self._rows(layer)
+        paged_attention(
+            query, pool, args.page_tables[:, rows], args.kv_lens[:, rows],
+            args.query_start_loc, scale, output.view(query.shape),
+            max_query_len=args.max_query_len, max_kv_len=args.max_kv_len[layer],
+            use_triton=self.use_triton,
+        )
+
+    def accumulate_window_scores(
+        self,
+        args: TritonStepArgs,
+        layer: int,
+        query: torch.Tensor,
+        pool: torch.Tensor,
+        step: StepBatch,
+        scale: float,
+        group_reduce: str = "mean",
+    ) -> None:
+        """Add this layer's window probabilities into each window's accumulator, as
+        :func:`kvcompress.attention.window_scores.accumulate_window_scores` does, in one
+        kernel launch for all windows of the step. The kernel sums over the GQA group:
+        "mean" divides by the group, "max" (not separable that way) takes the torch path.
+        """
+        windows = args.windows
+        if windows is None:
+            return
+        if group_reduce not in ("mean", "sum"):
+            accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
+                                     group_reduce)
+            return
+        rows = self._rows(layer)
+        num_keys = [keys[layer] for keys in windows.num_keys]
+        scores = torch.zeros(
+            (len(num_keys), self.layout.num_kv_heads, max(num_keys)),
+            dtype=torch.float32, device=query.device,
+        )
+        window_scores(
+            query.index_select(0, windows.rows), pool, windows.page_tables[:, rows],
+            windows.kv_lens[:, rows], windows.query_start_loc, windows.window_start, scale,
+            scores, max_window_len=windows.max_window_len, max_kv_len=max(num_keys),
+            use_triton=self.use_triton,
+        )
+        if group_reduce == "mean":
+            scores /= query.shape[1] // self.layout.num_kv_heads
+        for index, window in enumerate(step.window_queries):
+            keys = min(num_keys[index], window.scores.shape[-1])
+            window.scores[layer, :, :keys] += scores[index, :, :keys]
+
+    # ------------------------------------------------------------------ compaction
+    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy K and V of ``src_slots`` to ``dst_slots`` (no destination is a pending
+        source: the hole-filling plan guarantees it): native CUDA kernel, else Triton, else
+        the torch reference."""
+        if src_slots.numel() == 0:
+            return
+        if self.native_move is not None and pool.is_cuda:
+            self.native_move(pool, src_slots, dst_slots)
+        else:
+            move_kv(pool, src_slots, dst_slots, use_triton=self.use_triton)
+
+    # ------------------------------------------------------------------ helpers
+    def _rows(self, layer: int) -> slice:
+        heads = self.layout.num_kv_heads
+        return slice(layer * heads, (layer + 1) * heads)
+
+    def _window_batch(
+        self, step: StepBatch, host_lengths: torch.Tensor, query_lens: list[int]
+    ) -> WindowBatch | None:
+        if not step.window_queries:
+            return None
+        layout = self.layout
+        device = step.page_tables.device
+        indices = [window.batch_index for window in step.window_queries]
+        firsts = [
+            step.query_start_loc[window.batch_index] + window.first_query
+            for window in step.window_queries
+        ]
+        counts = [window.num_queries for window in step.window_queries]
+        rows = torch.cat([torch.arange(first, first + count) for first, count in
+                          zip(firsts, counts)])
+        # Physical length right after each window's last query, per (layer, head) row.
+        lengths_before = host_lengths[indices] - torch.tensor(
+            [query_lens[index] for index in indices]
+        )[:, None]
+        ends = torch.tensor([w.first_query + w.num_queries for w in step.window_queries])
+        kv_lens = lengths_before + ends[:, None]
+        num_keys = kv_lens.view(len(indices), layout.num_layers, layout.num_kv_heads)
+        starts = [0]
+        for count in counts:
+            starts.append(starts[-1] + count)
+        index_tensor = torch.tensor(indices, device=device)
+        return WindowBatch(
+            rows=rows.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+            window_start=torch.zeros(len(indices), dtype=torch.int32, device=device),
+            page_tables=step.page_tables.index_select(0, index_tensor).to(torch.int32),
+            kv_lens=kv_lens.to(torch.int32).to(device),
+            max_window_len=max(counts),
+            num_keys=num_keys.amax(dim=2).tolist(),
+        )

@@ -1,0 +1,74 @@
+"""Per-step engine figures read from vLLM's own scheduler stats (no timing, no guessing).
+
+``StepStatsRecorder`` is a vLLM stat logger: pass ``StepStatsRecorder.factory()`` to
+``LLMEngine.from_engine_args(..., stat_loggers=[...])`` (with log stats enabled) and it
+records, for every engine step, how many requests ran, how many waited, and the KV-cache
+usage the scheduler reported (pages in use for kvcompress, blocks for vanilla vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+
+@dataclass
+class StepSample:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+@dataclass
+class EngineStats:
+    samples: list[StepSample] = field(default_factory=list)
+    preemptions: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def peak_running(self) -> int:
+        return max((sample.running for sample in self.samples), default=0)
+
+    @property
+    def peak_kv_cache_usage(self) -> float:
+        return max((sample.kv_cache_usage for sample in self.samples), default=0.0)
+
+    @property
+    def mean_running(self) -> float:
+        busy = [sample.running for sample in self.samples if sample.running]
+        return sum(busy) / len(busy) if busy else 0.0
+
+
+class StepStatsRecorder(StatLoggerBase):
+    def __init__(self, vllm_config: Any, engine_index: int = 0,
+                 sink: EngineStats | None = None) -> None:
+        self.stats = sink if sink is not None else EngineStats()
+
+    @classmethod
+    def factory(cls, sink: EngineStats) -> Callable[[Any, int], StepStatsRecorder]:
+        def make(vllm_config: Any, engine_index: int = 0) -> StepStatsRecorder:
+            return cls(vllm_config, engine_index, sink)
+
+        return make
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.stats.samples.append(
+                StepSample(
+                    running=scheduler_stats.num_running_reqs,
+                    waiting=scheduler_stats.num_waiting_reqs,
+                    kv_cache_usage=scheduler_stats.kv_cache_usage,
+                )
+            )
+        if iteration_stats is not None:
+            self.stats.preemptions += iteration_stats.num_preempted_reqs
+            self.stats.generated_tokens += iteration_stats.num_generation_tokens
+            self.stats.prompt_tokens += iteration_stats.prompt_token_stats.computed
+
+    def log_engine_initialized(self) -> None:
+        pass

@@ -1,0 +1,92 @@
+"""A vLLM LLMEngine driven step by step, with the scheduler and workers reachable."""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine.llm_engine import LLMEngine
+
+from kvcompress.stats import EngineStats, StepStatsRecorder
+
+
+class EngineHarness:
+    def __init__(self, model: str, compression: dict | None = None, **engine_kwargs: Any):
+        self.stats = EngineStats()
+        kwargs = dict(enforce_eager=True, disable_log_stats=False, seed=0)
+        kwargs.update(engine_kwargs)
+        if compression:
+            kwargs["additional_config"] = dict(compression)
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(model=model, **kwargs),
+            stat_loggers=[StepStatsRecorder.factory(self.stats)],
+        )
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+
+    # ---------------------------------------------------------------- access
+    @property
+    def scheduler(self) -> Any:
+        return self.engine.engine_core.engine_core.scheduler
+
+    @property
+    def page_manager(self) -> Any:
+        return self.scheduler.page_manager
+
+    def internal_id(self, request_id: str) -> str:
+        matches = [rid for rid in self.scheduler.requests if rid.startswith(request_id + "-")]
+        assert len(matches) == 1, (request_id, matches)
+        return matches[0]
+
+    def on_workers(self, function: Callable[[Any], Any]) -> list[Any]:
+        return self.engine.collective_rpc(function)
+
+    # --------------------------------------------------------------- running
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params)
+
+    def step(self) -> list[Any]:
+        outputs = self.engine.step()
+        for output in outputs:
+            self.outputs[output.request_id] = list(output.outputs[0].token_ids)
+            if output.finished:
+                self.finished.add(output.request_id)
+        return outputs
+
+    def run_until_done(self, max_steps: int = 100_000) -> dict[str, list[int]]:
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished_requests():
+                return self.outputs
+            self.step()
+        raise AssertionError("engine did not finish")
+
+    def generate(self, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+        for request_id, token_ids in prompts.items():
+            self.add(request_id, token_ids, params)
+        self.run_until_done()
+        return {request_id: self.outputs[request_id] for request_id in prompts}
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.engine.abort_request(list(request_ids))
+
+    def shutdown(self) -> None:
+        self.engine.engine_core.shutdown()
+        del self.engine
+        gc.collect()
+
+
+def random_prompts(lengths: Iterable[int], seed: int = 0) -> dict[str, list[int]]:
+    """Token-id prompts away from special tokens, keyed p0, p1, ..."""
+    rng = random.Random(seed)
+    return {
+        f"p{index}": [rng.randrange(100, 49000) for _ in range(length)]
+        for index, length in enumerate(lengths)
+    }
+
+
+def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)

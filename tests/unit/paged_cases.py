@@ -1,0 +1,115 @@
+"""Random per-head paged KV layouts with their dense K/V, for attention tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcompress.attention.page_format import PageFormat
+from kvcompress.engine.kv_state import StepBatch, WorkerKVState
+from kvcompress.paging import PageLayout, PageTableDelta
+
+
+@dataclass
+class PagedCase:
+    layout: PageLayout
+    state: WorkerKVState
+    pool: torch.Tensor
+    step: StepBatch
+    query: torch.Tensor  # [T, Hq, D]
+    new_keys: torch.Tensor  # [T, rows, D]
+    new_values: torch.Tensor
+    # Dense history per (request, row) before this step: [len, D]
+    old_keys: dict[tuple[int, int], torch.Tensor]
+    old_values: dict[tuple[int, int], torch.Tensor]
+
+
+def build_case(
+    page_format: PageFormat,
+    lengths_before: list[list[int]],  # [R][rows]
+    num_new: list[int],
+    num_layers: int,
+    num_kv_heads: int,
+    group: int,
+    head_size: int,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    prompt_lens: list[int] | None = None,
+    window: int = 4,
+    wants_compression: list[bool] | None = None,
+) -> PagedCase:
+    generator = torch.Generator().manual_seed(seed)
+    rows = num_layers * num_kv_heads
+    pages_needed = [
+        [-(-(lengths_before[r][row] + num_new[r]) // page_size) for row in range(rows)]
+        for r in range(len(num_new))
+    ]
+    total_pages = sum(map(sum, pages_needed)) + 7
+    layout = PageLayout(num_layers, num_kv_heads, head_size, page_size,
+                        torch.empty((), dtype=dtype).element_size(), total_pages)
+    # Loud finite garbage in unused slots: a kernel reading past a head's length shows.
+    pool = torch.full((total_pages, 2, page_size, head_size), 50.0, dtype=dtype)
+    state = WorkerKVState(layout, torch.device("cpu"))
+    permutation = torch.randperm(total_pages, generator=generator).numpy().astype(np.int32)
+    used = 0
+    old_keys, old_values = {}, {}
+    for r, needed in enumerate(pages_needed):
+        counts = np.array(needed, dtype=np.int32)
+        page_ids = permutation[used : used + counts.sum()]
+        used += counts.sum()
+        request_id = f"req{r}"
+        state.apply_deltas({request_id: PageTableDelta(fresh=True, appends=[(counts, page_ids)])})
+        request = state.requests[request_id]
+        request.lengths = np.array(lengths_before[r], dtype=np.int64)
+        for row in range(rows):
+            length = lengths_before[r][row]
+            keys = torch.randn(length, head_size, generator=generator).to(dtype)
+            values = torch.randn(length, head_size, generator=generator).to(dtype)
+            positions = torch.arange(length)
+            slots = (torch.as_tensor(request.table.pages[row])[positions // page_size].long()
+                     * page_size + positions % page_size)
+            page_format.write_tokens(pool, keys, values, slots)
+            old_keys[r, row], old_values[r, row] = keys, values
+    num_reqs = len(num_new)
+    prompt_lens = prompt_lens or [lengths_before[r][0] + num_new[r] for r in range(num_reqs)]
+    step = state.prepare_step(
+        [f"req{r}" for r in range(num_reqs)],
+        np.array(num_new),
+        np.array([lengths_before[r][0] for r in range(num_reqs)]),
+        np.array(prompt_lens),
+        window=window,
+        wants_compression=wants_compression or [False] * num_reqs,
+    )
+    total = sum(num_new)
+    query = torch.randn(total, num_kv_heads * group, head_size, generator=generator).to(dtype)
+    new_keys = torch.randn(total, rows, head_size, generator=generator).to(dtype)
+    new_values = torch.randn(total, rows, head_size, generator=generator).to(dtype)
+    return PagedCase(layout, state, pool, step, query, new_keys, new_values, old_keys,
+                     old_values)
+
+
+def dense_attention(case: PagedCase, layer: int, scale: float) -> torch.Tensor:
+    """Loop reference: each query head against its KV head's dense history + new tokens."""
+    heads = case.layout.num_kv_heads
+    group = case.query.shape[1] // heads
+    out = torch.zeros(case.query.shape, dtype=torch.float64)
+    starts = case.step.query_start_loc
+    for r in range(case.step.num_reqs):
+        first, last = starts[r], starts[r + 1]
+        for head in range(heads):
+            row = layer * heads + head
+            keys = torch.cat([case.old_keys[r, row], case.new_keys[first:last, row]]).double()
+            values = torch.cat([case.old_values[r, row],
+                                case.new_values[first:last, row]]).double()
+            before = case.old_keys[r, row].shape[0]
+            for i in range(last - first):
+                for g in range(group):
+                    q = case.query[first + i, head * group + g].double()
+                    logits = keys[: before + i + 1] @ q * scale
+                    out[first + i, head * group + g] = torch.softmax(logits, 0) @ values[
+                        : before + i + 1
+                    ]
+    return out

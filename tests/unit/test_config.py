@@ -1,0 +1,80 @@
+"""Compression settings: parsing, defaults, and every promised validation error."""
+
+import pytest
+
+from kvcompress.config import (
+    DEFAULT_BUDGET,
+    FLAG_SPECS,
+    KVCompressionConfig,
+    KVCompressionConfigError,
+)
+
+
+def test_none_is_default_and_disabled():
+    config = KVCompressionConfig.from_mapping({})
+    assert config.method == "none" and not config.enabled
+    assert config.budget is None and config.ratio is None
+
+
+def test_method_without_amount_uses_documented_default_budget():
+    config = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv"})
+    assert config.enabled and config.budget == DEFAULT_BUDGET and config.ratio is None
+
+
+def test_round_trip_through_mapping_keeps_every_field():
+    given = {
+        "kv_compression": "adakv", "kv_compression_ratio": 0.75, "kv_window": 16,
+        "kv_pyramid_beta": 10, "kv_pooling": "avg", "kv_pooling_kernel": 5,
+        "kv_sink_tokens": 2, "kv_page_size": 32,
+    }
+    config = KVCompressionConfig.from_mapping(given)
+    assert KVCompressionConfig.from_mapping(config.to_mapping()) == config
+    assert config.ratio == 0.75 and config.window == 16 and config.page_size == 32
+
+
+def test_other_plugins_keys_are_ignored_but_unknown_kv_keys_are_not():
+    KVCompressionConfig.from_mapping({"some_other_plugin": 1})
+    with pytest.raises(KVCompressionConfigError, match="kv_bugdet"):
+        KVCompressionConfig.from_mapping({"kv_bugdet": 64})
+
+
+@pytest.mark.parametrize(
+    ("settings", "flag", "allowed"),
+    [
+        ({"kv_compression": "h2o_typo"}, "--kv-compression", "pyramidkv"),
+        ({"kv_compression": "snapkv", "kv_budget": 0}, "--kv-budget", ">= 1"),
+        ({"kv_compression": "snapkv", "kv_budget": -5}, "--kv-budget", ">= 1"),
+        ({"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 65}, "--kv-window",
+         "window <= budget"),
+        ({"kv_compression": "snapkv", "kv_compression_ratio": 0.0}, "--kv-compression-ratio",
+         "0 < R < 1"),
+        ({"kv_compression": "snapkv", "kv_compression_ratio": 1.0}, "--kv-compression-ratio",
+         "0 < R < 1"),
+        ({"kv_compression": "snapkv", "kv_page_size": 24}, "--kv-page-size", "power of two"),
+        ({"kv_compression": "snapkv", "kv_page_size": 512}, "--kv-page-size", "power of two"),
+        ({"kv_compression": "snapkv", "kv_pooling": "median"}, "--kv-pooling", "max"),
+        ({"kv_compression": "snapkv", "kv_pooling_kernel": 4}, "--kv-pooling-kernel", "odd"),
+        ({"kv_compression": "snapkv", "kv_pyramid_beta": 0.5}, "--kv-pyramid-beta", ">= 1"),
+        ({"kv_compression": "snapkv", "kv_sink_tokens": -1}, "--kv-sink-tokens", ">= 0"),
+        ({"kv_compression": "snapkv", "kv_window": 0}, "--kv-window", ">= 1"),
+        ({"kv_compression": "snapkv", "kv_budget": "lots"}, "--kv-budget", "integer"),
+    ],
+)
+def test_invalid_values_name_the_flag_and_the_allowed_values(settings, flag, allowed):
+    with pytest.raises(KVCompressionConfigError) as error:
+        KVCompressionConfig.from_mapping(settings)
+    assert flag in str(error.value)
+    assert allowed in str(error.value)
+
+
+def test_budget_and_ratio_together_are_refused():
+    with pytest.raises(KVCompressionConfigError, match="exclusive"):
+        KVCompressionConfig.from_mapping(
+            {"kv_compression": "pyramidkv", "kv_budget": 64, "kv_compression_ratio": 0.5}
+        )
+
+
+def test_every_flag_has_help_and_maps_to_a_snake_case_key():
+    for spec in FLAG_SPECS:
+        assert spec.help
+        assert spec.flag == "--" + spec.key.replace("_", "-")

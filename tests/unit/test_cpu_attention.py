@@ -1,0 +1,109 @@
+"""CPU attention over per-head pages (vLLM's C++ kernel, re-indexed) vs a dense reference."""
+
+import pytest
+import torch
+
+from kvcompress.attention.cpu_kernel import CpuPagedKernel
+from kvcompress.attention.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+from kvcompress.attention.window_scores import accumulate_window_scores
+from kvcompress.policies import aggregate_window_probs
+
+from .paged_cases import build_case, dense_attention
+
+LAYOUTS = {
+    # unequal head lengths (a compressed request), decode, chunked prefill on context
+    "mixed": ([[5, 9, 33, 1], [40, 40, 40, 40], [3, 17, 2, 60], [0, 0, 0, 0]], [1, 7, 1, 20]),
+    "decode_only": ([[70, 12, 5, 44], [1, 2, 3, 4]], [1, 1]),
+}
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_cpu_kernel_matches_dense_reference(page_size, head_size, group, dtype, layout_name):
+    lengths, num_new = LAYOUTS[layout_name]
+    case = build_case(CPU_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
+                      group=group, head_size=head_size, page_size=page_size, dtype=dtype)
+    kernel = CpuPagedKernel(case.layout, dtype)
+    args = kernel.prepare(case.step)
+    scale = head_size**-0.5
+    for layer in range(2):
+        rows = case.step.layer_rows(layer)
+        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
+                     case.step.slot_mapping[:, rows])
+        output = torch.empty_like(case.query)
+        kernel.attend(args, layer, case.query, case.pool, output, scale)
+        expected = dense_attention(case, layer, scale)
+        tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(output.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_write_matches_page_format_read():
+    lengths, num_new = LAYOUTS["mixed"]
+    case = build_case(CPU_PAGE_FORMAT, lengths, num_new, 2, 2, 3, 64, 16, torch.float32)
+    kernel = CpuPagedKernel(case.layout, torch.float32)
+    rows = case.step.layer_rows(1)
+    slots = case.step.slot_mapping[:, rows]
+    kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows], slots)
+    keys, values = CPU_PAGE_FORMAT.read_tokens(case.pool, slots.reshape(-1))
+    assert torch.equal(keys, case.new_keys[:, rows].reshape(-1, 64))
+    assert torch.equal(values, case.new_values[:, rows].reshape(-1, 64))
+
+
+@pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT])
+def test_moves_copy_k_and_v_and_read_before_write(page_format):
+    pool = torch.randn(6, 2, 8, 16)
+    original = pool.clone()
+    src = torch.tensor([3, 17, 40])
+    dst = torch.tensor([17, 40, 5])  # chained: every read must see the old contents
+    page_format.move_tokens(pool, src, dst)
+    old_keys, old_values = page_format.read_tokens(original, src)
+    new_keys, new_values = page_format.read_tokens(pool, dst)
+    assert torch.equal(new_keys, old_keys) and torch.equal(new_values, old_values)
+
+
+@pytest.mark.parametrize("group_reduce", ["mean", "max", "sum"])
+def test_window_scores_split_across_chunks_equal_one_shot_probabilities(group_reduce):
+    prompt_len, window, heads, group, head_size = 30, 6, 2, 3, 32
+    # Chunk 1 covers positions 0..26 (3 window queries), chunk 2 covers 27..29.
+    first = build_case(CPU_PAGE_FORMAT, [[0] * 2], [27], num_layers=1, num_kv_heads=heads,
+                       group=group, head_size=head_size, page_size=16, dtype=torch.float32,
+                       prompt_lens=[prompt_len], window=window, wants_compression=[True])
+    kernel = CpuPagedKernel(first.layout, torch.float32)
+    slots = first.step.slot_mapping
+    kernel.write(first.pool, first.new_keys, first.new_values, slots)
+    accumulate_window_scores(first.query, first.pool, CPU_PAGE_FORMAT, first.step, 0,
+                             head_size**-0.5, group_reduce)
+    request = first.state.requests["req0"]
+    assert first.step.window_queries[0].num_queries == 3
+    first.state.finish_step(first.step)
+    # second chunk on the same state and pool
+    from kvcompress.paging import PageTableDelta  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    extra_pages = np.array([1, 1], dtype=np.int32)  # 27 -> 30 tokens crosses page 2
+    free = sorted(set(range(first.layout.total_pages)) - set(request.table.all_pages().tolist()))
+    first.state.apply_deltas({"req0": PageTableDelta(False, [(extra_pages,
+                                                               np.array(free[:2]))])})
+    step2 = first.state.prepare_step(["req0"], np.array([3]), np.array([27]),
+                                     np.array([prompt_len]), window, [True])
+    query2 = torch.randn(3, heads * group, head_size)
+    keys2, values2 = torch.randn(3, heads, head_size), torch.randn(3, heads, head_size)
+    kernel.write(first.pool, keys2, values2, step2.slot_mapping)
+    accumulate_window_scores(query2, first.pool, CPU_PAGE_FORMAT, step2, 0, head_size**-0.5,
+                             group_reduce)
+    assert step2.completing_prompt == [0]
+    # one-shot reference from dense tensors
+    all_keys = torch.stack([torch.cat([first.new_keys[:, h], keys2[:, h]]) for h in range(heads)])
+    window_queries = torch.cat([first.query[24:27], query2])  # positions 24..29
+    logits = torch.einsum("whgd,hsd->hgws",
+                          window_queries.view(window, heads, group, head_size),
+                          all_keys) * head_size**-0.5
+    positions = torch.arange(prompt_len - window, prompt_len)
+    logits = logits.masked_fill(torch.arange(prompt_len)[None, :] > positions[:, None],
+                                float("-inf"))
+    expected = aggregate_window_probs(torch.softmax(logits, -1), group_reduce)
+    torch.testing.assert_close(request.window_scores[0], expected, atol=1e-5, rtol=1e-5)

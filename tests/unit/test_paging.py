@@ -1,0 +1,145 @@
+"""Page accounting: every page free or owned once, and the worker mirror stays identical."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcompress.engine.kv_state import WorkerKVState
+from kvcompress.paging import HeadPageTable, PageLayout, PageManager
+
+
+def make_layout(total_pages=64, layers=2, heads=2, page_size=4):
+    return PageLayout(layers, heads, head_size=8, page_size=page_size, dtype_bytes=2,
+                      total_pages=total_pages)
+
+
+def test_layout_fits_the_bytes_vanilla_vllm_would_use():
+    layout = PageLayout.for_memory(kv_cache_bytes=1 << 20, num_layers=4, num_kv_heads=2,
+                                   head_size=64, page_size=16, dtype_bytes=2)
+    assert layout.total_pages == (1 << 20) // (2 * 16 * 64 * 2)
+    assert layout.total_pages * layout.page_bytes <= 1 << 20
+    with pytest.raises(ValueError, match="--kv-page-size"):
+        PageLayout.for_memory(kv_cache_bytes=100, num_layers=4, num_kv_heads=2, head_size=64,
+                              page_size=16, dtype_bytes=2)
+
+
+def test_table_append_and_truncate_return_exact_pages():
+    table = HeadPageTable(num_rows=3, page_size=4, initial_capacity=1)
+    table.append(np.array([2, 0, 3], dtype=np.int32), np.array([10, 11, 20, 21, 22]))
+    assert table.pages[0, :2].tolist() == [10, 11]
+    assert table.pages[2, :3].tolist() == [20, 21, 22]
+    dropped = table.truncate(np.array([1, 0, 5]))
+    assert sorted(dropped.tolist()) == [11, 22]
+    assert table.num_pages.tolist() == [1, 0, 2]
+
+
+def test_allocation_is_all_or_nothing():
+    manager = PageManager(make_layout(total_pages=10))
+    assert manager.allocate("a", 8)  # 2 pages per row x 4 rows
+    assert not manager.allocate("b", 8)  # needs 8, 2 free
+    assert manager.num_free == 2 and not manager.has_request("b")
+    manager.check_invariants()
+
+
+def test_compaction_frees_trailing_pages_and_later_tokens_reuse_them():
+    manager = PageManager(make_layout(total_pages=40))
+    assert manager.allocate("a", 16)  # 4 pages per row
+    assert manager.num_free == 40 - 16
+    freed = manager.release_after_compression("a", 16, np.array([5, 3, 9, 16]))
+    assert freed == (4 - 2) + (4 - 1) + (4 - 3) + 0
+    assert manager.owned_pages("a") == 2 + 1 + 3 + 4
+    # One more logical token: every row grows by one physical slot.
+    assert manager.allocate("a", 17)
+    assert manager.physical_lengths("a").tolist() == [6, 4, 10, 17]
+    assert manager.owned_pages("a") == 2 + 1 + 3 + 5
+    manager.check_invariants()
+
+
+def test_report_for_unknown_request_is_ignored_and_bad_report_rejected():
+    manager = PageManager(make_layout())
+    assert manager.release_after_compression("gone", 8, np.zeros(4)) == 0
+    manager.allocate("a", 8)
+    with pytest.raises(ValueError):
+        manager.release_after_compression("a", 9, np.zeros(4))
+
+
+class PagingMachine(RuleBasedStateMachine):
+    """Random allocate / compact / free sequences, mirrored into a worker state."""
+
+    def __init__(self):
+        super().__init__()
+        self.layout = make_layout(total_pages=48, layers=2, heads=2, page_size=4)
+        self.manager = PageManager(self.layout)
+        self.worker = WorkerKVState(self.layout, torch.device("cpu"))
+        self.logical: dict[str, int] = {}
+        self.next_id = 0
+
+    def _sync_worker(self):
+        self.worker.apply_deltas(self.manager.take_deltas())
+
+    @rule(length=st.integers(1, 30))
+    def add_request(self, length):
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        if self.manager.allocate(request_id, length):
+            self.logical[request_id] = length
+        self._sync_worker()
+
+    @precondition(lambda self: self.logical)
+    @rule(data=st.data(), extra=st.integers(1, 9))
+    def grow(self, data, extra):
+        request_id = data.draw(st.sampled_from(sorted(self.logical)))
+        if self.manager.allocate(request_id, self.logical[request_id] + extra):
+            self.logical[request_id] += extra
+        self._sync_worker()
+
+    @precondition(lambda self: self.logical)
+    @rule(data=st.data())
+    def compact(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.logical)))
+        logical = self.logical[request_id]
+        current = self.manager.physical_lengths(request_id)
+        lengths = np.array(
+            [data.draw(st.integers(0, int(length))) for length in current], dtype=np.int64
+        )
+        self.manager.release_after_compression(request_id, logical, lengths)
+        # The worker applies the same truncation after its moves.
+        self.worker.requests[request_id].table.truncate(lengths)
+        assert self.manager.physical_lengths(request_id).tolist() == lengths.tolist()
+
+    @precondition(lambda self: self.logical)
+    @rule(data=st.data())
+    def finish(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.logical)))
+        self.manager.free(request_id)
+        self.worker.drop([request_id])
+        del self.logical[request_id]
+
+    @invariant()
+    def every_page_free_or_owned_once(self):
+        self.manager.check_invariants()
+        owned = self.manager.owned_pages()
+        assert self.manager.num_free + owned == self.layout.total_pages
+
+    @invariant()
+    def rows_hold_exactly_the_pages_their_lengths_need(self):
+        size = self.layout.page_size
+        for request_id in self.logical:
+            lengths = self.manager.physical_lengths(request_id)
+            table = self.worker.requests[request_id].table
+            assert table.num_pages.tolist() == ((lengths + size - 1) // size).tolist()
+
+    @invariant()
+    def worker_mirror_matches_the_scheduler(self):
+        assert set(self.worker.requests) == set(self.logical)
+        for request_id, mirror in self.worker.requests.items():
+            original = self.manager._requests[request_id].table
+            assert np.array_equal(mirror.table.num_pages, original.num_pages)
+            assert np.array_equal(mirror.table.all_pages(), original.all_pages())
+
+
+TestPagingMachine = PagingMachine.TestCase
+TestPagingMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
