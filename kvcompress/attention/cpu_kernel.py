@@ -101,6 +101,10 @@ class CpuPagedKernel:
             result.view(heads, num_tokens, group, head_size).transpose(0, 1)
         )
 
+    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Compaction's cache move: torch indexing over the CPU page format."""
+        self.page_format.move_tokens(pool, src_slots, dst_slots)
+
     def _caches(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_pages, _, page_size, head_size = pool.shape
         return pool.view(num_pages, 1, 2 * page_size, head_size).chunk(2, dim=2)

@@ -81,8 +81,11 @@ def compact_completed_prompts(
             stats.tokens_evicted += int((request.lengths - new_lengths).sum())
         compactions[request_id] = Compaction(logical_len, new_lengths)
     # Every move reads before any write, so one batched move is safe.
-    page_format.move_tokens(pool, torch.cat(sources).to(pool.device),
-                            torch.cat(destinations).to(pool.device))
+    src, dst = torch.cat(sources).to(pool.device), torch.cat(destinations).to(pool.device)
+    # A platform kernel passed here moves with its own hook (native CUDA / Triton on GPU);
+    # a bare PageFormat moves with torch indexing (what CpuPagedKernel.move does too).
+    move = getattr(page_format, "move", None) or page_format.move_tokens
+    move(pool, src, dst)
     for request_id, request in zip(req_ids, requests):
         new_lengths = compactions[request_id].physical_lengths
         request.table.truncate(new_lengths)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.logger import init_logger
@@ -12,6 +13,10 @@ logger = init_logger(__name__)
 
 SCHEDULER_CLS = "kvcompress.engine.scheduler.KVCompressScheduler"
 CPU_WORKER_CLS = "kvcompress.engine.worker.KVCompressCPUWorker"
+GPU_WORKER_CLS = "kvcompress.engine.gpu.KVCompressGPUWorker"
+# On CUDA our backend fills the registry's CUSTOM slot (in the worker process only).
+CUDA_ATTENTION_BACKEND = "CUSTOM"
+_V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _DEFAULT_WORKER_CLS = "auto"
 
 
@@ -38,6 +43,8 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
     engine_args.async_scheduling = False
     engine_args.scheduler_cls = SCHEDULER_CLS
     engine_args.worker_cls = _worker_cls_for_platform()
+    if engine_args.worker_cls == GPU_WORKER_CLS:
+        _apply_cuda_settings(engine_args)
     return config
 
 
@@ -65,7 +72,7 @@ def _refuse_unsupported(engine_args: Any) -> None:
         engine_args.scheduler_cls
     ):
         problems.append(f"a custom --scheduler-cls ({engine_args.scheduler_cls})")
-    if engine_args.worker_cls not in (_DEFAULT_WORKER_CLS, CPU_WORKER_CLS):
+    if engine_args.worker_cls not in (_DEFAULT_WORKER_CLS, CPU_WORKER_CLS, GPU_WORKER_CLS):
         problems.append(f"a custom --worker-cls ({engine_args.worker_cls})")
     if problems:
         raise NotImplementedError(
@@ -85,7 +92,46 @@ def _worker_cls_for_platform() -> str:
 
     if current_platform.is_cpu():
         return CPU_WORKER_CLS
+    if current_platform.is_cuda():
+        return GPU_WORKER_CLS
     raise NotImplementedError(
         f"--kv-compression is not yet implemented on the {current_platform.device_name} "
-        "platform (CPU only so far; the CUDA path has kernels but no engine wiring yet)"
+        "platform (CPU and NVIDIA CUDA only)"
     )
+
+
+def _apply_cuda_settings(engine_args: Any) -> None:
+    """Select our attention backend and vLLM's V1 model runner on CUDA.
+
+    CUDA graphs need nothing here: our metadata builder declares no graph support, so
+    vLLM downgrades full graphs to piecewise ones (attention runs eagerly between the
+    captured pieces) or to none when attention is not compiled as a split.
+    """
+    requested = [
+        value for value in (engine_args.attention_backend,
+                            getattr(engine_args.attention_config, "backend", None))
+        if value is not None and _backend_name(value) != "AUTO"
+    ]
+    others = [value for value in requested if _backend_name(value) != CUDA_ATTENTION_BACKEND]
+    if others:
+        raise NotImplementedError(
+            f"--kv-compression needs kvcompress's own attention backend; drop "
+            f"--attention-backend {_backend_name(others[0])} (or use --kv-compression none)"
+        )
+    if not requested:
+        engine_args.attention_backend = CUDA_ATTENTION_BACKEND
+    # The V1 runner is the one our model runner extends; the flag is an env var that the
+    # engine and worker processes inherit.
+    v2_flag = os.environ.get(_V2_RUNNER_ENV)
+    if v2_flag is None:
+        os.environ[_V2_RUNNER_ENV] = "0"
+        logger.info("kvcompress: using vLLM's V1 model runner (%s=0)", _V2_RUNNER_ENV)
+    elif v2_flag.strip() != "0":
+        raise NotImplementedError(
+            f"--kv-compression needs vLLM's V1 model runner; unset {_V2_RUNNER_ENV} or set "
+            "it to 0"
+        )
+
+
+def _backend_name(value: Any) -> str:
+    return str(getattr(value, "name", value)).upper()

@@ -64,7 +64,9 @@ class EngineHarness:
             self.step()
         raise AssertionError("engine did not finish")
 
-    def generate(self, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    def generate(
+        self, prompts: dict[str, list[int]], params: SamplingParams
+    ) -> dict[str, list[int]]:
         for request_id, token_ids in prompts.items():
             self.add(request_id, token_ids, params)
         self.run_until_done()

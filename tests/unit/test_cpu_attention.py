@@ -1,11 +1,13 @@
 """CPU attention over per-head pages (vLLM's C++ kernel, re-indexed) vs a dense reference."""
 
+import numpy as np
 import pytest
 import torch
 
 from kvcompress.attention.cpu_kernel import CpuPagedKernel
 from kvcompress.attention.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.attention.window_scores import accumulate_window_scores
+from kvcompress.paging import PageTableDelta
 from kvcompress.policies import aggregate_window_probs
 
 from .paged_cases import build_case, dense_attention
@@ -80,10 +82,6 @@ def test_window_scores_split_across_chunks_equal_one_shot_probabilities(group_re
     assert first.step.window_queries[0].num_queries == 3
     first.state.finish_step(first.step)
     # second chunk on the same state and pool
-    from kvcompress.paging import PageTableDelta  # noqa: PLC0415
-
-    import numpy as np  # noqa: PLC0415
-
     extra_pages = np.array([1, 1], dtype=np.int32)  # 27 -> 30 tokens crosses page 2
     free = sorted(set(range(first.layout.total_pages)) - set(request.table.all_pages().tolist()))
     first.state.apply_deltas({"req0": PageTableDelta(False, [(extra_pages,

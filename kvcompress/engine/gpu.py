@@ -1,0 +1,89 @@
+"""CUDA worker and model runner for kvcompress: vLLM's GPU worker with the paged-KV runner.
+
+Everything but the kernel is shared with the CPU path (PagedKVRunnerMixin, runtime,
+scheduler). What is CUDA-specific here:
+
+- the attention backend is selected through the registry's CUSTOM slot: engine/setup.py
+  sets ``--attention-backend CUSTOM`` and this worker resolves CUSTOM to ours while it
+  builds the model (the same scoped override the CPU worker uses for CPU_ATTN);
+- the metadata builder declares no CUDA-graph support, so vLLM compiles attention as a
+  piecewise split and runs it eagerly between captured pieces (or runs fully eager);
+- dummy runs (warm-up, graph capture, memory profiling) own no pages, and the small KV
+  cache vLLM builds to profile graph memory is dropped with its runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from kvcompress.attention.backend import KVCompressAttentionBackend
+from kvcompress.engine.model_runner import PagedKVRunnerMixin
+from kvcompress.engine.runtime import register_runtime, runtime_for
+from kvcompress.vllm_hooks import attention_backend_override
+
+logger = init_logger(__name__)
+
+CUDA_BACKEND_PATH = "kvcompress.engine.gpu.KVCompressCudaAttentionBackend"
+CUDA_ATTENTION_BACKEND = AttentionBackendEnum.CUSTOM.name  # engine/setup.py selects it
+
+
+class KVCompressCudaAttentionBackend(KVCompressAttentionBackend):
+    """The shared backend under the registry name it is selected by on CUDA."""
+
+    @staticmethod
+    def get_name() -> str:
+        return CUDA_ATTENTION_BACKEND
+
+
+@contextmanager
+def _runtime_hidden(vllm_config: Any) -> Iterator[None]:
+    """Hide the engine's paged-KV runtime: attention metadata is None, attention a no-op."""
+    runtime = runtime_for(vllm_config)
+    register_runtime(vllm_config, None)
+    try:
+        yield
+    finally:
+        register_runtime(vllm_config, runtime)
+
+
+class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
+    def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
+        from kvcompress.attention.gpu_kernel import TritonPagedKernel
+
+        return TritonPagedKernel(layout, dtype, self.device)
+
+    def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+        # Dummy batches have no requests in the page tables: never let them build paged
+        # metadata (vLLM builds it for forced-attention or full-graph dummy runs).
+        with _runtime_hidden(self.vllm_config):
+            return super()._dummy_run(*args, **kwargs)
+
+    def _cleanup_profiling_kv_cache(self) -> None:
+        super()._cleanup_profiling_kv_cache()
+        # vLLM profiles CUDA-graph memory over a minimal KV cache it then discards; our
+        # runtime over it goes too (initialize_kv_cache builds the real one next).
+        if self.paged_runtime is not None:
+            register_runtime(self.vllm_config, None)
+            self.paged_runtime = None
+
+
+class KVCompressGPUWorker(Worker):
+    def _make_model_runner(self) -> GPUModelRunner:
+        if self.use_v2_model_runner:
+            raise NotImplementedError(
+                "kvcompress needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        return KVCompressGPUModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        # Attention layers pick their backend while the model is built.
+        with attention_backend_override(CUDA_ATTENTION_BACKEND, CUDA_BACKEND_PATH):
+            super().load_model(*args, **kwargs)

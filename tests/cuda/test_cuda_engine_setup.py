@@ -1,0 +1,136 @@
+"""Engine wiring of the CUDA path, checked without a GPU (the platform is faked)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import vllm.platforms
+from vllm.engine.arg_utils import EngineArgs
+
+from kvcompress.engine import setup
+
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _platform(kind: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        device_name=kind, is_cpu=lambda: kind == "cpu", is_cuda=lambda: kind == "cuda"
+    )
+
+
+@pytest.fixture
+def on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cuda"))
+    # Record the variable's state first, so whatever prepare_engine_args sets is undone.
+    monkeypatch.setenv(V2_ENV, "0")
+    monkeypatch.delenv(V2_ENV)
+
+
+def _engine_args(**kwargs) -> EngineArgs:
+    return EngineArgs(model="unused", additional_config={"kv_compression": "pyramidkv"},
+                      **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kind, worker", [("cpu", setup.CPU_WORKER_CLS), ("cuda", setup.GPU_WORKER_CLS)]
+)
+def test_worker_class_follows_the_platform(monkeypatch, kind, worker):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform(kind))
+    assert setup._worker_cls_for_platform() == worker
+
+
+def test_other_platforms_are_refused_by_name(monkeypatch):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("rocm"))
+    with pytest.raises(NotImplementedError, match="rocm platform"):
+        setup._worker_cls_for_platform()
+
+
+def test_cuda_selects_our_backend_and_the_v1_runner(on_cuda):
+    engine_args = _engine_args()
+    setup.prepare_engine_args(engine_args)
+    assert engine_args.worker_cls == setup.GPU_WORKER_CLS
+    assert engine_args.attention_backend == "CUSTOM"
+    assert os.environ[V2_ENV] == "0"
+    assert engine_args.async_scheduling is False
+    setup.prepare_engine_args(engine_args)  # idempotent: our own choices are accepted
+
+
+def test_cpu_settings_are_left_alone(monkeypatch):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cpu"))
+    engine_args = _engine_args()
+    setup.prepare_engine_args(engine_args)
+    assert engine_args.worker_cls == setup.CPU_WORKER_CLS
+    assert engine_args.attention_backend is None
+
+
+def test_cuda_refuses_another_attention_backend(on_cuda):
+    with pytest.raises(NotImplementedError, match="--attention-backend FLASH_ATTN"):
+        setup.prepare_engine_args(_engine_args(attention_backend="FLASH_ATTN"))
+
+
+def test_cuda_refuses_model_runner_v2(on_cuda, monkeypatch):
+    monkeypatch.setenv(V2_ENV, "1")
+    with pytest.raises(NotImplementedError, match=V2_ENV):
+        setup.prepare_engine_args(_engine_args())
+
+
+def test_no_graph_support_degrades_to_piecewise_graphs():
+    """What vLLM makes of our builder's AttentionCGSupport.NEVER with its CUDA defaults."""
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from kvcompress.attention.backend import KVCompressMetadataBuilder
+
+    support = KVCompressMetadataBuilder._cudagraph_support
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    config.set_splitting_ops_for_v1("allgather_reducescatter")
+    assert config.resolve_cudagraph_mode_and_sizes(support, "CUSTOM") == CUDAGraphMode.PIECEWISE
+    eager = CompilationConfig(mode=CompilationMode.NONE,
+                              cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    eager.set_splitting_ops_for_v1("allgather_reducescatter")
+    assert eager.resolve_cudagraph_mode_and_sizes(support, "CUSTOM") == CUDAGraphMode.NONE
+
+
+def test_custom_slot_resolves_to_our_backend_only_while_the_model_is_built():
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from kvcompress.engine import gpu
+    from kvcompress.vllm_hooks import attention_backend_override
+
+    with attention_backend_override(gpu.CUDA_ATTENTION_BACKEND, gpu.CUDA_BACKEND_PATH):
+        backend = AttentionBackendEnum.CUSTOM.get_class()
+    assert backend is gpu.KVCompressCudaAttentionBackend
+    assert AttentionBackendEnum[backend.get_name()] is AttentionBackendEnum.CUSTOM
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
+    common = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
+                  use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+                  use_per_head_quant_scales=False, device_capability=DeviceCapability(9, 0),
+                  attn_type="decoder")
+    assert backend.validate_configuration(**common) == []
+    assert backend.validate_configuration(**{**common, "has_sliding_window": True})
+
+
+def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_runs():
+    from kvcompress.attention.gpu_kernel import TritonPagedKernel
+    from kvcompress.engine import gpu
+    from kvcompress.engine.runtime import register_runtime, runtime_for
+    from kvcompress.paging import PageLayout
+
+    layout = PageLayout(2, 2, 32, 16, 4, 64)
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    kernel = gpu.KVCompressGPUModelRunner.make_kernel(runner, layout, torch.float32)
+    assert isinstance(kernel, TritonPagedKernel) and kernel.native_move is None
+
+    vllm_config, runtime = object(), object()
+    register_runtime(vllm_config, runtime)
+    try:
+        with gpu._runtime_hidden(vllm_config):
+            assert runtime_for(vllm_config) is None
+        assert runtime_for(vllm_config) is runtime
+    finally:
+        register_runtime(vllm_config, None)

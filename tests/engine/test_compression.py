@@ -1,0 +1,167 @@
+"""Compression end to end: exact per-head budgets, pages freed and reused, more requests
+at once than vanilla vLLM on the same memory."""
+
+import numpy as np
+import pytest
+
+from kvcompress.policies import layer_budgets
+
+from .harness import EngineHarness, greedy, random_prompts
+
+pytestmark = pytest.mark.slow
+
+# tiny_llama: 4 layers x 2 KV heads, head dim 32, fp32 -> 2048 bytes per token (all rows)
+TINY = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16)
+BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4
+
+
+def step_until_first_token(harness, request_ids):
+    """Step until every request has exactly its first output token (prefill done)."""
+    for _ in range(200):
+        if all(len(harness.outputs.get(rid, [])) >= 1 for rid in request_ids):
+            return
+        harness.step()
+    raise AssertionError("prefill did not complete")
+
+
+@pytest.mark.parametrize("method", ["pyramidkv", "snapkv", "streamingllm", "adakv"])
+def test_each_head_holds_exactly_its_policy_budget(tiny_llama, method):
+    budget, window, page = 48, 8, 16
+    harness = EngineHarness(
+        tiny_llama, {"kv_compression": method, "kv_budget": budget, "kv_window": window},
+        kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
+    )
+    try:
+        prompts = random_prompts([300, 517], seed=3)
+        for request_id, tokens in prompts.items():
+            harness.add(request_id, tokens, greedy(6))
+        step_until_first_token(harness, prompts)
+        manager = harness.page_manager
+        layers, heads = 4, 2
+        for request_id, tokens in prompts.items():
+            internal = harness.internal_id(request_id)
+            # The newest sampled token is not in the cache yet; earlier ones are.
+            since = len(harness.outputs[request_id]) - 1
+            lengths = manager.physical_lengths(internal).reshape(layers, heads) - since
+            expected = layer_budgets(method, layers, len(tokens), budget=budget, window=window)
+            if method == "adakv":
+                # Heads of a layer share its total; every head keeps at least its window.
+                assert lengths.sum(axis=1).tolist() == [heads * b for b in expected]
+                assert (lengths >= window).all()
+            else:
+                assert lengths.tolist() == [[b] * heads for b in expected]
+            assert lengths.sum() == layers * heads * budget  # exact total, no rounding slack
+            table = manager._requests[internal].table
+            pages = table.num_pages.reshape(layers, heads)
+            assert (pages == (lengths + since + page - 1) // page).all()
+            # The worker's mirror agrees (uniproc executor: same process).
+            worker_lengths = harness.on_workers(
+                lambda worker, rid=internal: worker.model_runner.paged_runtime.state.requests[
+                    rid].lengths.tolist()
+            )[0]
+            assert worker_lengths == (lengths + since).reshape(-1).tolist()
+        # Two more decode steps: every head grows by exactly the tokens generated since.
+        harness.step()
+        harness.step()
+        for request_id, tokens in prompts.items():
+            internal = harness.internal_id(request_id)
+            generated = len(harness.outputs[request_id])
+            lengths = manager.physical_lengths(internal)
+            assert lengths.sum() == layers * heads * (budget + generated - 1)
+        harness.run_until_done()
+        assert manager.num_free == manager.total_pages
+    finally:
+        harness.shutdown()
+
+
+def test_evicted_pages_are_freed_and_reused_by_other_requests(tiny_llama):
+    harness = EngineHarness(
+        tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 32},
+        kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
+    )
+    try:
+        manager = harness.page_manager
+        first = random_prompts([800], seed=4)
+        harness.add("p0", first["p0"], greedy(4))
+        free_before = manager.num_free
+        step_until_first_token(harness, ["p0"])
+        internal = harness.internal_id("p0")
+        held = manager.owned_pages(internal)
+        # After compaction each row holds ceil(budget_l / 16) pages instead of ceil(800 / 16).
+        budgets = layer_budgets("pyramidkv", 4, 800, budget=32, window=8)
+        assert held == sum(2 * -(-b // 16) for b in budgets) < 8 * 50
+        assert manager.num_free == free_before - held
+        assert harness.scheduler.kv_cache_manager.usage == pytest.approx(
+            held / manager.total_pages)
+        freed_by_compaction = set(range(manager.total_pages)) - set(
+            manager._requests[internal].table.all_pages().tolist()) - set(
+            manager._free_stack[: manager.num_free].tolist())
+        assert not freed_by_compaction  # every page is free or owned
+        recently_freed = set(manager._free_stack[manager.num_free - 8 * 48 : manager.num_free]
+                             .tolist())
+        second = random_prompts([200], seed=5)["p0"]
+        harness.add("p1", second, greedy(2))
+        harness.step()
+        pages_of_second = set(manager._requests[harness.internal_id("p1")].table.all_pages()
+                              .tolist())
+        assert pages_of_second & recently_freed, "pages freed by compaction were not reused"
+        harness.run_until_done()
+        assert manager.num_free == manager.total_pages
+    finally:
+        harness.shutdown()
+
+
+def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
+    # 12 prompts of 600 tokens, a pool of ~1800 tokens: vanilla fits 2-3 at a time.
+    prompts = random_prompts([600] * 12, seed=6)
+    memory = 14 * 128 * BYTES_PER_TOKEN
+    peaks = {}
+    for name, compression in (("vanilla", None),
+                              ("pyramidkv", {"kv_compression": "pyramidkv", "kv_budget": 64})):
+        harness = EngineHarness(tiny_llama, compression, kv_cache_memory_bytes=memory, **TINY)
+        try:
+            outputs = harness.generate(prompts, greedy(48))
+            assert all(len(tokens) == 48 for tokens in outputs.values())
+            peaks[name] = harness.stats.peak_running
+        finally:
+            harness.shutdown()
+    assert peaks["pyramidkv"] > peaks["vanilla"], peaks
+
+
+def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_llama):
+    """Soak: staggered arrivals, aborts mid-prefill and mid-decode, a pool small enough that
+    compressed requests get preempted and recomputed. Page invariants are checked by the
+    scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
+    rng = np.random.default_rng(7)
+    harness = EngineHarness(
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96},
+        kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
+    )
+    try:
+        lengths = rng.integers(20, 700, size=40).tolist()
+        prompts = random_prompts(lengths, seed=8)
+        pending = list(prompts)
+        aborted = set()
+        for step in range(5000):
+            if pending:
+                request_id = pending.pop(0)
+                harness.add(request_id, prompts[request_id],
+                            greedy(int(rng.integers(1, 400))))
+            if step % 7 == 5:
+                live = [rid for rid in prompts if rid not in pending
+                        and rid not in harness.finished and rid not in aborted]
+                if live:
+                    victim = live[int(rng.integers(len(live)))]
+                    harness.abort([victim])
+                    aborted.add(victim)
+            if not pending and not harness.engine.has_unfinished_requests():
+                break
+            harness.step()
+        manager = harness.page_manager
+        assert not harness.engine.has_unfinished_requests()
+        assert manager.num_free == manager.total_pages
+        assert harness.stats.preemptions > 0, "the pool was meant to force preemptions"
+        assert harness.scheduler.num_pages_freed_by_compression > 0
+        assert aborted
+    finally:
+        harness.shutdown()
