@@ -35,6 +35,11 @@ PAGE_SIZE_RANGE = (4, 256)
 class KVCompressionConfigError(ValueError):
     """A compression setting is invalid; the message names the flag and allowed values."""
 
+    def __init__(self, message: str, key: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.detail = detail
+
 
 @dataclass(frozen=True)
 class FlagSpec:
@@ -101,6 +106,9 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     ),
 )
 CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
+# Settings a single request may override (``SamplingParams.extra_args`` offline,
+# ``vllm_xargs`` over HTTP). The page size shapes the shared pool: engine-wide only.
+REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size"}
 _SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 
 
@@ -123,19 +131,36 @@ class KVCompressionConfig:
         return self.method != "none"
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> KVCompressionConfig:
+    def from_mapping(
+        cls, values: Mapping[str, Any] | None, source: str = "engine"
+    ) -> KVCompressionConfig:
         """Build from ``additional_config``-style keys; ignores keys that are not ours.
 
         Keys that look like ours (``kv_...``) but are unknown are rejected, so a typo
-        never silently runs with defaults.
+        never silently runs with defaults. ``source`` ("engine" or "request") only
+        changes how errors name the setting.
         """
         values = dict(values or {})
         unknown = sorted(k for k in values if k.startswith("kv_") and k not in CONFIG_KEYS)
         if unknown:
+            where = "the request" if source == "request" else "additional_config"
             raise KVCompressionConfigError(
-                f"unknown kvcompress setting(s) {unknown} in additional_config; "
+                f"unknown kvcompress setting(s) {unknown} in {where}; "
                 f"known keys: {sorted(CONFIG_KEYS)}"
             )
+        try:
+            return cls._from_known_keys(values)
+        except KVCompressionConfigError as error:
+            if source != "request":
+                raise
+            message = (
+                f"invalid per-request setting '{error.key}': {error.detail}"
+                if error.key else f"per-request settings rejected: {error}"
+            )
+            raise KVCompressionConfigError(message, error.key, error.detail) from None
+
+    @classmethod
+    def _from_known_keys(cls, values: dict[str, Any]) -> KVCompressionConfig:
         given = {k: _coerce(k, v) for k, v in values.items() if k in CONFIG_KEYS and v is not None}
         method = given.get("kv_compression", "none")
         budget = given.get("kv_budget")
@@ -190,6 +215,31 @@ class KVCompressionConfig:
         if not (low <= size <= high) or size & (size - 1):
             _fail("kv_page_size", f"got {size}; allowed: a power of two in [{low}, {high}]")
 
+    def with_request_overrides(self, extra_args: Mapping[str, Any] | None) -> KVCompressionConfig:
+        """This engine config with one request's ``kv_*`` overrides applied (validated).
+
+        A request giving a budget or a ratio replaces the engine's amount (they stay
+        exclusive); ``kv_compression: none`` keeps the request's whole cache.
+        """
+        overrides = {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_")}
+        if not overrides:
+            return self
+        if not self.enabled:
+            raise KVCompressionConfigError(
+                "per-request kv_* settings need a server started with --kv-compression"
+            )
+        engine_only = sorted(set(overrides) & (CONFIG_KEYS - REQUEST_KEYS))
+        if engine_only:
+            raise KVCompressionConfigError(
+                f"per-request setting rejected: {engine_only} can only be set for the "
+                "whole engine (flag or additional_config)"
+            )
+        merged = self.to_mapping()
+        if "kv_budget" in overrides or "kv_compression_ratio" in overrides:
+            merged["kv_budget"] = merged["kv_compression_ratio"] = None
+        merged.update(overrides)
+        return KVCompressionConfig.from_mapping(merged, source="request")
+
     def to_mapping(self) -> dict[str, Any]:
         """The ``additional_config`` keys that reproduce this config exactly."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -235,4 +285,6 @@ def _coerce(key: str, value: Any) -> Any:
 
 def _fail(key: str, detail: str) -> None:
     spec = _SPEC_BY_KEY[key]
-    raise KVCompressionConfigError(f"invalid {spec.flag} (additional_config '{key}'): {detail}")
+    raise KVCompressionConfigError(
+        f"invalid {spec.flag} (additional_config '{key}'): {detail}", key, detail
+    )

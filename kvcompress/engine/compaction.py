@@ -8,6 +8,7 @@ scheduler, which frees the trailing pages before the next step.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,11 +32,11 @@ class CompactionStats:
     seconds: float = 0.0
 
 
-def wants_compression(config: KVCompressionConfig, prompt_len: int) -> bool:
+def wants_compression(settings: KVCompressionConfig, prompt_len: int) -> bool:
     """Whether a prompt of this length will be compacted (so its window is scored)."""
-    if not config.enabled:
+    if not settings.enabled:
         return False
-    return config.ratio is not None or prompt_len > (config.budget or 0)
+    return settings.ratio is not None or prompt_len > (settings.budget or 0)
 
 
 def compact_completed_prompts(
@@ -43,56 +44,70 @@ def compact_completed_prompts(
     step: StepBatch,
     pool: torch.Tensor,
     page_format: PageFormat,
-    config: KVCompressionConfig,
     stats: CompactionStats | None = None,
 ) -> dict[str, Compaction]:
-    if not step.completing_prompt:
-        return {}
-    layout = state.layout
-    req_ids = [step.req_ids[index] for index in step.completing_prompt]
-    requests = [state.requests[request_id] for request_id in req_ids]
-    needs_scores = config.method not in SCORELESS_METHODS
-    plan = plan_keep(
-        config.method,
-        [request.prompt_len for request in requests],
-        [request.window_scores for request in requests] if needs_scores else None,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        budget=config.budget,
-        ratio=config.ratio,
-        window=config.window,
-        beta=config.pyramid_beta,
-        pooling=config.pooling,
-        pooling_kernel=config.pooling_kernel,
-        sink_tokens=config.sink_tokens,
-    )
+    """Compact every request of ``step.completing_prompt``; requests sharing settings
+    are planned together (one policy call per distinct setting)."""
+    groups: dict[KVCompressionConfig, list[str]] = defaultdict(list)
+    for index in step.completing_prompt:
+        request_id = step.req_ids[index]
+        settings = state.requests[request_id].settings
+        assert settings is not None, "settings are resolved when the step is prepared"
+        groups[settings].append(request_id)
     compactions: dict[str, Compaction] = {}
     sources, destinations = [], []
-    for number, (request_id, request) in enumerate(zip(req_ids, requests)):
-        counts = plan.counts[number].reshape(layout.num_rows)
-        indices = plan.indices[number].reshape(layout.num_rows, -1)
-        src, dst, new_lengths = _moves_for_request(request, counts, indices, layout.page_size)
-        sources.append(src)
-        destinations.append(dst)
-        logical_len = int(request.lengths[0])
-        if stats is not None:
-            stats.requests += 1
-            stats.tokens_moved += len(src)
-            stats.tokens_evicted += int((request.lengths - new_lengths).sum())
-        compactions[request_id] = Compaction(logical_len, new_lengths)
-    # Every move reads before any write, so one batched move is safe.
+    for settings, req_ids in groups.items():
+        requests = [state.requests[request_id] for request_id in req_ids]
+        plan = _plan(settings, requests, state.layout.num_layers, state.layout.num_kv_heads)
+        rows = state.layout.num_rows
+        for number, (request_id, request) in enumerate(zip(req_ids, requests)):
+            counts = plan.counts[number].reshape(rows)
+            indices = plan.indices[number].reshape(rows, -1)
+            src, dst, new_lengths = _moves_for_request(
+                request, counts, indices, state.layout.page_size
+            )
+            sources.append(src)
+            destinations.append(dst)
+            if stats is not None:
+                stats.requests += 1
+                stats.tokens_moved += len(src)
+                stats.tokens_evicted += int((request.lengths - new_lengths).sum())
+            compactions[request_id] = Compaction(int(request.lengths[0]), new_lengths)
+    if not compactions:
+        return {}
+    # Every move reads before any write, so one batched move is safe; pages are only
+    # released (by the scheduler, next step) after it is done.
     src, dst = torch.cat(sources).to(pool.device), torch.cat(destinations).to(pool.device)
     # A platform kernel passed here moves with its own hook (native CUDA / Triton on GPU);
     # a bare PageFormat moves with torch indexing (what CpuPagedKernel.move does too).
     move = getattr(page_format, "move", None) or page_format.move_tokens
     move(pool, src, dst)
-    for request_id, request in zip(req_ids, requests):
-        new_lengths = compactions[request_id].physical_lengths
-        request.table.truncate(new_lengths)
-        request.lengths = new_lengths.copy()
+    for request_id, compaction in compactions.items():
+        request = state.requests[request_id]
+        request.table.truncate(compaction.physical_lengths)
+        request.lengths = compaction.physical_lengths.copy()
         request.compressed = True
         request.window_scores = None
     return compactions
+
+
+def _plan(settings: KVCompressionConfig, requests: list[RequestKV], num_layers: int,
+          num_kv_heads: int):
+    needs_scores = settings.method not in SCORELESS_METHODS
+    return plan_keep(
+        settings.method,
+        [request.prompt_len for request in requests],
+        [request.window_scores for request in requests] if needs_scores else None,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        budget=settings.budget,
+        ratio=settings.ratio,
+        window=settings.window,
+        beta=settings.pyramid_beta,
+        pooling=settings.pooling,
+        pooling_kernel=settings.pooling_kernel,
+        sink_tokens=settings.sink_tokens,
+    )
 
 
 def _moves_for_request(
@@ -105,17 +120,17 @@ def _moves_for_request(
     """
     lengths = torch.as_tensor(request.lengths)
     tail = lengths - request.prompt_len  # >= 0, equal in every row
-    num_rows = len(lengths)
     max_tail = int(tail.max())
     if max_tail:
-        extra = request.prompt_len + torch.arange(max_tail)[None, :].expand(num_rows, -1)
-        indices = torch.cat([indices[:, : int(counts.max())], extra], dim=1)
-        # Place the tail right after each row's kept prompt tokens.
-        column = torch.arange(indices.shape[1])[None, :]
-        kept_prompt = column < counts[:, None]
-        is_tail = (column >= counts[:, None]) & (column < (counts + tail)[:, None])
+        width = int(counts.max()) + max_tail
+        column = torch.arange(width)[None, :]
+        prompt_part = torch.zeros(len(lengths), width, dtype=indices.dtype)
+        prompt_part[:, : indices.shape[1]] = indices[:, :width]
+        # Each row: its kept prompt positions, then the whole tail after them.
         tail_values = request.prompt_len + (column - counts[:, None])
-        indices = torch.where(kept_prompt, indices, torch.where(is_tail, tail_values, 0))
+        is_tail = (column >= counts[:, None]) & (column < (counts + tail)[:, None])
+        indices = torch.where(column < counts[:, None], prompt_part,
+                              torch.where(is_tail, tail_values, 0))
     new_lengths = counts + tail
     plan = plan_hole_filling_moves(indices, new_lengths)
     rows, src_pos, dst_pos = plan.flat_moves()

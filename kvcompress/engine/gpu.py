@@ -57,8 +57,18 @@ def _runtime_hidden(vllm_config: Any) -> Iterator[None]:
 class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
     def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
         from kvcompress.attention.gpu_kernel import TritonPagedKernel
+        from kvcompress.kernels.cuda_ext import ENV_SWITCH, jit_unavailable_reason
 
-        return TritonPagedKernel(layout, dtype, self.device)
+        kernel = TritonPagedKernel(layout, dtype, self.device)
+        if kernel.native_move is not None:
+            logger.info("kvcompress: compaction moves K/V with the native CUDA kernel")
+        else:
+            logger.info(
+                "kvcompress: compaction moves K/V with the Triton kernel (native CUDA move "
+                "unavailable: %s)",
+                jit_unavailable_reason() or f"disabled by {ENV_SWITCH} or its build failed",
+            )
+        return kernel
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
         # Dummy batches have no requests in the page tables: never let them build paged

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvcompress.config import KVCompressionConfig
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 
 
@@ -26,6 +27,8 @@ class RequestKV:
     compressed: bool = False
     # [num_layers, num_kv_heads, prompt_len] summed window probabilities, fp32.
     window_scores: torch.Tensor | None = None
+    # This request's compression settings (engine config + its own overrides).
+    settings: KVCompressionConfig | None = None
 
 
 @dataclass
@@ -103,11 +106,12 @@ class WorkerKVState:
         num_new_tokens: np.ndarray,
         num_computed_before: np.ndarray,
         prompt_lens: np.ndarray,
-        window: int,
+        windows: Sequence[int],
         wants_compression: Sequence[bool],
     ) -> StepBatch:
         """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
-        when its prompt completes (so its window scores must be collected)."""
+        when its prompt completes, so the queries of its last ``windows[i]`` prompt
+        positions score the prompt."""
         layout = self.layout
         states = [self.requests[request_id] for request_id in req_ids]
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
@@ -142,7 +146,7 @@ class WorkerKVState:
                 continue
             if start < prompt_len <= stop:
                 completing.append(index)
-            window_start = max(0, prompt_len - window)
+            window_start = max(0, prompt_len - windows[index])
             first = max(start, window_start)
             last = min(stop, prompt_len)
             if first < last:

@@ -46,7 +46,7 @@ class PagedKVRunnerMixin:
         runtime = PagedKVRuntime(
             config, layout, layer_names, self.make_kernel(layout, dtype), dtype, self.device
         )
-        runtime.bind_input_batch(self.input_batch)
+        runtime.bind_runner(self)
         self.paged_runtime = runtime
         self._pending_compactions = {}
         register_runtime(self.vllm_config, runtime)

@@ -24,6 +24,7 @@ from kvcompress.engine.compaction import (
 )
 from kvcompress.engine.kv_state import StepBatch, WorkerKVState
 from kvcompress.engine.messages import Compaction, page_deltas
+from kvcompress.engine.request_settings import resolve as resolve_request_settings
 from kvcompress.paging import PageLayout
 
 logger = init_logger(__name__)
@@ -66,10 +67,25 @@ class PagedKVRuntime:
         self.state = WorkerKVState(layout, device)
         self.step: StepBatch | None = None
         self.stats = CompactionStats()
-        self._input_batch: Any = None
+        self._runner: Any = None
 
-    def bind_input_batch(self, input_batch: Any) -> None:
-        self._input_batch = input_batch
+    def bind_runner(self, runner: Any) -> None:
+        """The vLLM model runner: its persistent batch gives the row order of each step,
+        its request states the sampling params (per-request settings)."""
+        self._runner = runner
+
+    def settings_of(self, request_id: str) -> KVCompressionConfig:
+        request = self.state.requests[request_id]
+        if request.settings is None:
+            request_state = self._runner.requests.get(request_id)
+            sampling_params = getattr(request_state, "sampling_params", None)
+            try:
+                request.settings = resolve_request_settings(self.config, sampling_params)
+            except ValueError as error:  # validated at admission; never fail the batch here
+                logger.warning("kvcompress: request %s: %s; using engine settings",
+                               request_id, error)
+                request.settings = self.config
+        return request.settings
 
     # ------------------------------------------------------------ per step
     def begin_step(self, scheduler_output: Any) -> None:
@@ -81,19 +97,22 @@ class PagedKVRuntime:
 
     def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata:
         num_reqs = common.num_reqs
-        batch = self._input_batch
+        batch = self._runner.input_batch
         req_ids = batch.req_ids[:num_reqs]
         query_start = common.query_start_loc_cpu.numpy()
         num_new = np.diff(query_start[: num_reqs + 1]).astype(np.int64)
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         prompt_lens = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
+        settings = [self.settings_of(request_id) for request_id in req_ids]
         step = self.state.prepare_step(
             req_ids,
             num_new,
             num_computed,
             prompt_lens,
-            window=self.config.window,
-            wants_compression=[wants_compression(self.config, int(n)) for n in prompt_lens],
+            windows=[s.window for s in settings],
+            wants_compression=[
+                wants_compression(s, int(n)) for s, n in zip(settings, prompt_lens)
+            ],
         )
         self.step = step
         return PagedAttentionMetadata(
@@ -115,7 +134,7 @@ class PagedKVRuntime:
             return {}
         started = time.perf_counter()
         compactions = compact_completed_prompts(
-            self.state, step, self.pool, self.page_format, self.config, self.stats
+            self.state, step, self.pool, self.page_format, self.stats
         )
         self.stats.seconds += time.perf_counter() - started
         return compactions

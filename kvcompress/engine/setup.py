@@ -8,6 +8,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.request_settings import VALIDATOR_PATH, record_engine_config
 
 logger = init_logger(__name__)
 
@@ -45,6 +46,11 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
     engine_args.worker_cls = _worker_cls_for_platform()
     if engine_args.worker_cls == GPU_WORKER_CLS:
         _apply_cuda_settings(engine_args)
+    # Per-request kv_* settings are checked at admission (HTTP 400), in this process.
+    processors = list(engine_args.logits_processors or [])
+    if VALIDATOR_PATH not in processors:
+        engine_args.logits_processors = [*processors, VALIDATOR_PATH]
+    record_engine_config(config)
     return config
 
 

@@ -3,6 +3,7 @@ at once than vanilla vLLM on the same memory."""
 
 import numpy as np
 import pytest
+from vllm.exceptions import VLLMValidationError
 
 from kvcompress.policies import layer_budgets
 
@@ -24,52 +25,98 @@ def step_until_first_token(harness, request_ids):
     raise AssertionError("prefill did not complete")
 
 
-@pytest.mark.parametrize("method", ["pyramidkv", "snapkv", "streamingllm", "adakv"])
-def test_each_head_holds_exactly_its_policy_budget(tiny_llama, method):
-    budget, window, page = 48, 8, 16
+# Per-request settings (SamplingParams.extra_args) over an engine set to pyramidkv/48:
+# every method in one batch, plus a ratio and a request that keeps its whole cache.
+MIXED_REQUESTS = {
+    "pyramid": ({}, 300),
+    "snap": ({"kv_compression": "snapkv"}, 517),
+    "stream": ({"kv_compression": "streamingllm", "kv_budget": 40}, 333),
+    "ada": ({"kv_compression": "adakv"}, 410),
+    "ratio": ({"kv_compression_ratio": 0.75}, 256),
+    "full": ({"kv_compression": "none"}, 280),
+}
+
+
+def expected_layer_budgets(overrides, prompt_len, layers, window):
+    method = overrides.get("kv_compression", "pyramidkv")
+    if method == "none":
+        return [prompt_len] * layers
+    budget = overrides.get("kv_budget", None if "kv_compression_ratio" in overrides else 48)
+    return layer_budgets(method, layers, prompt_len, budget=budget,
+                         ratio=overrides.get("kv_compression_ratio"), window=window)
+
+
+def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama):
+    window, page, layers, heads = 8, 16, 4, 2
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": method, "kv_budget": budget, "kv_window": window},
-        kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
+        tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window},
+        kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN, **TINY,
     )
     try:
-        prompts = random_prompts([300, 517], seed=3)
-        for request_id, tokens in prompts.items():
-            harness.add(request_id, tokens, greedy(6))
+        prompts = {}
+        for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
+            prompts[name] = random_prompts([length], seed=30 + offset)["p0"]
+            harness.add(name, prompts[name], greedy(40, extra_args=dict(overrides)))
         step_until_first_token(harness, prompts)
         manager = harness.page_manager
-        layers, heads = 4, 2
-        for request_id, tokens in prompts.items():
-            internal = harness.internal_id(request_id)
+        for name, (overrides, length) in MIXED_REQUESTS.items():
+            internal = harness.internal_id(name)
             # The newest sampled token is not in the cache yet; earlier ones are.
-            since = len(harness.outputs[request_id]) - 1
+            since = len(harness.outputs[name]) - 1
             lengths = manager.physical_lengths(internal).reshape(layers, heads) - since
-            expected = layer_budgets(method, layers, len(tokens), budget=budget, window=window)
-            if method == "adakv":
+            expected = expected_layer_budgets(overrides, length, layers, window)
+            if overrides.get("kv_compression") == "adakv":
                 # Heads of a layer share its total; every head keeps at least its window.
-                assert lengths.sum(axis=1).tolist() == [heads * b for b in expected]
-                assert (lengths >= window).all()
+                assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
+                assert (lengths >= window).all(), name
+                assert (lengths[:, 0] != lengths[:, 1]).any(), "adakv should differ per head"
             else:
-                assert lengths.tolist() == [[b] * heads for b in expected]
-            assert lengths.sum() == layers * heads * budget  # exact total, no rounding slack
+                assert lengths.tolist() == [[b] * heads for b in expected], name
+            if "kv_compression_ratio" not in overrides and name != "full":
+                amount = overrides.get("kv_budget", 48)
+                assert lengths.sum() == layers * heads * amount  # exact total, no slack
             table = manager._requests[internal].table
             pages = table.num_pages.reshape(layers, heads)
-            assert (pages == (lengths + since + page - 1) // page).all()
+            assert (pages == (lengths + since + page - 1) // page).all(), name
             # The worker's mirror agrees (uniproc executor: same process).
             worker_lengths = harness.on_workers(
                 lambda worker, rid=internal: worker.model_runner.paged_runtime.state.requests[
                     rid].lengths.tolist()
             )[0]
-            assert worker_lengths == (lengths + since).reshape(-1).tolist()
+            assert worker_lengths == (lengths + since).reshape(-1).tolist(), name
         # Two more decode steps: every head grows by exactly the tokens generated since.
+        before = {name: manager.physical_lengths(harness.internal_id(name)).copy()
+                  for name in prompts}
+        generated = {name: len(harness.outputs[name]) for name in prompts}
         harness.step()
         harness.step()
-        for request_id, tokens in prompts.items():
-            internal = harness.internal_id(request_id)
-            generated = len(harness.outputs[request_id])
-            lengths = manager.physical_lengths(internal)
-            assert lengths.sum() == layers * heads * (budget + generated - 1)
+        for name in prompts:
+            grown = len(harness.outputs[name]) - generated[name]
+            after = manager.physical_lengths(harness.internal_id(name))
+            assert (after - before[name] == grown).all(), name
         harness.run_until_done()
         assert manager.num_free == manager.total_pages
+    finally:
+        harness.shutdown()
+
+
+def test_bad_per_request_settings_are_rejected_before_the_engine(tiny_llama):
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64},
+                            kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY)
+    try:
+        bad = [
+            ({"kv_budget": 0}, "'kv_budget'.*>= 1"),
+            ({"kv_compression": "magic"}, "'kv_compression'.*pyramidkv"),
+            ({"kv_page_size": 32}, "kv_page_size"),
+            ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exclusive"),
+            ({"kv_windw": 4}, "kv_windw"),
+        ]
+        for number, (extra_args, named) in enumerate(bad):
+            with pytest.raises(VLLMValidationError, match=named):
+                harness.add(f"bad{number}", [5, 6, 7], greedy(2, extra_args=extra_args))
+        # The engine is unharmed: a good request still runs to the end.
+        assert harness.generate({"ok": [5, 6, 7] * 50}, greedy(4))["ok"]
+        assert harness.page_manager.num_free == harness.page_manager.total_pages
     finally:
         harness.shutdown()
 
@@ -129,13 +176,13 @@ def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
 
 
 def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_llama):
-    """Soak: staggered arrivals, aborts mid-prefill and mid-decode, a pool small enough that
-    compressed requests get preempted and recomputed. Page invariants are checked by the
-    scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
+    """Soak: staggered arrivals with mixed methods, aborts mid-prefill and mid-decode, a
+    pool small enough that compressed requests get preempted and recomputed. Page
+    invariants are checked by the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
     rng = np.random.default_rng(7)
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96},
-        kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
+        kv_cache_memory_bytes=12 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     try:
         lengths = rng.integers(20, 700, size=40).tolist()
@@ -145,9 +192,11 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
         for step in range(5000):
             if pending:
                 request_id = pending.pop(0)
+                method = ["snapkv", "pyramidkv", "streamingllm", "adakv", "none"][step % 5]
                 harness.add(request_id, prompts[request_id],
-                            greedy(int(rng.integers(1, 400))))
-            if step % 7 == 5:
+                            greedy(int(rng.integers(100, 400)),
+                                   extra_args={"kv_compression": method}))
+            if step % 13 == 5:
                 live = [rid for rid in prompts if rid not in pending
                         and rid not in harness.finished and rid not in aborted]
                 if live:

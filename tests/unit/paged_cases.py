@@ -80,7 +80,7 @@ def build_case(
         np.array(num_new),
         np.array([lengths_before[r][0] for r in range(num_reqs)]),
         np.array(prompt_lens),
-        window=window,
+        windows=[window] * num_reqs,
         wants_compression=wants_compression or [False] * num_reqs,
     )
     total = sum(num_new)

@@ -78,3 +78,36 @@ def test_every_flag_has_help_and_maps_to_a_snake_case_key():
     for spec in FLAG_SPECS:
         assert spec.help
         assert spec.flag == "--" + spec.key.replace("_", "-")
+
+
+ENGINE = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_budget": 128})
+
+
+def test_request_overrides_replace_the_amount_and_keep_the_rest():
+    assert ENGINE.with_request_overrides(None) is ENGINE
+    assert ENGINE.with_request_overrides({"temperature_hint": 1}) is ENGINE
+    ratio = ENGINE.with_request_overrides({"kv_compression_ratio": 0.5})
+    assert ratio.ratio == 0.5 and ratio.budget is None and ratio.method == "pyramidkv"
+    snap = ENGINE.with_request_overrides({"kv_compression": "snapkv"})
+    assert snap.method == "snapkv" and snap.budget == 128
+    assert not ENGINE.with_request_overrides({"kv_compression": "none"}).enabled
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"kv_budget": 4}, "'kv_window'"),  # engine window 8 > request budget 4
+        ({"kv_page_size": 32}, "whole engine"),
+        ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exclusive"),
+        ({"kv_sink_tokens": -2}, "'kv_sink_tokens'"),
+        ({"kv_buget": 10}, "kv_buget"),
+    ],
+)
+def test_bad_request_overrides_name_the_field(overrides, message):
+    with pytest.raises(KVCompressionConfigError, match=message):
+        ENGINE.with_request_overrides(overrides)
+
+
+def test_request_overrides_need_compression_on_the_engine():
+    with pytest.raises(KVCompressionConfigError, match="--kv-compression"):
+        KVCompressionConfig().with_request_overrides({"kv_budget": 64})

@@ -87,7 +87,7 @@ def test_window_scores_split_across_chunks_equal_one_shot_probabilities(group_re
     first.state.apply_deltas({"req0": PageTableDelta(False, [(extra_pages,
                                                                np.array(free[:2]))])})
     step2 = first.state.prepare_step(["req0"], np.array([3]), np.array([27]),
-                                     np.array([prompt_len]), window, [True])
+                                     np.array([prompt_len]), [window], [True])
     query2 = torch.randn(3, heads * group, head_size)
     keys2, values2 = torch.randn(3, heads, head_size), torch.randn(3, heads, head_size)
     kernel.write(first.pool, keys2, values2, step2.slot_mapping)
