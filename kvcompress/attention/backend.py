@@ -147,7 +147,7 @@ class KVCompressAttentionImpl(AttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:
-            return output  # warm-up without a KV cache
+            return output.fill_(0)  # warm-up / profiling without a KV cache
         step = attn_metadata.step
         kernel = attn_metadata.kernel
         layer_index = attn_metadata.layer_index[layer.layer_name]
@@ -157,8 +157,12 @@ class KVCompressAttentionImpl(AttentionImpl):
         kernel.write(kv_cache, key[:num_tokens], value[:num_tokens], slots)
         kernel.attend(attn_metadata.kernel_args, layer_index, query, kv_cache, output, self.scale)
         if step.window_queries:
-            accumulate_window_scores(
-                query, kv_cache, kernel.page_format, step, layer_index, self.scale,
-                attn_metadata.group_reduce,
-            )
+            # A platform kernel may score the window itself (one Triton launch on GPU).
+            scorer = getattr(kernel, "accumulate_window_scores", None)
+            if scorer is not None:
+                scorer(attn_metadata.kernel_args, layer_index, query, kv_cache, step,
+                       self.scale, attn_metadata.group_reduce)
+            else:
+                accumulate_window_scores(query, kv_cache, kernel.page_format, step,
+                                         layer_index, self.scale, attn_metadata.group_reduce)
         return output

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvcompress.attention.page_format import PageFormat
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.kv_state import RequestKV, StepBatch, WorkerKVState
 from kvcompress.engine.messages import Compaction
@@ -43,11 +43,15 @@ def compact_completed_prompts(
     state: WorkerKVState,
     step: StepBatch,
     pool: torch.Tensor,
-    page_format: PageFormat,
+    mover: Any,
     stats: CompactionStats | None = None,
 ) -> dict[str, Compaction]:
     """Compact every request of ``step.completing_prompt``; requests sharing settings
-    are planned together (one policy call per distinct setting)."""
+    are planned together (one policy call per distinct setting).
+
+    ``mover`` copies tokens between slots: a platform kernel with a ``move`` hook (native
+    CUDA / Triton on GPU) or a bare PageFormat (torch indexing).
+    """
     groups: dict[KVCompressionConfig, list[str]] = defaultdict(list)
     for index in step.completing_prompt:
         request_id = step.req_ids[index]
@@ -78,9 +82,7 @@ def compact_completed_prompts(
     # Every move reads before any write, so one batched move is safe; pages are only
     # released (by the scheduler, next step) after it is done.
     src, dst = torch.cat(sources).to(pool.device), torch.cat(destinations).to(pool.device)
-    # A platform kernel passed here moves with its own hook (native CUDA / Triton on GPU);
-    # a bare PageFormat moves with torch indexing (what CpuPagedKernel.move does too).
-    move = getattr(page_format, "move", None) or page_format.move_tokens
+    move = getattr(mover, "move", None) or mover.move_tokens
     move(pool, src, dst)
     for request_id, compaction in compactions.items():
         request = state.requests[request_id]

@@ -134,7 +134,7 @@ class PagedKVRuntime:
             return {}
         started = time.perf_counter()
         compactions = compact_completed_prompts(
-            self.state, step, self.pool, self.page_format, self.stats
+            self.state, step, self.pool, self.kernel, self.stats
         )
         self.stats.seconds += time.perf_counter() - started
         return compactions

@@ -16,14 +16,11 @@ import os
 import sys
 
 import pytest
-import torch
 
 # tests/ on the path: the shared random paged cases of tests/unit (unit.paged_cases).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvcompress.kernels import has_triton, has_triton_gpu  # noqa: E402
-
-ON_GPU = torch.cuda.is_available() and has_triton_gpu()
+from kvcompress.kernels import has_triton  # noqa: E402
 
 
 @pytest.fixture

@@ -141,16 +141,16 @@ def test_compaction_moves_through_the_kernel_hook():
         accumulate_window_scores(case.query, case.pool, GPU_PAGE_FORMAT, case.step, layer,
                                  HEAD_SIZE**-0.5)
     case.state.finish_step(case.step)
-    config = KVCompressionConfig.from_mapping(
+    case.state.requests["req0"].settings = KVCompressionConfig.from_mapping(
         {"kv_compression": "pyramidkv", "kv_budget": 12, "kv_window": 4}
     )
     state, pool = copy.deepcopy(case.state), case.pool.clone()
-    expected = compact_completed_prompts(state, case.step, pool, GPU_PAGE_FORMAT, config)
+    expected = compact_completed_prompts(state, case.step, pool, GPU_PAGE_FORMAT)
 
     calls = []
     move = kernel.move
     kernel.move = lambda *args: (calls.append(args[1].numel()), move(*args))
-    result = compact_completed_prompts(case.state, case.step, case.pool, kernel, config)
+    result = compact_completed_prompts(case.state, case.step, case.pool, kernel)
     assert calls and calls[0] > 0
     assert torch.equal(case.pool, pool)
     assert result.keys() == expected.keys()
