@@ -1,0 +1,96 @@
+"""The plugin: entry point, --kv-* flags on vLLM's own parsers, errors before the engine."""
+
+import importlib.metadata
+import json
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from kvcompress.config import FLAG_SPECS, KVCompressionConfigError
+from kvcompress.plugin import register
+from kvcompress.vllm_hooks import check_vllm_version
+
+
+def serve_parser():
+    register()
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_entry_point_is_registered_for_vllm():
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert {p.name: p.value for p in plugins}.get("kvcompress") == "kvcompress.plugin:register"
+
+
+def test_register_is_idempotent():
+    register()
+    wrapped = EngineArgs.create_engine_config
+    register()
+    assert EngineArgs.create_engine_config is wrapped
+
+
+def test_serve_parser_has_every_flag_with_help():
+    help_text = serve_parser().format_help()
+    for spec in FLAG_SPECS:
+        assert spec.flag in help_text
+
+
+def test_flags_reach_additional_config_and_merge_with_it(embedded_model):
+    args = serve_parser().parse_args([
+        embedded_model, "--kv-compression", "adakv", "--kv-budget", "96", "--kv-window", "16",
+        "--kv-pyramid-beta", "5", "--kv-pooling", "avg", "--kv-pooling-kernel", "3",
+        "--kv-sink-tokens", "2", "--kv-page-size", "32",
+        "--additional-config", json.dumps({"other_plugin_key": 1, "kv_budget": 50}),
+    ])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config == {
+        "other_plugin_key": 1, "kv_compression": "adakv", "kv_budget": 96, "kv_window": 16,
+        "kv_pyramid_beta": 5.0, "kv_pooling": "avg", "kv_pooling_kernel": 3,
+        "kv_sink_tokens": 2, "kv_page_size": 32,
+    }
+
+
+def test_no_flags_leave_vllm_untouched(embedded_model):
+    engine_args = AsyncEngineArgs.from_cli_args(serve_parser().parse_args([embedded_model]))
+    assert not engine_args.additional_config
+    assert engine_args.scheduler_cls is None or "kvcompress" not in str(engine_args.scheduler_cls)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--kv-budget", "0"], "--kv-budget"),
+        (["--kv-compression-ratio", "1.5"], "--kv-compression-ratio"),
+        (["--kv-budget", "64", "--kv-compression-ratio", "0.5"], "exclusive"),
+        (["--kv-budget", "16", "--kv-window", "32"], "--kv-window"),
+        (["--kv-page-size", "12"], "--kv-page-size"),
+    ],
+)
+def test_invalid_values_fail_in_create_engine_config(embedded_model, flags, named):
+    args = serve_parser().parse_args([embedded_model, "--kv-compression", "pyramidkv", *flags])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    with pytest.raises(KVCompressionConfigError, match=named):
+        engine_args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "flags", [["--kv-compression", "h2oo"], ["--kv-pooling", "median"], ["--kv-budget", "x"]]
+)
+def test_argparse_rejects_bad_choices_and_types(embedded_model, flags, capsys):
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args([embedded_model, *flags])
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_unsupported_combinations_are_refused_by_name(embedded_model):
+    engine_args = EngineArgs(model=embedded_model, tensor_parallel_size=2,
+                             additional_config={"kv_compression": "snapkv"})
+    with pytest.raises(NotImplementedError, match="--tensor-parallel-size"):
+        engine_args.create_engine_config()
+
+
+def test_version_guard_names_the_supported_release():
+    check_vllm_version("0.32.0")
+    with pytest.raises(RuntimeError, match="0.32"):
+        check_vllm_version("0.33.1")
