@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
@@ -27,9 +26,10 @@ from vllm.v1.worker.gpu_worker import Worker
 from kvcompress.attention.backend import KVCompressAttentionBackend
 from kvcompress.engine.model_runner import PagedKVRunnerMixin
 from kvcompress.engine.runtime import register_runtime, runtime_for
+from kvcompress.log import get_logger
 from kvcompress.vllm_hooks import attention_backend_override
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 CUDA_BACKEND_PATH = "kvcompress.engine.gpu.KVCompressCudaAttentionBackend"
 CUDA_ATTENTION_BACKEND = AttentionBackendEnum.CUSTOM.name  # engine/setup.py selects it

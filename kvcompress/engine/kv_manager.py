@@ -11,15 +11,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
+from kvcompress.log import get_logger
 from kvcompress.paging import PageManager
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 # Enough virtual blocks for every running request at max length, within reason: each
 # is a small Python object on the scheduler side.

@@ -7,7 +7,6 @@ from copy import copy
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
@@ -16,8 +15,9 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.layout import attention_layer_names, page_layout
 from kvcompress.engine.messages import COMPACTIONS_ATTR, Compaction
 from kvcompress.engine.runtime import PagedKVRuntime, register_runtime
+from kvcompress.log import get_logger
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class PagedKVRunnerMixin:

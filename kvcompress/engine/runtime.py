@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 
 from kvcompress.attention.backend import PagedAttentionMetadata
 from kvcompress.config import KVCompressionConfig
@@ -25,9 +24,10 @@ from kvcompress.engine.compaction import (
 from kvcompress.engine.kv_state import StepBatch, WorkerKVState
 from kvcompress.engine.messages import Compaction, page_deltas
 from kvcompress.engine.request_settings import resolve as resolve_request_settings
+from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 _RUNTIMES: dict[int, PagedKVRuntime] = {}
 

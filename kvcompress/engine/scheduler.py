@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -14,9 +13,10 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.kv_manager import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.layout import page_layout
 from kvcompress.engine.messages import attach_page_deltas, compactions
+from kvcompress.log import get_logger
 from kvcompress.paging import PageManager
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class KVCompressScheduler(Scheduler):

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm.logger import init_logger
-
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.request_settings import VALIDATOR_PATH, record_engine_config
+from kvcompress.log import get_logger
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 SCHEDULER_CLS = "kvcompress.engine.scheduler.KVCompressScheduler"
 CPU_WORKER_CLS = "kvcompress.engine.worker.KVCompressCPUWorker"
