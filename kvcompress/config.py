@@ -29,6 +29,7 @@ DEFAULT_POOLING = "max"
 DEFAULT_POOLING_KERNEL = 7  # max pool, kernel 7: the setting behind the LongBench numbers.
 DEFAULT_SINK_TOKENS = 4  # StreamingLLM's attention sinks.
 DEFAULT_PAGE_SIZE = 16
+DEFAULT_DECODE_MARGIN = 64  # trim the generation window only every ~64 new tokens
 PAGE_SIZE_RANGE = (4, 256)
 
 
@@ -99,6 +100,18 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         f">= 0; default {DEFAULT_SINK_TOKENS}.",
     ),
     FlagSpec(
+        "kv_decode_window", "--kv-decode-window", int,
+        "Bound the cache during long generations: each KV head keeps its compressed prompt "
+        "plus only the most recent N generated tokens (StreamingLLM-style window over the "
+        "output). Off by default: every generated token is kept.",
+    ),
+    FlagSpec(
+        "kv_decode_margin", "--kv-decode-margin", int,
+        "With --kv-decode-window: trim once a head holds this many generated tokens more "
+        f"than the window, so the trimming cost is amortized. >= 1; default "
+        f"{DEFAULT_DECODE_MARGIN}.",
+    ),
+    FlagSpec(
         "kv_page_size", "--kv-page-size", int,
         "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
@@ -125,6 +138,8 @@ class KVCompressionConfig:
     pooling_kernel: int = DEFAULT_POOLING_KERNEL
     sink_tokens: int = DEFAULT_SINK_TOKENS
     page_size: int = DEFAULT_PAGE_SIZE
+    decode_window: int | None = None
+    decode_margin: int = DEFAULT_DECODE_MARGIN
 
     @property
     def enabled(self) -> bool:
@@ -177,6 +192,8 @@ class KVCompressionConfig:
             pooling_kernel=given.get("kv_pooling_kernel", DEFAULT_POOLING_KERNEL),
             sink_tokens=given.get("kv_sink_tokens", DEFAULT_SINK_TOKENS),
             page_size=given.get("kv_page_size", DEFAULT_PAGE_SIZE),
+            decode_window=given.get("kv_decode_window"),
+            decode_margin=given.get("kv_decode_margin", DEFAULT_DECODE_MARGIN),
         )
         config.validate(explicit_keys=set(given))
         return config
@@ -210,6 +227,10 @@ class KVCompressionConfig:
             _fail("kv_pooling_kernel", f"got {self.pooling_kernel}; allowed: an odd integer >= 1")
         if self.sink_tokens < 0:
             _fail("kv_sink_tokens", f"got {self.sink_tokens}; allowed: an integer >= 0")
+        if self.decode_window is not None and self.decode_window < 1:
+            _fail("kv_decode_window", f"got {self.decode_window}; allowed: an integer >= 1")
+        if self.decode_margin < 1:
+            _fail("kv_decode_margin", f"got {self.decode_margin}; allowed: an integer >= 1")
         low, high = PAGE_SIZE_RANGE
         size = self.page_size
         if not (low <= size <= high) or size & (size - 1):
@@ -253,6 +274,8 @@ class KVCompressionConfig:
             "kv_pooling_kernel": fields["pooling_kernel"],
             "kv_sink_tokens": fields["sink_tokens"],
             "kv_page_size": fields["page_size"],
+            "kv_decode_window": fields["decode_window"],
+            "kv_decode_margin": fields["decode_margin"],
         }
 
     def describe(self) -> str:
@@ -261,6 +284,8 @@ class KVCompressionConfig:
             f"method={self.method} {amount} window={self.window} beta={self.pyramid_beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
             f"page_size={self.page_size}"
+            + (f" decode_window={self.decode_window}+{self.decode_margin}"
+               if self.decode_window else "")
         )
 
 

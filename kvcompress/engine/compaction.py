@@ -60,6 +60,7 @@ def compact_completed_prompts(
         groups[settings].append(request_id)
     compactions: dict[str, Compaction] = {}
     sources, destinations = [], []
+    logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     for settings, req_ids in groups.items():
         requests = [state.requests[request_id] for request_id in req_ids]
         plan = _plan(settings, requests, state.layout.num_layers, state.layout.num_kv_heads)
@@ -76,11 +77,68 @@ def compact_completed_prompts(
                 stats.requests += 1
                 stats.tokens_moved += len(src)
                 stats.tokens_evicted += int((request.lengths - new_lengths).sum())
-            compactions[request_id] = Compaction(int(request.lengths[0]), new_lengths)
+            compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
+            request.prompt_kept = counts.numpy().astype(np.int64)
+    _apply(state, compactions, sources, destinations, pool, mover)
+    for request_id in compactions:
+        request = state.requests[request_id]
+        request.compressed = True
+        request.window_scores = None
+    return compactions
+
+
+def trim_generation_windows(
+    state: WorkerKVState,
+    step: StepBatch,
+    pool: torch.Tensor,
+    mover: Any,
+    stats: CompactionStats | None = None,
+) -> dict[str, Compaction]:
+    """--kv-decode-window: keep each head's prompt part plus its newest generated tokens.
+
+    Generated tokens sit after the prompt part in generation order, so trimming is an
+    order-preserving shift of the newest ``window`` tokens down to the prompt part's end;
+    it runs once a head exceeds the window by the margin (amortized cost).
+    """
+    compactions: dict[str, Compaction] = {}
+    sources, destinations = [], []
+    page_size = state.layout.page_size
+    for index, request_id in enumerate(step.req_ids):
+        request = state.requests[request_id]
+        settings = request.settings
+        if (settings is None or not settings.enabled or settings.decode_window is None
+                or request.prompt_kept is None):
+            continue
+        window = settings.decode_window
+        generated = request.lengths - request.prompt_kept
+        trimmed = generated > window
+        if generated.max() <= window + settings.decode_margin:
+            continue
+        rows = np.nonzero(trimmed)[0]
+        offsets = np.arange(window)
+        src_pos = (request.lengths[rows] - window)[:, None] + offsets
+        dst_pos = request.prompt_kept[rows][:, None] + offsets
+        pages = request.table.pages[rows].astype(np.int64)
+        row_index = np.arange(len(rows))[:, None]
+        src = pages[row_index, src_pos // page_size] * page_size + src_pos % page_size
+        dst = pages[row_index, dst_pos // page_size] * page_size + dst_pos % page_size
+        sources.append(torch.as_tensor(src.reshape(-1), dtype=torch.long))
+        destinations.append(torch.as_tensor(dst.reshape(-1), dtype=torch.long))
+        new_lengths = np.where(trimmed, request.prompt_kept + window, request.lengths)
+        compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths)
+        if stats is not None:
+            stats.tokens_moved += int(src.size)
+            stats.tokens_evicted += int((request.lengths - new_lengths).sum())
+    _apply(state, compactions, sources, destinations, pool, mover)
+    return compactions
+
+
+def _apply(state: WorkerKVState, compactions: dict[str, Compaction], sources: list,
+           destinations: list, pool: torch.Tensor, mover: Any) -> None:
+    """Run the moves, then shrink the tables. Every move reads before any write, so one
+    batched move is safe; the scheduler frees the pages only after this step."""
     if not compactions:
-        return {}
-    # Every move reads before any write, so one batched move is safe; pages are only
-    # released (by the scheduler, next step) after it is done.
+        return
     src, dst = torch.cat(sources).to(pool.device), torch.cat(destinations).to(pool.device)
     move = getattr(mover, "move", None) or mover.move_tokens
     move(pool, src, dst)
@@ -88,9 +146,6 @@ def compact_completed_prompts(
         request = state.requests[request_id]
         request.table.truncate(compaction.physical_lengths)
         request.lengths = compaction.physical_lengths.copy()
-        request.compressed = True
-        request.window_scores = None
-    return compactions
 
 
 def _plan(settings: KVCompressionConfig, requests: list[RequestKV], num_layers: int,
@@ -123,6 +178,7 @@ def _moves_for_request(
     lengths = torch.as_tensor(request.lengths)
     tail = lengths - request.prompt_len  # >= 0, equal in every row
     max_tail = int(tail.max())
+    pages = torch.as_tensor(request.table.pages, dtype=torch.long)
     if max_tail:
         width = int(counts.max()) + max_tail
         column = torch.arange(width)[None, :]
@@ -133,10 +189,16 @@ def _moves_for_request(
         is_tail = (column >= counts[:, None]) & (column < (counts + tail)[:, None])
         indices = torch.where(column < counts[:, None], prompt_part,
                               torch.where(is_tail, tail_values, 0))
-    new_lengths = counts + tail
-    plan = plan_hole_filling_moves(indices, new_lengths)
-    rows, src_pos, dst_pos = plan.flat_moves()
-    pages = torch.as_tensor(request.table.pages, dtype=torch.long)
+        new_lengths = counts + tail
+        # Keep generated tokens after the prompt part and in order (the decode window
+        # relies on it): an order-preserving compaction, only for resumed requests.
+        valid = column < new_lengths[:, None]
+        moving = valid & (indices != column)
+        rows, dst_pos = moving.nonzero(as_tuple=True)
+        src_pos = indices[rows, dst_pos]
+    else:
+        new_lengths = counts
+        rows, src_pos, dst_pos = plan_hole_filling_moves(indices, new_lengths).flat_moves()
     src = pages[rows, src_pos // page_size] * page_size + src_pos % page_size
     dst = pages[rows, dst_pos // page_size] * page_size + dst_pos % page_size
     return src, dst, new_lengths.numpy().astype(np.int64)

@@ -29,6 +29,10 @@ class RequestKV:
     window_scores: torch.Tensor | None = None
     # This request's compression settings (engine config + its own overrides).
     settings: KVCompressionConfig | None = None
+    # Per row: slots [0, prompt_kept) hold prompt tokens, the rest generated tokens in
+    # generation order (None until the prompt completes: then it is the prompt length or
+    # what compaction kept).
+    prompt_kept: np.ndarray | None = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class StepBatch:
     slot_mapping: torch.Tensor  # [T, rows] int64, where each new token goes per row
     decode_indices: torch.Tensor  # requests with exactly one new token
     prefill_indices: list[int]  # requests with several new tokens
+    logical_after: np.ndarray  # [R] vLLM's computed tokens once this step is done
     window_queries: list[WindowQueries] = field(default_factory=list)
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
@@ -171,6 +176,8 @@ class WorkerKVState:
             slot_mapping=slot_mapping.to(self.device),
             decode_indices=(num_new == 1).nonzero().flatten().to(self.device),
             prefill_indices=multi,
+            logical_after=np.asarray(num_computed_before, dtype=np.int64)
+            + np.asarray(num_new_tokens, dtype=np.int64),
             window_queries=window_queries,
             completing_prompt=completing,
         )
@@ -179,7 +186,11 @@ class WorkerKVState:
         """The forward wrote every new token: advance the physical lengths."""
         lengths_after = batch.lengths_after.cpu().numpy()
         for index, request_id in enumerate(batch.req_ids):
-            self.requests[request_id].lengths = lengths_after[index].copy()
+            request = self.requests[request_id]
+            request.lengths = lengths_after[index].copy()
+            if request.prompt_kept is None and batch.logical_after[index] >= request.prompt_len:
+                # Prompt complete and not compacted (yet): every prompt token is kept.
+                request.prompt_kept = np.full_like(request.lengths, request.prompt_len)
 
     def _slot_mapping(
         self, page_tables: torch.Tensor, lengths_before: torch.Tensor, num_new: torch.Tensor

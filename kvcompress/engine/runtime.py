@@ -19,6 +19,7 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.compaction import (
     CompactionStats,
     compact_completed_prompts,
+    trim_generation_windows,
     wants_compression,
 )
 from kvcompress.engine.kv_state import StepBatch, WorkerKVState
@@ -130,13 +131,16 @@ class PagedKVRuntime:
         if step is None:
             return {}
         self.state.finish_step(step)
-        if not step.completing_prompt:
-            return {}
         started = time.perf_counter()
         compactions = compact_completed_prompts(
             self.state, step, self.pool, self.kernel, self.stats
         )
-        self.stats.seconds += time.perf_counter() - started
+        # Later report wins: it holds the final lengths of a request handled by both.
+        compactions.update(
+            trim_generation_windows(self.state, step, self.pool, self.kernel, self.stats)
+        )
+        if compactions:
+            self.stats.seconds += time.perf_counter() - started
         return compactions
 
     def owned_pages(self) -> int:

@@ -214,3 +214,32 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
         assert aborted
     finally:
         harness.shutdown()
+
+
+def test_decode_window_bounds_the_cache_of_long_generations(tiny_llama):
+    budget, window, margin = 48, 32, 8
+    harness = EngineHarness(
+        tiny_llama,
+        {"kv_compression": "snapkv", "kv_budget": budget, "kv_decode_window": window,
+         "kv_decode_margin": margin},
+        kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
+    )
+    try:
+        harness.add("long", random_prompts([200], seed=9)["p0"], greedy(300))
+        harness.add("short", random_prompts([30], seed=10)["p0"], greedy(300))
+        manager = harness.page_manager
+        peaks = {"long": 0, "short": 0}
+        while harness.engine.has_unfinished_requests():
+            harness.step()
+            for name in peaks:
+                if name in harness.finished:
+                    continue
+                lengths = manager.physical_lengths(harness.internal_id(name))
+                peaks[name] = max(peaks[name], int(lengths.max()))
+        assert len(harness.outputs["long"]) == len(harness.outputs["short"]) == 300
+        # prompt part (budget, or the whole 30-token prompt) + window + margin, never more
+        assert budget + window < peaks["long"] <= budget + window + margin
+        assert 30 + window < peaks["short"] <= 30 + window + margin
+        assert manager.num_free == manager.total_pages
+    finally:
+        harness.shutdown()
