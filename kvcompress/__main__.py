@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -131,9 +132,51 @@ def _run_prepare_model(args: argparse.Namespace) -> str:
     return f"{'already prepared' if existed else 'prepared'}: {path}"
 
 
+def _load_analysis_module():
+    """benchmarks/ is not part of the installed package: load the script from the checkout."""
+    import importlib.util
+    from pathlib import Path
+
+    name = "kvcompress_attention_analysis"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_analysis.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise ValueError(f"{path} not found: `analyze` needs a source checkout of kvcompress")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(module)  # light: torch/transformers load when it runs
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _add_analyze_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "analyze",
+        help="per-layer attention entropy and attention recall vs budget (transformers, PNG+JSON)",
+        description=(
+            "Runs benchmarks/attention_analysis.py: per-layer attention entropy/concentration "
+            "and each method's attention recall vs budget on long synthetic inputs."
+        ),
+    )
+    # never break the other commands: a broken checkout is reported when analyze runs
+    with contextlib.suppress(Exception):
+        _load_analysis_module().add_arguments(parser)
+    parser.set_defaults(handler=_run_analyze, command_parser=parser)
+
+
+def _run_analyze(args: argparse.Namespace) -> str:
+    return _load_analysis_module().run(args)
+
+
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "budgets": _add_budgets_command,
     "prepare-model": _add_prepare_model_command,
+    "analyze": _add_analyze_command,
 }
 
 

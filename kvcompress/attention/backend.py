@@ -7,6 +7,7 @@ worker's paged-KV runtime, the arithmetic from the platform kernel.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -157,6 +158,7 @@ class KVCompressAttentionImpl(AttentionImpl):
         kernel.write(kv_cache, key[:num_tokens], value[:num_tokens], slots)
         kernel.attend(attn_metadata.kernel_args, layer_index, query, kv_cache, output, self.scale)
         if step.window_queries:
+            started = time.perf_counter()
             # A platform kernel may score the window itself (one Triton launch on GPU).
             scorer = getattr(kernel, "accumulate_window_scores", None)
             if scorer is not None:
@@ -164,5 +166,7 @@ class KVCompressAttentionImpl(AttentionImpl):
                        self.scale, attn_metadata.group_reduce)
             else:
                 accumulate_window_scores(query, kv_cache, kernel.page_format, step,
-                                         layer_index, self.scale, attn_metadata.group_reduce)
+                                         layer_index, self.scale, attn_metadata.group_reduce,
+                                         key=key[:num_tokens])
+            step.score_seconds += time.perf_counter() - started
         return output

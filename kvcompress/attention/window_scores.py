@@ -24,17 +24,26 @@ def accumulate_window_scores(
     layer: int,
     scale: float,
     group_reduce: str = "mean",
+    key: torch.Tensor | None = None,
 ) -> None:
+    """``query [T, Hq, D]`` (and optionally ``key [T, H, D]``) are this step's, for
+    ``layer``; given ``key``, a prompt entirely in this step is scored without reading
+    the pool."""
     rows = step.layer_rows(layer)
     num_kv_heads = step.layout.num_kv_heads
     for window in step.window_queries:
         index = window.batch_index
-        first = step.query_start_loc[index] + window.first_query
+        start = step.query_start_loc[index]
+        first = start + window.first_query
         queries = query[first : first + window.num_queries].float()  # [w, Hq, D]
         lengths_before = step.lengths_before[index, rows]
         lengths_after = lengths_before + step.num_new_tokens[index]
         num_keys = min(window.prompt_len, int(lengths_after.min()))
-        keys, _ = page_format.gather_rows(pool, step.page_tables[index, rows], num_keys)
+        if key is not None and int(lengths_before.max()) == 0:
+            # The whole prompt is in this step (no earlier chunk): its keys are at hand.
+            keys = key[start : start + num_keys].transpose(0, 1)
+        else:
+            keys, _ = page_format.gather_rows(pool, step.page_tables[index, rows], num_keys)
         group = queries.shape[1] // num_kv_heads
         grouped = queries.view(window.num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
         logits = torch.matmul(grouped, keys.float().transpose(-1, -2)[:, None]) * scale

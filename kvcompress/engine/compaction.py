@@ -26,10 +26,13 @@ SCORELESS_METHODS = frozenset({"streamingllm"})
 
 @dataclass
 class CompactionStats:
+    """Cumulative compression work of one worker (read by benchmarks)."""
+
     requests: int = 0
     tokens_moved: int = 0
     tokens_evicted: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # selection + moves, after the forward
+    score_seconds: float = 0.0  # observation-window scoring inside attention
 
 
 def wants_compression(settings: KVCompressionConfig, prompt_len: int) -> bool:

@@ -63,6 +63,8 @@ class StepBatch:
     window_queries: list[WindowQueries] = field(default_factory=list)
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
+    # Time the attention backend spent scoring observation windows in this step.
+    score_seconds: float = 0.0
 
     @property
     def num_reqs(self) -> int:

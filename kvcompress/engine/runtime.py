@@ -131,6 +131,7 @@ class PagedKVRuntime:
         if step is None:
             return {}
         self.state.finish_step(step)
+        self.stats.score_seconds += step.score_seconds
         started = time.perf_counter()
         compactions = compact_completed_prompts(
             self.state, step, self.pool, self.kernel, self.stats

@@ -31,7 +31,7 @@ def test_passkey_survives_half_the_cache_evicted(embedded_model):
     cases = [passkey_prompt(seed) for seed in range(5)]
     harness = EngineHarness(
         embedded_model, {"kv_compression": "pyramidkv", "kv_compression_ratio": 0.5},
-        max_model_len=2048, kv_cache_memory_bytes=256 << 20, max_num_seqs=32,
+        dtype="float32", max_model_len=2048, kv_cache_memory_bytes=512 << 20, max_num_seqs=32,
     )
     settings = {
         "full": {"kv_compression": "none"},

@@ -29,7 +29,8 @@ def free_port() -> int:
 def serve_command(model: str, port: int, *flags: str) -> list[str]:
     return [
         VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-        "--max-model-len", "4096", "--kv-cache-memory-bytes", "256M", *flags,
+        "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory-bytes", "512M",
+        *flags,
     ]
 
 

@@ -105,3 +105,19 @@ def test_window_scores_split_across_chunks_equal_one_shot_probabilities(group_re
                                 float("-inf"))
     expected = aggregate_window_probs(torch.softmax(logits, -1), group_reduce)
     torch.testing.assert_close(request.window_scores[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_window_scores_from_step_keys_equal_scores_from_the_pool():
+    case = build_case(CPU_PAGE_FORMAT, [[0] * 2], [40], num_layers=1, num_kv_heads=2, group=3,
+                      head_size=32, page_size=16, dtype=torch.float32, prompt_lens=[40],
+                      window=5, wants_compression=[True])
+    CpuPagedKernel(case.layout, torch.float32).write(case.pool, case.new_keys,
+                                                     case.new_values, case.step.slot_mapping)
+    scores = case.step.window_queries[0].scores
+    accumulate_window_scores(case.query, case.pool, CPU_PAGE_FORMAT, case.step, 0, 0.2)
+    from_pool = scores.clone()
+    scores.zero_()
+    accumulate_window_scores(case.query, case.pool, CPU_PAGE_FORMAT, case.step, 0, 0.2,
+                             key=case.new_keys)
+    torch.testing.assert_close(scores, from_pool)
+    assert from_pool.sum() > 0

@@ -1,0 +1,88 @@
+"""One tiny end-to-end run per script (real engines / real model): JSON keys and sane values."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_throughput_end_to_end(tmp_path, embedded_model):
+    out = tmp_path / "throughput.json"
+    run_script([
+        "benchmarks/throughput.py", "--model", embedded_model,
+        "--configs", "vanilla,pyramidkv:r=0.75", "--num-prompts", "3", "--input-len", "96",
+        "--output-len", "6", "--kv-cache-tokens", "512", "--max-num-batched-tokens", "512",
+        "--output-json", str(out), "--no-progress",
+    ])
+    report = json.loads(out.read_text())
+    assert {"command", "machine", "settings", "workload", "configs", "runtime_s",
+            "kv_tokens_per_request_derivation"} <= set(report)
+    vanilla, compressed = report["configs"]
+    assert [vanilla["label"], compressed["label"]] == ["vanilla", "pyramidkv:r=0.75"]
+    for row in (vanilla, compressed):
+        assert row["ok"] and row["all_outputs_full_length"]
+        assert row["output_tokens"] == 18 and row["prompt_tokens"] == 3 * 96
+        assert row["output_tok_s"] > 0 and row["total_tok_s"] > row["output_tok_s"]
+        assert row["peak_running"] >= 1 and row["steps"] >= 6
+        assert row["mean_kv_tokens_per_running"] > 0
+    assert vanilla["vs_vanilla"]["output_tok_s"] == 1.0
+    assert compressed["prompt_compression"] == pytest.approx(4.0)
+    # pages of 16 tokens holding a quarter of each prompt vs vLLM's 128-token blocks
+    assert compressed["mean_kv_tokens_per_running"] < vanilla["mean_kv_tokens_per_running"]
+    assert compressed["vs_vanilla"]["mean_kv_tokens_per_running"] < 1.0
+
+
+def test_quality_end_to_end(tmp_path, embedded_model):
+    out, png = tmp_path / "quality.json", tmp_path / "quality.png"
+    result = run_script([
+        "benchmarks/quality.py", "--model", embedded_model, "--tasks", "niah_single,qa",
+        "--lengths", "256", "--samples", "2", "--methods", "pyramidkv", "--budgets", "32,4096",
+        "--output-json", str(out), "--plot", str(png), "--no-progress",
+    ])
+    assert "2 engine runs (1 budgets >= every prompt not run)" in result.stdout
+    report = json.loads(out.read_text())
+    assert {"command", "machine", "settings", "workload", "configs", "samples"} <= set(report)
+    rows = {row["label"]: row for row in report["configs"]}
+    assert list(rows) == ["vanilla", "pyramidkv:32", "pyramidkv:4096"]
+    full, small, skipped = rows["vanilla"], rows["pyramidkv:32"], rows["pyramidkv:4096"]
+    assert all(row["ok"] for row in rows.values())
+    assert full["fidelity"] == 1.0 and full["exact_match_full"] == 1.0
+    assert full["accuracy"] > 0 and full["retained"] == 1.0  # the model finds needles at 256
+    assert set(full["per_task"]) == {"niah_single", "qa"} and len(full["scores"]) == 4
+    assert 0.0 <= small["fidelity"] <= 1.0 and small["kept_fraction"] < 0.2
+    assert skipped["not_run"] and skipped["accuracy"] == full["accuracy"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_attention_analysis_end_to_end(tmp_path, embedded_model):
+    out, png = tmp_path / "attention.json", tmp_path / "attention.png"
+    run_script([
+        "-m", "kvcompress", "analyze", "--model", embedded_model, "--inputs", "qa",
+        "--length", "256", "--new-tokens", "4", "--budgets", "32,64,512",
+        "--output-json", str(out), "--plot", str(png), "--no-progress",
+    ])
+    report = json.loads(out.read_text())
+    layers = json.loads((Path(embedded_model) / "config.json").read_text())["num_hidden_layers"]
+    assert len(report["layer_stats"]["normalized_entropy"]) == layers
+    assert set(report["recall"]) == {"pyramidkv", "snapkv", "streamingllm", "adakv", "oracle"}
+    for method, by_budget in report["recall"].items():
+        assert by_budget["512"] == pytest.approx(1.0), method  # budget >= prompt: all kept
+        assert 0.0 < by_budget["32"] < by_budget["64"] <= 1.0, method
+        assert len(report["recall_per_layer"][method]["32"]) == layers
+    assert report["recall"]["oracle"]["32"] >= report["recall"]["streamingllm"]["32"]
+    assert png.read_bytes()[:4] == b"\x89PNG"

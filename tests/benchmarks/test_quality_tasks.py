@@ -1,0 +1,172 @@
+"""Task generation (determinism, lengths, answers in context), scoring and summaries."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from quality import (
+    TASKS,
+    CompressionSpec,
+    Sample,
+    add_retained,
+    contains,
+    evicts_nothing,
+    kept_fraction,
+    make_samples,
+    make_specs,
+    plot,
+    prefix_agreement,
+    render,
+    score,
+    summarize_config,
+)
+
+
+def test_generation_is_deterministic_and_seeded(count_words):
+    a = make_samples(list(TASKS), [300], 2, seed=7, count=count_words)
+    b = make_samples(list(TASKS), [300], 2, seed=7, count=count_words)
+    c = make_samples(list(TASKS), [300], 2, seed=8, count=count_words)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert all(x.prompt != y.prompt for x, y in zip(a, c))
+    # samples of one task differ from each other
+    assert a[0].prompt != a[1].prompt
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [300, 700])
+def test_prompts_fit_and_fill_the_length(task, length, count_words):
+    for sample in make_samples([task], [length], 3, seed=1, count=count_words):
+        size = count_words(sample.prompt)
+        assert size <= length
+        assert size >= 0.85 * length, (task, size)
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "common_words"])
+def test_answers_appear_in_the_context(task, count_words):
+    for sample in make_samples([task], [400], 3, seed=2, count=count_words):
+        context = sample.prompt.rsplit("\n\n", 1)[0]  # without the question
+        for answer in sample.answers:
+            assert contains(context, answer), (task, answer)
+
+
+def test_needle_counts_and_answer_shapes(count_words):
+    rng = random.Random(0)
+    prompt, answers, metric, _ = TASKS["niah_multikey"](rng, 500, count_words)
+    assert len(re.findall(r"The special magic number for \S+ is \d{6}\.", prompt)) == 4
+    assert metric == "all" and len(answers) == 1
+    prompt, answers, metric, _ = TASKS["niah_multivalue"](rng, 500, count_words)
+    assert len(answers) == 3 and len(set(answers)) == 3 and metric == "all"
+    prompt, answers, _, _ = TASKS["variable_tracking"](rng, 500, count_words)
+    assert len(answers) == 3
+    assert f"VAR {answers[1]} = VAR {answers[0]}." in prompt
+    assert prompt.endswith("they are: VAR")
+
+
+def test_common_words_are_the_most_frequent(count_words):
+    prompt, answers, _, _ = TASKS["common_words"](random.Random(3), 800, count_words)
+    body = prompt.split("\n\n")[1]
+    counts: dict[str, int] = {}
+    for word in re.findall(r"\d+\. (\w+)", body):
+        counts[word] = counts.get(word, 0) + 1
+    top = sorted(counts, key=counts.get, reverse=True)[: len(answers)]
+    assert sorted(top) == sorted(answers)
+    assert min(counts[w] for w in answers) > max(c for w, c in counts.items() if w not in answers)
+
+
+def test_qa_question_targets_one_document(count_words):
+    for i in range(5):
+        prompt, answers, metric, _ = TASKS["qa"](random.Random(i), 700, count_words)
+        name = re.search(r"Question: .*?([A-Z][a-z]+ [A-Z][a-z]+)", prompt).group(1)
+        docs = [d for d in prompt.split("\n") if d.startswith("Document")]
+        assert len(docs) == 6 and metric == "any"
+        assert sum(name in d for d in docs) == 1
+        assert contains(next(d for d in docs if name in d), answers[0])
+
+
+def test_real_tokenizer_lengths(embedded_model):
+    from pathlib import Path
+
+    from tokenizers import Tokenizer  # the model's own tokenizer, without transformers' import
+
+    tokenizer = Tokenizer.from_file(str(Path(embedded_model) / "tokenizer.json"))
+
+    def count(text):
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    for sample in make_samples(list(TASKS), [512], 1, seed=0, count=count):
+        assert 0.85 * 512 <= count(sample.prompt) <= 512
+
+
+def test_contains_and_score():
+    assert contains("The number is 123456.", "123456")
+    assert not contains("The number is 1234567.", "123456")
+    assert contains("ANSWER: Lisbon!", "lisbon")
+    assert not contains("apples", "apple")
+    assert score(" 111111, 222222", ["111111", "222222", "333333"], "all") == pytest.approx(2 / 3)
+    assert score("Oslo or Lima", ["Lima", "Paris"], "any") == 1.0
+    assert score("nothing", ["Lima"], "any") == 0.0
+
+
+def test_prefix_agreement():
+    assert prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert prefix_agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert prefix_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+    assert prefix_agreement([7], [1, 2]) == 0.0
+
+
+def _samples():
+    return [
+        Sample("a", 100, 0, "", ["x"], "all", 4),
+        Sample("a", 100, 1, "", ["y"], "all", 4),
+        Sample("b", 100, 0, "", ["z", "w"], "all", 4),
+    ]
+
+
+def test_summarize_and_retained():
+    samples = _samples()
+    full = [{"text": "x", "token_ids": [1, 2]}, {"text": "y", "token_ids": [3]},
+            {"text": "z w", "token_ids": [4, 5]}]
+    half = [{"text": "x", "token_ids": [1, 2]}, {"text": "no", "token_ids": [9]},
+            {"text": "z", "token_ids": [4, 6]}]
+    ref = summarize_config(samples, full, full)
+    got = summarize_config(samples, half, full)
+    assert ref["accuracy"] == 1.0 and ref["fidelity"] == 1.0 and ref["exact_match_full"] == 1.0
+    assert got["per_task"] == {"a": 0.5, "b": 0.5}
+    assert got["accuracy"] == 0.5
+    assert got["fidelity"] == pytest.approx((1 + 0 + 0.5) / 3)
+    rows = [{"ok": True, **ref}, {"ok": True, **got}, {"ok": False}]
+    add_retained(rows, rows[0])
+    assert rows[0]["retained"] == 1.0 and rows[1]["retained"] == 0.5
+    assert rows[1]["retained_per_task"] == {"a": 0.5, "b": 0.5}
+    assert "retained" not in rows[2]
+
+
+def test_specs_and_skips():
+    specs = make_specs(["snapkv", "adakv"], [64, 2048], None)
+    assert [s.label for s in specs] == ["snapkv:64", "snapkv:2048", "adakv:64", "adakv:2048"]
+    assert evicts_nothing(CompressionSpec("snapkv", budget=2048), [1000, 2048])
+    assert not evicts_nothing(CompressionSpec("snapkv", budget=2048), [1000, 2049])
+    assert not evicts_nothing(CompressionSpec("snapkv", ratio=0.5), [10])
+    assert kept_fraction(CompressionSpec("snapkv", budget=128), [1024, 256]) == pytest.approx(
+        (0.125 + 0.5) / 2)
+    assert kept_fraction(CompressionSpec("snapkv", ratio=0.75), [1024]) == 0.25
+
+
+def test_render_and_plot(tmp_path):
+    rows = [
+        {"label": "vanilla", "method": "none", "budget": None, "ratio": None, "ok": True,
+         "accuracy": 0.8, "fidelity": 1.0, "per_task": {"qa": 0.8}, "kept_fraction": 1.0,
+         "retained": 1.0},
+        {"label": "snapkv:64", "method": "snapkv", "budget": 64, "ratio": None, "ok": True,
+         "accuracy": 0.4, "fidelity": 0.5, "per_task": {"qa": 0.4}, "kept_fraction": 0.1,
+         "retained": 0.5},
+        {"label": "snapkv:128", "method": "snapkv", "budget": 128, "ratio": None, "ok": True,
+         "accuracy": 0.6, "fidelity": 0.7, "per_task": {"qa": 0.6}, "kept_fraction": 0.2,
+         "retained": 0.75, "not_run": "x"},
+    ]
+    text = render(rows, ["qa"])
+    assert "snapkv:128 (=full)" in text and "0.50" in text
+    plot(rows, tmp_path / "q.png", title="t")
+    assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

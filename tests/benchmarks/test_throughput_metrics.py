@@ -1,0 +1,101 @@
+"""Throughput figures from per-step samples, ratios to vanilla, prompts, table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from common import JobResult
+from throughput import (
+    CompressionSpec,
+    add_ratios,
+    config_row,
+    file_prompts,
+    render,
+    summarize,
+    synthetic_prompts,
+)
+
+
+def test_summarize_kv_tokens_per_running_request():
+    samples = [
+        {"running": 2, "waiting": 3, "kv_cache_usage": 0.5},   # 0.5 * 1000 / 2 = 250
+        {"running": 0, "waiting": 0, "kv_cache_usage": 0.0},   # idle step: ignored
+        {"running": 4, "waiting": 0, "kv_cache_usage": 0.8},   # 0.8 * 1000 / 4 = 200
+    ]
+    out = summarize(samples, elapsed=10.0, prompt_tokens=300, output_tokens=100,
+                    preemptions=2, capacity_tokens=1000)
+    assert out["mean_kv_tokens_per_running"] == pytest.approx(225.0)
+    assert out["output_tok_s"] == pytest.approx(10.0)
+    assert out["total_tok_s"] == pytest.approx(40.0)
+    assert out["peak_running"] == 4 and out["mean_running"] == pytest.approx(3.0)
+    assert out["peak_kv_usage"] == pytest.approx(0.8) and out["preemptions"] == 2
+    assert out["steps"] == 3
+
+
+def test_summarize_empty():
+    out = summarize([], elapsed=0.0, prompt_tokens=0, output_tokens=0, preemptions=0,
+                    capacity_tokens=10)
+    assert out["output_tok_s"] == 0.0 and out["mean_kv_tokens_per_running"] == 0.0
+
+
+def test_ratios_to_vanilla():
+    rows = [
+        {"label": "vanilla", "ok": True, "output_tok_s": 10.0, "total_tok_s": 50.0,
+         "peak_running": 4, "mean_kv_tokens_per_running": 1000.0},
+        {"label": "snapkv:r=0.875", "ok": True, "output_tok_s": 25.0, "total_tok_s": 100.0,
+         "peak_running": 16, "mean_kv_tokens_per_running": 250.0},
+        {"label": "adakv:64", "ok": False},
+    ]
+    add_ratios(rows)
+    assert rows[0]["vs_vanilla"] == {"output_tok_s": 1.0, "total_tok_s": 1.0,
+                                     "peak_running": 1.0, "mean_kv_tokens_per_running": 1.0}
+    assert rows[1]["vs_vanilla"]["output_tok_s"] == pytest.approx(2.5)
+    assert rows[1]["vs_vanilla"]["mean_kv_tokens_per_running"] == pytest.approx(0.25)
+    assert rows[2]["vs_vanilla"]["output_tok_s"] is None
+
+
+def test_ratios_without_vanilla_are_none():
+    rows = [{"label": "snapkv:64", "ok": True, "output_tok_s": 3.0}]
+    add_ratios(rows)
+    assert rows[0]["vs_vanilla"]["output_tok_s"] is None
+
+
+def test_synthetic_prompts_seeded_and_clean():
+    special = {0, 1, 2}
+    a = synthetic_prompts(3, 50, 7, seed=1, vocab_size=100, special_ids=special)
+    assert a == synthetic_prompts(3, 50, 7, seed=1, vocab_size=100, special_ids=special)
+    assert a != synthetic_prompts(3, 50, 7, seed=2, vocab_size=100, special_ids=special)
+    assert all(len(p["prompt_token_ids"]) == 50 and p["max_tokens"] == 7 for p in a)
+    assert not special & {t for p in a for t in p["prompt_token_ids"]}
+    assert a[0]["prompt_token_ids"] != a[1]["prompt_token_ids"]
+
+
+class FakeTokenizer:
+    def encode(self, text):
+        return [len(word) for word in text.split()]
+
+
+def test_file_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a bb ccc", "max_tokens": 5}) + "\n\n"
+                    + json.dumps({"prompt": "dddd"}) + "\n")
+    prompts = file_prompts(path, FakeTokenizer(), default_max_tokens=9, limit=None)
+    assert prompts == [{"prompt_token_ids": [1, 2, 3], "max_tokens": 5},
+                       {"prompt_token_ids": [4], "max_tokens": 9}]
+    assert len(file_prompts(path, FakeTokenizer(), 9, limit=1)) == 1
+    path.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(SystemExit, match="p.jsonl:1"):
+        file_prompts(path, FakeTokenizer(), 9, None)
+
+
+def test_config_row_and_render():
+    ok = config_row(CompressionSpec("pyramidkv", ratio=0.875),
+                    JobResult("x", result={"output_tok_s": 20.0, "elapsed_s": 3.0}))
+    failed = config_row(CompressionSpec(), JobResult("vanilla", error="boom"))
+    assert ok["ok"] and ok["prompt_compression"] == pytest.approx(8.0)
+    assert not failed["ok"] and failed["error"] == "boom"
+    rows = [failed, ok]
+    add_ratios(rows)
+    table = render(rows)
+    assert "pyramidkv:r=0.875" in table and "20.00" in table
