@@ -10,7 +10,10 @@ from .harness import EngineHarness
 
 pytestmark = pytest.mark.slow
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. "
+    "There and back again. "
+)
 
 
 def passkey_prompt(seed: int, num_fillers: int = 20) -> tuple[str, str]:
