@@ -8,14 +8,12 @@ scheduler). What is CUDA-specific here:
   builds the model (the same scoped override the CPU worker uses for CPU_ATTN);
 - the metadata builder declares no CUDA-graph support, so vLLM compiles attention as a
   piecewise split and runs it eagerly between captured pieces (or runs fully eager);
-- dummy runs (warm-up, graph capture, memory profiling) own no pages, and the small KV
-  cache vLLM builds to profile graph memory is dropped with its runtime.
+- the small KV cache vLLM builds to profile graph memory is dropped with its runtime
+  (dummy runs own no pages: the shared mixin hides the runtime from them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +23,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from kvcompress.attention.backend import KVCompressAttentionBackend
 from kvcompress.engine.model_runner import PagedKVRunnerMixin
-from kvcompress.engine.runtime import register_runtime, runtime_for
+from kvcompress.engine.runtime import register_runtime
 from kvcompress.log import get_logger
 from kvcompress.vllm_hooks import attention_backend_override
 
@@ -43,17 +41,6 @@ class KVCompressCudaAttentionBackend(KVCompressAttentionBackend):
         return CUDA_ATTENTION_BACKEND
 
 
-@contextmanager
-def _runtime_hidden(vllm_config: Any) -> Iterator[None]:
-    """Hide the engine's paged-KV runtime: attention metadata is None, attention a no-op."""
-    runtime = runtime_for(vllm_config)
-    register_runtime(vllm_config, None)
-    try:
-        yield
-    finally:
-        register_runtime(vllm_config, runtime)
-
-
 class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
     def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
         from kvcompress.attention.gpu_kernel import TritonPagedKernel
@@ -69,12 +56,6 @@ class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
                 jit_unavailable_reason() or f"disabled by {ENV_SWITCH} or its build failed",
             )
         return kernel
-
-    def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
-        # Dummy batches have no requests in the page tables: never let them build paged
-        # metadata (vLLM builds it for forced-attention or full-graph dummy runs).
-        with _runtime_hidden(self.vllm_config):
-            return super()._dummy_run(*args, **kwargs)
 
     def _cleanup_profiling_kv_cache(self) -> None:
         super()._cleanup_profiling_kv_cache()

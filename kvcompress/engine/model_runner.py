@@ -70,6 +70,17 @@ class PagedKVRunnerMixin:
                 result = self._attach_compactions(result)
         return result
 
+    def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+        # Dummy batches (warm-up, graph capture, profiling) have no requests in the page
+        # tables: hide the runtime so they build no paged metadata (attention is a no-op).
+        runtime = self.paged_runtime
+        register_runtime(self.vllm_config, None)
+        try:
+            return super()._dummy_run(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if runtime is not None and self.paged_runtime is runtime:
+                register_runtime(self.vllm_config, runtime)
+
     def sample_tokens(self, grammar_output: Any) -> Any:
         output = super().sample_tokens(grammar_output)  # type: ignore[misc]
         if self.paged_runtime is not None and isinstance(output, ModelRunnerOutput):

@@ -126,11 +126,24 @@ def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_ru
     kernel = gpu.KVCompressGPUModelRunner.make_kernel(runner, layout, torch.float32)
     assert isinstance(kernel, TritonPagedKernel) and kernel.native_move is None
 
-    vllm_config, runtime = object(), object()
-    register_runtime(vllm_config, runtime)
+    from kvcompress.engine.model_runner import PagedKVRunnerMixin
+
+    seen = []
+
+    class Base:
+        def _dummy_run(self, *args, **kwargs):
+            seen.append(runtime_for(self.vllm_config))
+            return "ran"
+
+    class Runner(PagedKVRunnerMixin, Base):
+        pass
+
+    fake = Runner()
+    fake.vllm_config, fake.paged_runtime = object(), object()
+    register_runtime(fake.vllm_config, fake.paged_runtime)
     try:
-        with gpu._runtime_hidden(vllm_config):
-            assert runtime_for(vllm_config) is None
-        assert runtime_for(vllm_config) is runtime
+        assert fake._dummy_run(8) == "ran"
+        assert seen == [None]  # hidden during the dummy run
+        assert runtime_for(fake.vllm_config) is fake.paged_runtime  # and back afterwards
     finally:
-        register_runtime(vllm_config, None)
+        register_runtime(fake.vllm_config, None)
