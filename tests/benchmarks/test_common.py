@@ -11,6 +11,7 @@ import pytest
 from common import (
     CompressionSpec,
     format_table,
+    parse_kv_options,
     parse_specs,
     read_results,
     run_jobs,
@@ -56,6 +57,14 @@ def test_parse_specs_rejects_duplicates():
     assert [s.label for s in parse_specs("vanilla, snapkv:64")] == ["vanilla", "snapkv:64"]
     with pytest.raises(ValueError, match="duplicate"):
         parse_specs("snapkv:64,snapkv:budget=64")
+
+
+def test_parse_kv_options():
+    assert parse_kv_options(["kv_window=16", "kv_pooling=avg", "kv_pyramid_beta=2.5"]) == {
+        "kv_window": 16, "kv_pooling": "avg", "kv_pyramid_beta": 2.5}
+    for bad in ("kv_windw=16", "window=16", "kv_budget=64", "kv_window"):
+        with pytest.raises(SystemExit, match="--kv-option"):
+            parse_kv_options([bad])
 
 
 def test_format_table_aligns_numbers_right_text_left():

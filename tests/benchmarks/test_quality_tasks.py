@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -170,3 +171,30 @@ def test_render_and_plot(tmp_path):
     assert "snapkv:128 (=full)" in text and "0.50" in text
     plot(rows, tmp_path / "q.png", title="t")
     assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replot_from_saved_json(tmp_path, capsys):
+    from quality import main
+
+    report = {
+        "settings": {"model": "/m/Tiny"},
+        "workload": {"tasks": ["qa"], "lengths": [256], "samples_per_task_length": 1},
+        "configs": [
+            {"label": "vanilla", "method": "none", "budget": None, "ratio": None, "ok": True,
+             "accuracy": 1.0, "fidelity": 1.0, "per_task": {"qa": 1.0}, "kept_fraction": 1.0},
+            {"label": "adakv:64", "method": "adakv", "budget": 64, "ratio": None, "ok": False,
+             "error": "boom", "kept_fraction": 0.25},
+        ],
+    }
+    saved = tmp_path / "q.json"
+    saved.write_text(json.dumps(report))
+    assert main(["--replot", str(saved), "--plot", str(tmp_path / "q.png")]) == 0
+    assert "adakv:64" in capsys.readouterr().out
+    assert (tmp_path / "q.png").stat().st_size > 1000
+
+
+def test_qa_drops_documents_when_facts_alone_overflow(count_words):
+    prompt, answers, _, _ = TASKS["qa"](random.Random(0), 120, count_words)
+    docs = [d for d in prompt.split("\n") if d.startswith("Document")]
+    assert count_words(prompt) <= 120 and 1 <= len(docs) < 6
+    assert any(contains(d, answers[0]) for d in docs)

@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""Offline throughput: the same prompts through vanilla vLLM and kvcompress, in one invocation.
+
+Every configuration gets the same engine settings (KV-cache memory, max_num_seqs,
+max_num_batched_tokens, max_model_len, dtype, eager/compiled) and the same prompts (token ids
+made once, here), and runs in its own worker process, one after the other:
+
+    python benchmarks/throughput.py                                    # defaults (CPU: ~22 min)
+    python benchmarks/throughput.py --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
+        --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
+    python benchmarks/throughput.py --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
+
+Configurations: ``vanilla``, ``METHOD:BUDGET`` (tokens kept per layer and KV head) or
+``METHOD:r=RATIO`` (fraction of each prompt evicted: r=0.875 is 8x prompt compression).
+``ignore_eos`` makes every configuration generate exactly the same number of tokens.
+
+Memory-bound by design: the KV cache holds only a few uncompressed requests
+(``--kv-cache-tokens``) while ``--max-num-seqs`` is large, so the number of requests that run
+together is set by KV memory, which compression frees.
+
+KV tokens per running request: vLLM reports, per engine step, the fraction of the KV cache in
+use (vanilla: blocks of ``block_size`` tokens; kvcompress: pages of one layer's KV head) and the
+number of running requests. Both pools are sized from the same bytes, so capacity in tokens of
+every layer and KV head is ``kv_cache_memory_bytes / (2 * layers * kv_heads * head_dim *
+dtype_bytes)``, and ``usage * capacity / running`` is the average KV a running request holds,
+in token-equivalents (all layers and heads). It includes partially filled blocks / pages and,
+for kvcompress, prompts in prefill that are not compressed yet. We report its mean over steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    CompressionSpec,
+    EngineSettings,
+    Reporter,
+    command_string,
+    default_model_dir,
+    default_threads,
+    detect_device,
+    format_table,
+    kv_bytes_per_token,
+    machine_info,
+    make_workdir,
+    parse_kv_options,
+    parse_specs,
+    resolve_dtype,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_json,
+)
+
+DEFAULT_CONFIGS = "vanilla,pyramidkv:r=0.5,pyramidkv:r=0.75,pyramidkv:r=0.875"
+RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running")
+
+
+# ----------------------------------------------------------------------------- prompts
+def synthetic_prompts(num: int, input_len: int, output_len: int, seed: int,
+                      vocab_size: int, special_ids: set[int]) -> list[dict[str, Any]]:
+    """Random token ids (no special tokens), the same for every configuration."""
+    rng = random.Random(seed)
+    allowed = [i for i in range(vocab_size) if i not in special_ids]
+    return [
+        {"prompt_token_ids": [rng.choice(allowed) for _ in range(input_len)],
+         "max_tokens": output_len}
+        for _ in range(num)
+    ]
+
+
+def file_prompts(path: Path, tokenizer: Any, default_max_tokens: int,
+                 limit: int | None) -> list[dict[str, Any]]:
+    """JSONL lines ``{"prompt": str, "max_tokens": int (optional)}``, tokenized once here."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise SystemExit(f"{path}:{number}: expected {{\"prompt\": ...}}: {error}") from None
+        max_tokens = int(row.get("max_tokens", default_max_tokens))
+        prompts.append({"prompt_token_ids": tokenizer.encode(text), "max_tokens": max_tokens})
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise SystemExit(f"{path}: no prompts")
+    return prompts
+
+
+# ----------------------------------------------------------------------------- metrics
+def summarize(samples: list[dict[str, float]], *, elapsed: float, prompt_tokens: int,
+              output_tokens: int, preemptions: int, capacity_tokens: int) -> dict[str, Any]:
+    """Throughput and KV figures of one configuration from its per-step samples."""
+    busy = [s for s in samples if s["running"] > 0]
+    per_request = [s["kv_cache_usage"] * capacity_tokens / s["running"] for s in busy]
+    return {
+        "elapsed_s": elapsed,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "output_tok_s": output_tokens / elapsed if elapsed > 0 else 0.0,
+        "total_tok_s": (prompt_tokens + output_tokens) / elapsed if elapsed > 0 else 0.0,
+        "steps": len(samples),
+        "peak_running": max((s["running"] for s in samples), default=0),
+        "mean_running": sum(s["running"] for s in busy) / len(busy) if busy else 0.0,
+        "preemptions": preemptions,
+        "peak_kv_usage": max((s["kv_cache_usage"] for s in samples), default=0.0),
+        "mean_kv_tokens_per_running": sum(per_request) / len(per_request) if busy else 0.0,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_vanilla``: each figure of RATIO_KEYS over vanilla's (None without a vanilla run)."""
+    base = next((r for r in rows if r["label"] == "vanilla" and r.get("ok")), None)
+    for row in rows:
+        ratios = {}
+        for key in RATIO_KEYS:
+            value, ref = row.get(key), (base or {}).get(key)
+            ratios[key] = value / ref if row.get("ok") and value is not None and ref else None
+        row["vs_vanilla"] = ratios
+
+
+# ----------------------------------------------------------------------------- worker side
+def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
+    from common import build_engine, generate, shutdown_engine
+    from vllm import SamplingParams
+
+    from kvcompress.stats import EngineStats, StepStatsRecorder
+
+    settings = EngineSettings(**job["settings"])
+    spec = CompressionSpec(**job["spec"])
+    prompts = json.loads(Path(job["prompts_path"]).read_text())
+    sink = EngineStats()
+    engine = build_engine(settings, spec, stat_loggers=[StepStatsRecorder.factory(sink)])
+    try:
+        params = [SamplingParams(max_tokens=p["max_tokens"], temperature=0.0, ignore_eos=True)
+                  for p in prompts]
+        if job["warmup"]:  # first steps pay one-time costs (kernel selection, allocations)
+            warm = prompts[0]["prompt_token_ids"][:64]
+            generate(engine, [warm], [SamplingParams(max_tokens=8, ignore_eos=True)])
+        sink.samples.clear()
+        sink.preemptions = sink.generated_tokens = sink.prompt_tokens = 0
+        last = [0.0]
+
+        def on_step(_finished: int, _generated: int) -> None:
+            now = time.monotonic()
+            if now - last[0] > 1.0:
+                last[0] = now
+                reporter.progress(sink.generated_tokens)
+
+        outputs, elapsed = generate(engine, [p["prompt_token_ids"] for p in prompts], params,
+                                    on_step)
+    finally:
+        shutdown_engine(engine)
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    result = summarize(
+        [vars(s) for s in sink.samples],
+        elapsed=elapsed,
+        prompt_tokens=sum(o.prompt_len for o in outputs),
+        output_tokens=output_tokens,
+        preemptions=sink.preemptions,
+        capacity_tokens=job["capacity_tokens"],
+    )
+    result["all_outputs_full_length"] = all(
+        len(o.token_ids) == p["max_tokens"] for o, p in zip(outputs, prompts)
+    )
+    return result
+
+
+# ----------------------------------------------------------------------------- parent side
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="model folder (default: embedded model)")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="comma-separated: vanilla, METHOD:BUDGET, METHOD:r=RATIO")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--num-prompts", type=int, default=24)
+    workload.add_argument("--input-len", type=int, default=1024, help="synthetic prompt tokens")
+    workload.add_argument("--output-len", type=int, default=128,
+                          help="tokens generated per prompt (default for --prompts-file too)")
+    workload.add_argument("--prompts-file", type=Path, default=None,
+                          help='JSONL of {"prompt": str, "max_tokens": int}; replaces synthetic')
+    workload.add_argument("--seed", type=int, default=0)
+    engine = parser.add_argument_group("engine (identical for every configuration)")
+    engine.add_argument("--kv-cache-tokens", type=int, default=3456,
+                        help="KV-cache size in uncompressed tokens (all layers and heads), "
+                        "converted to bytes for the dtype; the default holds 3 default requests")
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV-cache bytes; overrides --kv-cache-tokens")
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="default: longest prompt + its output")
+    engine.add_argument("--dtype", default="auto",
+                        help="auto = bfloat16, or float32 on CPUs without native bf16")
+    engine.add_argument("--compile", action="store_true",
+                        help="torch.compile / CUDA graphs (default: enforce_eager)")
+    engine.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of the in-process engine (default: cores - 1)")
+    engine.add_argument("--multiprocess-engine", action="store_true",
+                        help="vLLM's engine-core and worker processes (default: in-process)")
+    engine.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra kvcompress setting for compressed runs, e.g. kv_window=16")
+    run = parser.add_argument_group("run")
+    run.add_argument("--no-warmup", dest="warmup", action="store_false")
+    run.add_argument("--job-timeout", type=float, default=1800.0,
+                     help="seconds before a configuration is killed")
+    run.add_argument("--output-json", type=Path, default=RESULTS_DIR / "throughput.json")
+    run.add_argument("--log-file", type=Path, default=None,
+                     help="vLLM logs (default: a temporary folder)")
+    run.add_argument("--verbose", action="store_true", help="INFO-level vLLM logs in the log")
+    run.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def make_prompts(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if args.prompts_file is not None:
+        return file_prompts(args.prompts_file, tokenizer, args.output_len, args.num_prompts)
+    return synthetic_prompts(args.num_prompts, args.input_len, args.output_len, args.seed,
+                             len(tokenizer), set(tokenizer.all_special_ids))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1:], run_job)
+    args = build_parser().parse_args(argv)
+    started = time.perf_counter()
+    try:
+        specs = parse_specs(args.configs)
+    except ValueError as error:
+        raise SystemExit(f"--configs: {error}") from None
+    device = detect_device()
+    model = args.model or default_model_dir()
+    prompts = make_prompts(args, model)
+    settings, per_token = build_settings(args, model, device, prompts)
+    capacity = settings.kv_cache_memory_bytes // per_token
+    threads = None if device != "cpu" else args.threads or default_threads()
+    workdir = make_workdir("throughput")
+    prompts_path = workdir / "prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    log_path = args.log_file or workdir / "vllm.log"
+    output_tokens = sum(p["max_tokens"] for p in prompts)
+    workload = describe_workload(args, prompts)
+    header = {
+        "benchmark": "throughput",
+        "command": command_string([sys.argv[0], *argv]),
+        "machine": machine_info(device),
+        "settings": {**vars(settings), "kv_cache_capacity_tokens": capacity, "threads": threads,
+                     "kv_bytes_per_token": per_token, "warmup": args.warmup},
+        "workload": workload,
+        "kv_tokens_per_request_derivation": KV_DERIVATION,
+    }
+    print(f"command: {header['command']}")
+    print(f"settings: {json.dumps(header['settings'])}")
+    print(f"workload: {json.dumps(workload)}")
+    print(f"configs: {', '.join(s.label for s in specs)}; vLLM logs: {log_path}", flush=True)
+
+    jobs = [
+        {"id": spec.label, "spec": vars(spec), "settings": vars(settings), "isolate": True,
+         "prompts_path": str(prompts_path), "capacity_tokens": capacity, "warmup": args.warmup}
+        for spec in specs
+    ]
+    results = run_jobs(
+        Path(__file__).resolve(), jobs, workdir=workdir, log_path=log_path,
+        units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
+        env=worker_env(args.verbose, args.multiprocess_engine, threads), desc="throughput",
+        show_progress=not args.no_progress,
+    )
+    rows = [config_row(spec, results[spec.label]) for spec in specs]
+    add_ratios(rows)
+    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
+    write_json(args.output_json, report)
+    print()
+    print(render(rows))
+    print(f"KV tok/req = {header['kv_tokens_per_request_derivation']} "
+          f"(capacity {capacity} tokens)")
+    for row in rows:
+        if not row["ok"]:
+            print(f"\n{row['label']} FAILED:\n{row['error']}")
+    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+KV_DERIVATION = (
+    "mean over engine steps with running > 0 of kv_cache_usage * capacity_tokens / running, "
+    "capacity_tokens = kv_cache_memory_bytes / kv_bytes_per_token (all layers and KV heads of "
+    "one token); usage counts allocated vLLM blocks (vanilla) or per-head pages (kvcompress), "
+    "prompts in prefill uncompressed"
+)
+
+
+def build_settings(args: argparse.Namespace, model: str, device: str,
+                   prompts: list[dict[str, Any]]) -> tuple[EngineSettings, int]:
+    """The engine settings every configuration shares, and the KV bytes of one token."""
+    dtype = resolve_dtype(args.dtype, device)
+    longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
+    per_token = kv_bytes_per_token(model, dtype)
+    settings = EngineSettings(
+        model=model, dtype=dtype, max_model_len=args.max_model_len or longest,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes or args.kv_cache_tokens * per_token,
+        enforce_eager=not args.compile, seed=args.seed, multiprocess=args.multiprocess_engine,
+        compression_options=parse_kv_options(args.kv_option),
+    )
+    return settings, per_token
+
+
+def describe_workload(args: argparse.Namespace, prompts: list[dict[str, Any]]) -> dict:
+    return {
+        "source": str(args.prompts_file) if args.prompts_file else "synthetic random token ids",
+        "num_prompts": len(prompts),
+        "input_len": None if args.prompts_file else args.input_len,
+        "output_len": None if args.prompts_file else args.output_len,
+        "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
+        "output_tokens": sum(p["max_tokens"] for p in prompts),
+        "seed": args.seed,
+    }
+
+
+def config_row(spec: CompressionSpec, outcome: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "label": spec.label, "method": spec.method, "budget": spec.budget, "ratio": spec.ratio,
+        "prompt_compression": spec.compression_factor, "ok": outcome.error is None,
+        "error": outcome.error, "job_seconds": outcome.seconds,
+    }
+    row.update(outcome.result or {})
+    return row
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    table_rows = []
+    for row in rows:
+        ratios = row.get("vs_vanilla") or {}
+        table_rows.append({
+            **row,
+            "out_x": ratios.get("output_tok_s"),
+            "total_x": ratios.get("total_tok_s"),
+            "peak_x": ratios.get("peak_running"),
+            "kv_x": ratios.get("mean_kv_tokens_per_running"),
+        })
+    columns = [
+        ("label", "config"), ("output_tok_s", "out tok/s"), ("out_x", "x van"),
+        ("total_tok_s", "total tok/s"), ("total_x", "x van"), ("peak_running", "peak run"),
+        ("peak_x", "x van"), ("mean_running", "mean run"), ("preemptions", "preempt"),
+        ("mean_kv_tokens_per_running", "KV tok/req"), ("kv_x", "x van"),
+        ("elapsed_s", "time s"),
+    ]
+    return format_table(table_rows, columns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
