@@ -1,0 +1,52 @@
+"""Smoke runs of the micro benchmarks: kernels.py (Triton interpreter) and compression_cost.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_kernels_smoke_checks_every_kernel_against_its_reference(tmp_path):
+    out = tmp_path / "kernels.json"
+    run_script(["benchmarks/kernels.py", "--smoke", "--json", str(out)],
+               env={"TRITON_INTERPRET": "1"})
+    report = json.loads(out.read_text())
+    assert report["meta"]["checks_failed"] == 0 and report["meta"]["mode"] == "smoke"
+    sections = {row["section"] for row in report["rows"]}
+    assert {"check", "decode", "prefill", "window_scores", "move", "compression_step"} <= sections
+    checks = [row for row in report["rows"] if row["section"] == "check"]
+    assert len(checks) >= 2 and all(row["extra"]["ok"] for row in checks)
+    timed = [row for row in report["rows"] if row["section"] != "check"]
+    assert all(row["time_us"] > 0 for row in timed)
+
+
+@pytest.mark.slow
+def test_compression_cost_smoke(tmp_path, embedded_model):
+    out = tmp_path / "cost.json"
+    result = run_script([
+        "benchmarks/compression_cost.py", "--model", embedded_model, "--prompt-lens", "256",
+        "--num-prompts", "2", "--budget", "32", "--kv-cache-bytes", str(256 << 20),
+        "--json", str(out),
+    ], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert "% of prefill" in result.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["prompt_len"] == 256 and row["num_prompts"] == 2
+    # 30 layers x 3 KV heads x 2 prompts lose all but ~32 of 256 tokens each
+    assert row["tokens_evicted"] > 0.7 * 2 * 30 * 3 * 256
+    assert row["score_seconds"] > 0 and row["compaction_seconds"] > 0
+    assert 0 < row["compression_fraction"] < 1 and row["uncompressed_seconds"] > 0
