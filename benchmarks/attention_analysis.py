@@ -269,19 +269,22 @@ def load_model(model_dir: str, dtype: str, device: str) -> Any:
 
 def run(args: argparse.Namespace) -> str:
     """Run the analysis; writes JSON + PNG and returns the text report."""
-    from common import command_string, default_model_dir, machine_info, model_shape, parse_ints
+    from common import (
+        command_string,
+        default_model_dir,
+        machine_info,
+        model_shape,
+        parse_ints,
+        parse_names,
+    )
     from quality import TASKS, make_samples
 
     started = time.perf_counter()
     model_dir = args.model or default_model_dir()
     shape = model_shape(model_dir)
     budgets = parse_ints(args.budgets)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    tasks = [t.strip() for t in args.inputs.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in TASKS] + [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"unknown input task or method {bad}; tasks: {list(TASKS)}, "
-                         f"methods: {list(METHODS)}")
+    methods = parse_names(args.methods, METHODS, "--methods")
+    tasks = parse_names(args.inputs, list(TASKS), "--inputs")
     context = shape["max_position_embeddings"]
     if context and args.length + args.new_tokens > context:
         raise ValueError(f"--length + --new-tokens exceeds the model's context ({context})")

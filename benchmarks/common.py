@@ -129,6 +129,15 @@ def parse_ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def parse_names(text: str, known: Sequence[str], what: str) -> list[str]:
+    """Comma-separated names, each one of ``known`` (a ValueError names the unknown ones)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; allowed: {list(known)}")
+    return names
+
+
 def parse_kv_options(items: Sequence[str]) -> dict[str, Any]:
     """``["kv_window=16", "kv_pooling=avg"]`` -> additional_config keys, checked by name here
     (values are validated by the engine config, before any engine starts)."""

@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     model_shape,
     parse_ints,
     parse_kv_options,
+    parse_names,
     resolve_dtype,
     run_jobs,
     worker_env,
@@ -585,12 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot is not None:
         return replot(args.replot, args.plot)
     started = time.perf_counter()
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [t for t in tasks if t not in TASKS] + [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"unknown task or method: {unknown}; tasks: {list(TASKS)}, "
-                         f"methods: {list(METHODS)}")
+    try:
+        tasks = parse_names(args.tasks, list(TASKS), "--tasks")
+        methods = parse_names(args.methods, METHODS, "--methods")
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else None
     budgets = None if ratios else parse_ints(args.budgets)
     lengths = parse_ints(args.lengths)
