@@ -23,6 +23,9 @@ from pathlib import Path
 
 # In-process engine core and worker: the worker's counters are read directly.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import generate  # noqa: E402  (no vLLM import until an engine is built)
 
 
 @dataclass
@@ -57,16 +60,9 @@ def worker_stats(engine) -> dict:
     return stats
 
 
-def timed_generate(engine, prompts, params) -> float:
-    from vllm import SamplingParams  # noqa: F401  (engine already imported vllm)
-
-    started = time.perf_counter()
-    for number, tokens in enumerate(prompts):
-        engine.add_request(f"r{time.monotonic_ns()}-{number}", {"prompt_token_ids": tokens},
-                           params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - started
+def timed_generate(engine, prompts: list[list[int]], params) -> float:
+    _, seconds = generate(engine, prompts, [params] * len(prompts))
+    return seconds
 
 
 def run(args: argparse.Namespace) -> list[CostRow]:

@@ -123,8 +123,8 @@ def trim_generation_windows(
         dst_pos = request.prompt_kept[rows][:, None] + offsets
         pages = request.table.pages[rows].astype(np.int64)
         row_index = np.arange(len(rows))[:, None]
-        src = pages[row_index, src_pos // page_size] * page_size + src_pos % page_size
-        dst = pages[row_index, dst_pos // page_size] * page_size + dst_pos % page_size
+        src = _slots(pages, row_index, src_pos, page_size)
+        dst = _slots(pages, row_index, dst_pos, page_size)
         sources.append(torch.as_tensor(src.reshape(-1), dtype=torch.long))
         destinations.append(torch.as_tensor(dst.reshape(-1), dtype=torch.long))
         new_lengths = np.where(trimmed, request.prompt_kept + window, request.lengths)
@@ -202,6 +202,15 @@ def _moves_for_request(
     else:
         new_lengths = counts
         rows, src_pos, dst_pos = plan_hole_filling_moves(indices, new_lengths).flat_moves()
-    src = pages[rows, src_pos // page_size] * page_size + src_pos % page_size
-    dst = pages[rows, dst_pos // page_size] * page_size + dst_pos % page_size
+    src = _slots(pages, rows, src_pos, page_size)
+    dst = _slots(pages, rows, dst_pos, page_size)
     return src, dst, new_lengths.numpy().astype(np.int64)
+
+
+def _slots(pages: Any, rows: Any, positions: Any, page_size: int) -> Any:
+    """Pool slots of positions in one request's rows (numpy or torch, broadcasting alike).
+
+    Indexes the page table directly instead of kernels.positions_to_slots, which would first
+    gather a whole page-table row for every one of the (many) moves.
+    """
+    return pages[rows, positions // page_size] * page_size + positions % page_size
