@@ -2,17 +2,21 @@
 
 # Subcommands register through COMMANDS (name -> function adding the subparser and setting
 # ``handler``): a new tool adds one function and one entry. Keep vLLM imports out of this module;
-# handlers import what they need lazily so ``--help`` stays fast.
+# handlers import what they need lazily (the budgets parser needs the method registry, hence torch).
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
 
 def _add_budgets_command(subparsers: argparse._SubParsersAction) -> None:
+    # The method names come from the registry: building this parser imports torch.
+    from kvcompress.policies import METHODS
+    from kvcompress.policies.methods.pyramidkv import PYRAMIDKV
+    from kvcompress.policies.settings import DEFAULT_BETA, DEFAULT_WINDOW
+
     parser = subparsers.add_parser(
         "budgets",
         help="print the per-layer KV budgets a method would use for one prompt",
@@ -30,28 +34,28 @@ def _add_budgets_command(subparsers: argparse._SubParsersAction) -> None:
     spec.add_argument(
         "--kv-compression-ratio", type=float, help="fraction of the prompt evicted, in (0, 1)"
     )
-    parser.add_argument("--kv-window", type=int, default=8, help="observation window (default 8)")
     parser.add_argument(
-        "--kv-pyramid-beta", type=float, default=20.0, help="pyramid steepness, >= 1 (default 20)"
+        "--kv-window", type=int, default=DEFAULT_WINDOW,
+        help=f"observation window (default {DEFAULT_WINDOW})",
+    )
+    parser.add_argument(
+        "--kv-pyramid-beta", type=float, default=DEFAULT_BETA,
+        help=f"pyramid steepness, >= 1 (default {DEFAULT_BETA:g})",
     )
     parser.add_argument(
         "--method",
-        default="pyramidkv",
-        help="pyramidkv, snapkv, streamingllm or adakv (default pyramidkv)",
+        choices=METHODS,
+        default=PYRAMIDKV.name,
+        metavar="METHOD",
+        help=f"{', '.join(METHODS[:-1])} or {METHODS[-1]} (default {PYRAMIDKV.name})",
     )
     parser.set_defaults(handler=_run_budgets, command_parser=parser)
 
 
 def _validate_budgets_args(args: argparse.Namespace) -> None:
-    from kvcompress.policies.validation import (
-        METHODS,
-        check_beta,
-        check_budget_spec,
-        check_choice,
-        check_int,
-    )
+    from kvcompress.policies.validation import check_beta, check_budget_spec, check_int
 
-    check_choice("--method", args.method, METHODS)
+    # --method is checked by argparse (choices)
     check_int("--layers", args.layers, 1)
     check_int("--prompt-len", args.prompt_len, 1)
     check_budget_spec(
@@ -132,51 +136,9 @@ def _run_prepare_model(args: argparse.Namespace) -> str:
     return f"{'already prepared' if existed else 'prepared'}: {path}"
 
 
-def _load_analysis_module():
-    """benchmarks/ is not part of the installed package: load the script from the checkout."""
-    import importlib.util
-    from pathlib import Path
-
-    name = "kvcompress_attention_analysis"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_analysis.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise ValueError(f"{path} not found: `analyze` needs a source checkout of kvcompress")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    try:
-        spec.loader.exec_module(module)  # light: torch/transformers load when it runs
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def _add_analyze_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "analyze",
-        help="per-layer attention entropy and attention recall vs budget (transformers, PNG+JSON)",
-        description=(
-            "Runs benchmarks/attention_analysis.py: per-layer attention entropy/concentration "
-            "and each method's attention recall vs budget on long synthetic inputs."
-        ),
-    )
-    # never break the other commands: a broken checkout is reported when analyze runs
-    with contextlib.suppress(Exception):
-        _load_analysis_module().add_arguments(parser)
-    parser.set_defaults(handler=_run_analyze, command_parser=parser)
-
-
-def _run_analyze(args: argparse.Namespace) -> str:
-    return _load_analysis_module().run(args)
-
-
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "budgets": _add_budgets_command,
     "prepare-model": _add_prepare_model_command,
-    "analyze": _add_analyze_command,
 }
 
 

@@ -4,30 +4,38 @@ Every setting has a CLI flag (``--kv-budget``) and an ``additional_config`` key 
 same name in snake case (``kv_budget``). Validation happens here, before any engine
 process starts, and every error names the flag and the allowed values.
 
-No vLLM imports: this module is shared by the policies, the tests and the vLLM glue.
+No vLLM imports: this module is shared by the engine, the tests and the vLLM glue. Method
+names, their help and the policy defaults come from ``kvcompress.policies``; ``policy`` gives
+the settings ``plan_keep`` takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("none", "pyramidkv", "snapkv", "streamingllm", "adakv")
-POOLINGS = ("max", "avg", "none")
+from kvcompress.policies import COMPRESSION_METHODS, PolicySettings
+from kvcompress.policies import METHODS as POLICY_METHODS
+from kvcompress.policies.settings import (
+    DEFAULT_BETA,
+    DEFAULT_POOLING,
+    DEFAULT_POOLING_KERNEL,
+    DEFAULT_SINK_TOKENS,
+    DEFAULT_WINDOW,
+)
+from kvcompress.policies.validation import POOLINGS
+
+METHODS = ("none", *POLICY_METHODS)
 
 # A method other than "none" given neither --kv-budget nor --kv-compression-ratio keeps
 # this many tokens per KV head per layer on average (window included). 512 sits between
 # the papers' small (64/128) and near-lossless (2048) settings: long prompts shrink a lot,
 # short chat turns (< 512 tokens) are not touched at all.
 DEFAULT_BUDGET = 512
-DEFAULT_WINDOW = 8  # PyramidKV's LongBench runs; the authors found 8 or 16 best.
-DEFAULT_BETA = 20.0
-DEFAULT_POOLING = "max"
-DEFAULT_POOLING_KERNEL = 7  # max pool, kernel 7: the setting behind the LongBench numbers.
-DEFAULT_SINK_TOKENS = 4  # StreamingLLM's attention sinks.
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_DECODE_MARGIN = 64  # trim the generation window only every ~64 new tokens
 PAGE_SIZE_RANGE = (4, 256)
@@ -57,9 +65,8 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec(
         "kv_compression", "--kv-compression", str,
         "KV-cache compression method. 'none' (default) leaves vLLM untouched; "
-        "'pyramidkv' shrinks the per-layer budget with depth; 'snapkv' keeps the same "
-        "budget in every layer; 'streamingllm' keeps attention sinks plus the most recent "
-        "tokens; 'adakv' shares each layer's budget among its KV heads by score.",
+        + "; ".join(f"'{method.name}' {method.summary}" for method in COMPRESSION_METHODS)
+        + ".",
         METHODS,
     ),
     FlagSpec(
@@ -144,6 +151,22 @@ class KVCompressionConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @functools.cached_property
+    def policy(self) -> PolicySettings:
+        """The settings ``plan_keep`` takes (computed once: configs are shared by many steps)."""
+        if not self.enabled:
+            raise ValueError("kv_compression is 'none': there is no policy to plan with")
+        return PolicySettings(
+            method=self.method,
+            budget=self.budget,
+            ratio=self.ratio,
+            window=self.window,
+            beta=self.pyramid_beta,
+            pooling=self.pooling,
+            pooling_kernel=self.pooling_kernel,
+            sink_tokens=self.sink_tokens,
+        )
 
     @classmethod
     def from_mapping(

@@ -1,13 +1,18 @@
 """KV-cache compression policies in pure torch (no vLLM): budgets, scores, selection, plans.
 
+- registry:  the methods users can choose (``METHODS``, in the order shown), one record each,
+             defined in ``methods/<name>.py``; ``get_method(name)``.
+- settings:  ``PolicySettings`` (method, budget or ratio, window, knobs) and the policy defaults.
 - budgets:   tokens kept per layer (PyramidKV arithmetic schedule, uniform), exact totals.
 - scores:    observation-window scores per KV head (GQA-aware), pooling, H2O attention mass.
 - selection: keep masks (top-k per head, Ada-KV shared allocation, sinks + recent) and indices.
-- plan:      ``plan_keep``, the engine's entry point, returning a ``KeepPlan``.
+- plan:      ``plan_keep(settings, ...)``, the engine's entry point, returning a ``KeepPlan``.
 """
 
 from .budgets import distribute_exactly, layer_budgets, resolve_budget
+from .methods.base import CompressionMethod, SelectionBlock, SelectionSettings
 from .plan import KeepPlan, plan_keep
+from .registry import COMPRESSION_METHODS, METHODS, get_method, temporarily_registered
 from .scores import (
     accumulate_attention_mass,
     aggregate_window_probs,
@@ -28,16 +33,22 @@ from .selection import (
     top_quota_positions,
     window_mask,
 )
-from .validation import METHODS
+from .settings import PolicySettings
 
 __all__ = [
+    "COMPRESSION_METHODS",
     "METHODS",
     "PAD_INDEX",
+    "CompressionMethod",
     "KeepPlan",
+    "PolicySettings",
+    "SelectionBlock",
+    "SelectionSettings",
     "accumulate_attention_mass",
     "aggregate_window_probs",
     "distribute_exactly",
     "finalize_window_scores",
+    "get_method",
     "layer_budgets",
     "mask_to_indices",
     "observation_window_scores",
@@ -49,6 +60,7 @@ __all__ = [
     "shared_quota_mask",
     "shared_quota_positions",
     "sink_recent_mask",
+    "temporarily_registered",
     "top_quota_mask",
     "top_quota_positions",
     "window_attention_probs",

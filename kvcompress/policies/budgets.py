@@ -12,25 +12,9 @@ from collections.abc import Sequence
 from fractions import Fraction
 from functools import lru_cache
 
-from .validation import (
-    DEFAULT_BETA,
-    DEFAULT_WINDOW,
-    METHODS,
-    check_beta,
-    check_budget_spec,
-    check_choice,
-    check_int,
-)
-
-# Methods whose layer budgets follow the pyramid; the others keep the same budget in every layer.
-PYRAMID_METHODS = frozenset({"pyramidkv", "adakv"})
-
-
-def exact_fraction(value: float) -> Fraction:
-    """The decimal the user wrote (0.2 -> 1/5), not the binary float's expansion."""
-    if isinstance(value, int):
-        return Fraction(value)
-    return Fraction(repr(float(value)))
+from .registry import get_method
+from .settings import DEFAULT_BETA, DEFAULT_WINDOW
+from .validation import check_beta, check_budget_spec, check_int, exact_fraction
 
 
 def resolve_budget(
@@ -124,18 +108,19 @@ def layer_budgets(
 ) -> list[int]:
     """Tokens kept per KV head in each layer (window included), layer 0 first.
 
-    Pyramid methods ("pyramidkv", "adakv"; for "adakv" this is the per-head average of the layer
-    total) shrink with depth; "snapkv" and "streamingllm" keep the same budget in every layer.
-    Whenever prompt_len > budget the list sums to exactly num_layers * budget, each entry lies in
-    [window, prompt_len], and the list is non-increasing. Otherwise every layer keeps prompt_len.
+    The method's record (registry) says the shape: "pyramid" budgets shrink with depth (for
+    "adakv" they are the per-head average of the layer total), "uniform" ones keep the same
+    budget in every layer. Whenever prompt_len > budget the list sums to exactly
+    num_layers * budget, each entry lies in [window, prompt_len], and the list is
+    non-increasing. Otherwise every layer keeps prompt_len.
     """
-    check_choice("method", method, METHODS)
+    shape = get_method(method).budget_shape
     check_int("num_layers", num_layers, 1)
     check_beta(beta)
     per_layer = resolve_budget(prompt_len, budget, ratio, window)
     return list(
         _budgets_for(
-            method in PYRAMID_METHODS,
+            shape == "pyramid",
             int(num_layers),
             int(prompt_len),
             per_layer,

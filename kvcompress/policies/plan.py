@@ -7,30 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .budgets import exact_fraction, layer_budgets
+from .budgets import layer_budgets
+from .methods.base import SelectionBlock
 from .scores import pool_scores
-from .selection import (
-    PAD_INDEX,
-    mask_to_indices,
-    shared_quota_positions,
-    sink_recent_mask,
-    top_quota_positions,
-)
-from .validation import (
-    DEFAULT_ADAKV_FLOOR,
-    DEFAULT_BETA,
-    DEFAULT_POOLING,
-    DEFAULT_POOLING_KERNEL,
-    DEFAULT_SINK_TOKENS,
-    DEFAULT_WINDOW,
-    METHODS,
-    check_beta,
-    check_budget_spec,
-    check_choice,
-    check_int,
-    check_pooling,
-    check_real,
-)
+from .selection import PAD_INDEX
+from .settings import PolicySettings
+from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
 # batches are split into blocks of similar-length requests to bound temporary memory (the int64
@@ -55,125 +37,58 @@ class KeepPlan:
     prompt_lens: torch.Tensor
     compressed: torch.Tensor
 
-    pad_index = PAD_INDEX
-
-    @property
-    def num_requests(self) -> int:
-        return self.counts.shape[0]
-
-    @property
-    def max_keep(self) -> int:
-        return self.indices.shape[-1]
-
-    def to(self, device: torch.device | str) -> KeepPlan:
-        return KeepPlan(
-            self.counts.to(device),
-            self.indices.to(device),
-            self.prompt_lens.to(device),
-            self.compressed.to(device),
-        )
-
 
 @torch.no_grad()
 def plan_keep(
-    method: str,
+    settings: PolicySettings,
     prompt_lens: list[int],
     scores: Sequence[torch.Tensor | None] | None,
     *,
     num_layers: int,
     num_kv_heads: int,
-    budget: int | None = None,
-    ratio: float | None = None,
-    window: int = DEFAULT_WINDOW,
-    beta: float = DEFAULT_BETA,
-    pooling: str = DEFAULT_POOLING,
-    pooling_kernel: int = DEFAULT_POOLING_KERNEL,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
-    adakv_floor: float = DEFAULT_ADAKV_FLOOR,
 ) -> KeepPlan:
     """Plan which prompt tokens every (request, layer, KV head) keeps.
 
-    method: "pyramidkv" (pyramid layer budgets, top-k per head), "snapkv" (uniform budgets, top-k
-        per head), "streamingllm" (uniform budgets, first sinks + most recent tokens; scores
-        ignored, may be None), "adakv" (pyramid layer totals shared among a layer's heads).
+    settings: the method (its registry record shapes the layer budgets and selects the tokens),
+        budget or ratio, window and the methods' knobs. A request with prompt_len <= its budget
+        keeps everything.
     scores: per request fp32 [num_layers, num_kv_heads, prompt_len] RAW window scores (summed over
         window queries, GQA-aggregated, not pooled: pooling happens here, over the non-window
-        prefix only). An entry may be None when that request keeps its whole prompt.
-    budget / ratio: exactly one; tokens per head per layer on average (window included) or the
-        fraction of the prompt evicted. A request with prompt_len <= its budget keeps everything.
+        prefix only). An entry may be None when that request keeps its whole prompt; all of
+        them may be None (or anything) for a method that needs no scores.
     The last min(window, prompt_len) tokens are always kept. Output lives on the scores' device
     (CPU when no scores are given).
     """
-    check_choice("method", method, METHODS)
     num_layers = check_int("num_layers", num_layers, 1)
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
-    check_budget_spec(budget, ratio, window)
-    check_beta(beta)
-    check_pooling(pooling, pooling_kernel)
-    sink_tokens = check_int("sink_tokens", sink_tokens, 0)
-    check_real("adakv_floor", adakv_floor, low=0.0, high=1.0)
     lens = [check_int(f"prompt_lens[{i}]", q, 1) for i, q in enumerate(prompt_lens)]
     if scores is not None and len(scores) != len(lens):
         raise ValueError(f"scores has {len(scores)} entries for {len(lens)} prompt_lens")
 
-    per_layer = [layer_budgets(method, num_layers, q, budget, ratio, window, beta) for q in lens]
+    per_layer = [
+        layer_budgets(
+            settings.method, num_layers, q, settings.budget, settings.ratio, settings.window,
+            settings.beta,
+        )
+        for q in lens
+    ]
     keeps_all = [min(budgets) == q for budgets, q in zip(per_layer, lens)]
-    if method != "streamingllm":
-        _check_scores(scores, lens, keeps_all, num_layers, num_kv_heads)
     device = _device_of(scores)
-
-    if method == "streamingllm":
-        counts, indices = _plan_streaming(
-            lens, per_layer, window, sink_tokens, num_layers, num_kv_heads, device
-        )
+    if settings.compression_method.needs_scores:
+        _check_scores(scores, lens, keeps_all, num_layers, num_kv_heads)
     else:
-        counts, indices = _plan_top_scores(
-            method,
-            lens,
-            scores,
-            per_layer,
-            keeps_all,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            window=window,
-            pooling=pooling,
-            pooling_kernel=pooling_kernel,
-            adakv_floor=adakv_floor,
-            device=device,
-        )
+        scores = None  # not read: they only told the device
+    counts, indices = _plan_requests(
+        settings, lens, scores, per_layer, keeps_all,
+        num_layers=num_layers, num_kv_heads=num_kv_heads, device=device,
+    )
     prompt_lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     compressed = (counts < prompt_lens_t[:, None, None]).flatten(1).any(dim=1)
     return KeepPlan(counts, indices, prompt_lens_t, compressed)
 
 
-def _plan_streaming(
-    lens: list[int],
-    per_layer: list[list[int]],
-    window: int,
-    sink_tokens: int,
-    num_layers: int,
-    num_kv_heads: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sinks + most recent tokens; the same for every layer and head of a request.
-
-    Sinks are capped at budget - window so the observation window is always among the recent.
-    """
-    keep = [budgets[0] for budgets in per_layer]  # uniform budgets, already capped at prompt_len
-    sinks = [min(sink_tokens, k - min(window, q)) for k, q in zip(keep, lens)]
-    recent = [k - s for k, s in zip(keep, sinks)]
-    lengths, sinks_t, recent_t = (torch.tensor(v, device=device) for v in (lens, sinks, recent))
-    mask = sink_recent_mask(lengths, sinks_t, recent_t, max(lens, default=0))  # [R, max prompt]
-    indices = mask_to_indices(mask, max(keep, default=0))
-    counts = torch.tensor(keep, dtype=torch.long, device=device)
-    return (
-        counts[:, None, None].expand(-1, num_layers, num_kv_heads).contiguous(),
-        indices[:, None, None, :].expand(-1, num_layers, num_kv_heads, -1).contiguous(),
-    )
-
-
-def _plan_top_scores(
-    method: str,
+def _plan_requests(
+    settings: PolicySettings,
     lens: list[int],
     scores: Sequence[torch.Tensor | None] | None,
     per_layer: list[list[int]],
@@ -181,27 +96,19 @@ def _plan_top_scores(
     *,
     num_layers: int,
     num_kv_heads: int,
-    window: int,
-    pooling: str,
-    pooling_kernel: int,
-    adakv_floor: float,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score-based methods: requests that compress go through padded blocks, the rest keep all."""
+    """Requests that compress go through padded blocks, the rest keep all."""
     counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
     blocks = []  # (request ids, counts, kept positions)
     for group in _request_groups(lens, keeps_all, num_layers * num_kv_heads):
         block_counts, block_kept = _plan_block(
-            method,
+            settings,
             [lens[i] for i in group],
-            [scores[i] for i in group],  # type: ignore[index,misc]  # compressed => scores given
+            None if scores is None else [scores[i] for i in group],  # type: ignore[misc]
             [per_layer[i] for i in group],
-            num_kv_heads=num_kv_heads,
-            window=window,
-            pooling=pooling,
-            pooling_kernel=pooling_kernel,
-            adakv_floor=adakv_floor,
-            device=device,
+            num_kv_heads,
+            device,
         )
         blocks.append((torch.tensor(group, device=device), block_counts, block_kept))
 
@@ -275,44 +182,43 @@ def _request_groups(
 
 
 def _plan_block(
-    method: str,
+    settings: PolicySettings,
     lens: list[int],
-    scores: list[torch.Tensor],
+    scores: list[torch.Tensor] | None,
     per_layer: list[list[int]],
-    *,
     num_kv_heads: int,
-    window: int,
-    pooling: str,
-    pooling_kernel: int,
-    adakv_floor: float,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k methods on a padded block of compressed requests (prompt_len > budget >= window).
+    """One padded block of compressed requests (prompt_len > budget >= window): the method
+    selects from each prefix, every head also keeps the window.
 
     Returns counts [R, L, H] and kept positions [R, L, H, K] ascending, PAD_INDEX-padded.
     """
-    width = max(lens)
-    if len(scores) == 1:
-        padded = scores[0].to(device=device, dtype=torch.float32).unsqueeze(0)
-    else:
-        padded = torch.zeros((len(lens), *scores[0].shape[:2], width), device=device)
-        for r, score in enumerate(scores):
-            padded[r, :, :, : lens[r]] = score.to(device=device, dtype=torch.float32)
-
+    window = settings.window
     prefix = torch.tensor(lens, device=device) - window  # selectable positions are [0, prefix)
-    pooled = pool_scores(padded, pooling, pooling_kernel, lengths=prefix[:, None, None])
-
     quota = torch.tensor(per_layer, device=device) - window  # [R, L] selected tokens per head
-    if method == "adakv":
-        floor = exact_fraction(adakv_floor)
-        # ceil(floor * quota) in integers, exact for the decimal the user gave
-        head_floor = (quota * floor.numerator + floor.denominator - 1) // floor.denominator
-        selected = shared_quota_positions(pooled, head_floor, quota * num_kv_heads)
-    else:
-        selected = top_quota_positions(pooled, quota[:, :, None])
+    pooled = None if scores is None else _pooled_prefix_scores(settings, lens, scores, prefix)
+    block = SelectionBlock(pooled, prefix, quota, num_kv_heads)
+    selected = settings.compression_method.select(block, settings)
     # The window [prefix, prompt_len) is disjoint from the selectable prefix: no duplicates.
     window_pos = prefix[:, None] + torch.arange(window, device=device)
     window_pos = window_pos[:, None, None, :].expand(*selected.shape[:3], window)
     kept = torch.cat([selected, window_pos], dim=-1).sort(dim=-1).values
     counts = (kept != PAD_INDEX).sum(dim=-1)
     return counts, kept[..., : int(counts.max())]
+
+
+def _pooled_prefix_scores(
+    settings: PolicySettings, lens: list[int], scores: list[torch.Tensor], prefix: torch.Tensor
+) -> torch.Tensor:
+    """fp32 [R, L, H, max(lens)]: the scores pooled over each prefix, -inf from the prefix on."""
+    device = prefix.device
+    if len(scores) == 1:
+        padded = scores[0].to(device=device, dtype=torch.float32).unsqueeze(0)
+    else:
+        padded = torch.zeros((len(lens), *scores[0].shape[:2], max(lens)), device=device)
+        for r, score in enumerate(scores):
+            padded[r, :, :, : lens[r]] = score.to(device=device, dtype=torch.float32)
+    return pool_scores(
+        padded, settings.pooling, settings.pooling_kernel, lengths=prefix[:, None, None]
+    )

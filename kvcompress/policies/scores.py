@@ -18,16 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .validation import (
-    DEFAULT_GROUP_REDUCE,
-    DEFAULT_POOLING_KERNEL,
-    DEFAULT_WINDOW_REDUCE,
-    GROUP_REDUCES,
-    WINDOW_REDUCES,
-    check_choice,
-    check_int,
-    check_pooling,
-)
+from .settings import DEFAULT_GROUP_REDUCE, DEFAULT_POOLING_KERNEL, DEFAULT_WINDOW_REDUCE
+from .validation import GROUP_REDUCES, WINDOW_REDUCES, check_choice, check_int, check_pooling
 
 
 def window_attention_probs(

@@ -1,4 +1,4 @@
-"""Argument checks shared by the policies and the CLI.
+"""Argument checks shared by the policies and the CLI, and how user-given decimals are read.
 
 Every check raises ValueError naming the argument (or CLI flag, via ``name``) and the allowed range,
 so bad configuration fails before any tensor work starts.
@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import math
 import operator
+from fractions import Fraction
 
-METHODS = ("pyramidkv", "snapkv", "streamingllm", "adakv")
+# Method names live in registry.py, defaults in settings.py.
 POOLINGS = ("max", "avg", "none")
 GROUP_REDUCES = ("mean", "max", "sum")
 WINDOW_REDUCES = ("sum", "mean")
 
-DEFAULT_WINDOW = 8
-DEFAULT_BETA = 20.0
-DEFAULT_POOLING = "max"
-DEFAULT_POOLING_KERNEL = 7
-DEFAULT_SINK_TOKENS = 4
-DEFAULT_GROUP_REDUCE = "mean"
-DEFAULT_WINDOW_REDUCE = "sum"
-DEFAULT_ADAKV_FLOOR = 0.2
+
+def exact_fraction(value: float) -> Fraction:
+    """The decimal the user wrote (0.2 -> 1/5), not the binary float's expansion."""
+    if isinstance(value, int):
+        return Fraction(value)
+    return Fraction(repr(float(value)))
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvcompress.policies import layer_budgets
+from kvcompress.policies import PolicySettings, layer_budgets
 
 
 def ref_window_probs(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -82,25 +82,20 @@ def ref_top(values: list[float], count: int) -> set[int]:
 
 
 def ref_plan(
-    method: str,
+    policy: PolicySettings,
     prompt_lens: list[int],
     scores: list[torch.Tensor | None] | None,
     *,
     num_layers: int,
     num_kv_heads: int,
-    budget: int | None = None,
-    ratio: float | None = None,
-    window: int = 8,
-    beta: float = 20.0,
-    pooling: str = "max",
-    pooling_kernel: int = 7,
-    sink_tokens: int = 4,
-    adakv_floor: float = 0.2,
 ) -> list[list[list[list[int]]]]:
     """kept[r][l][h] = sorted kept positions, computed head by head with Python sets."""
+    method, window = policy.method, policy.window
     result = []
     for r, q in enumerate(prompt_lens):
-        budgets = layer_budgets(method, num_layers, q, budget, ratio, window, beta)
+        budgets = layer_budgets(
+            method, num_layers, q, policy.budget, policy.ratio, window, policy.beta
+        )
         win = min(window, q)
         prefix = q - win
         window_set = set(range(prefix, q))
@@ -111,17 +106,17 @@ def ref_plan(
                 per_request.append([list(range(q)) for _ in range(num_kv_heads)])
                 continue
             if method == "streamingllm":
-                sinks = min(sink_tokens, keep - win)
+                sinks = min(policy.sink_tokens, keep - win)
                 kept = set(range(sinks)) | set(range(q - (keep - sinks), q))
                 per_request.append([sorted(kept) for _ in range(num_kv_heads)])
                 continue
             rows = [
-                _pooled_prefix(scores[r][layer, h], prefix, pooling, pooling_kernel)
+                _pooled_prefix(scores[r][layer, h], prefix, policy.pooling, policy.pooling_kernel)
                 for h in range(num_kv_heads)
             ]
             quota = keep - win
             if method == "adakv":
-                chosen = ref_adakv(rows, quota, adakv_floor)
+                chosen = ref_adakv(rows, quota, policy.adakv_floor)
             else:
                 chosen = [ref_top(row, quota) for row in rows]
             per_request.append([sorted(c | window_set) for c in chosen])

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kvcompress.__main__ import main
+from kvcompress.policies import METHODS
 
 ANCHOR = ["budgets", "--layers", "32", "--prompt-len", "4000", "--kv-budget", "128"]
 
@@ -44,6 +45,13 @@ def test_bad_flags_exit_with_a_message_naming_the_flag(capsys, extra, flag):
         main([*ANCHOR, *extra])
     assert exited.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_method_choices_are_the_registered_methods(capsys):
+    with pytest.raises(SystemExit):
+        main([*ANCHOR, "--method", "h2o"])
+    error = capsys.readouterr().err
+    assert all(name in error for name in METHODS)
 
 
 def test_budget_and_ratio_are_exclusive(capsys):

@@ -11,18 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.policies import (
+    METHODS,
     PAD_INDEX,
     KeepPlan,
+    PolicySettings,
     layer_budgets,
     observation_window_scores,
     plan_keep,
+    resolve_budget,
 )
 from kvcompress.policies import plan as plan_module
 
 from .reference import ref_plan
 
 FAST = settings(max_examples=40, deadline=None)
-METHODS = ["pyramidkv", "snapkv", "streamingllm", "adakv"]
 
 
 def random_scores(lens, num_layers, num_kv_heads, seed, levels=None):
@@ -45,21 +47,9 @@ def kept_lists(plan: KeepPlan) -> list[list[list[list[int]]]]:
     ]
 
 
-def check_invariants(
-    plan: KeepPlan,
-    method,
-    lens,
-    num_layers,
-    num_kv_heads,
-    *,
-    budget=None,
-    ratio=None,
-    window=8,
-    beta=20.0,
-    sink_tokens=4,
-    adakv_floor=0.2,
-):
+def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, num_kv_heads):
     """Shapes, budgets, window/sinks kept, indices unique/sorted/in range, padding."""
+    method, budget, ratio, window = policy.method, policy.budget, policy.ratio, policy.window
     num_requests = len(lens)
     assert plan.counts.shape == (num_requests, num_layers, num_kv_heads)
     assert plan.counts.dtype == torch.long and plan.indices.dtype == torch.long
@@ -67,7 +57,7 @@ def check_invariants(
     assert plan.indices.shape[3] == (int(plan.counts.max()) if num_requests else 0)
     assert plan.prompt_lens.tolist() == lens
     for r, q in enumerate(lens):
-        budgets = layer_budgets(method, num_layers, q, budget, ratio, window, beta)
+        budgets = layer_budgets(method, num_layers, q, budget, ratio, window, policy.beta)
         win = min(window, q)
         assert bool(plan.compressed[r]) == (min(budgets) < q)
         for layer in range(num_layers):
@@ -75,7 +65,7 @@ def check_invariants(
             if method == "adakv":
                 assert int(counts.sum()) == num_kv_heads * budgets[layer]  # layer total exact
                 share = budgets[layer] - win
-                floor = math.ceil(Fraction(repr(adakv_floor)) * share)
+                floor = math.ceil(Fraction(repr(policy.adakv_floor)) * share)
                 assert bool((counts >= win + floor).all())
                 assert bool((counts <= q).all())
             else:
@@ -90,19 +80,13 @@ def check_invariants(
                 kept_set = set(kept.tolist())
                 assert set(range(q - win, q)) <= kept_set  # the window always survives
                 if method == "streamingllm" and count < q:
-                    sinks = min(sink_tokens, count - win)
+                    sinks = min(policy.sink_tokens, count - win)
                     assert set(range(sinks)) <= kept_set
     if method != "adakv":
         for r, q in enumerate(lens):
             total = int(plan.counts[r, :, 0].sum())
-            expected = num_layers * min(q, _average_budget(q, budget, ratio, window))
+            expected = num_layers * min(q, resolve_budget(q, budget, ratio, window))
             assert total == expected  # per-head totals over layers are exact
-
-
-def _average_budget(q, budget, ratio, window):
-    from kvcompress.policies import resolve_budget
-
-    return resolve_budget(q, budget, ratio, window)
 
 
 @FAST
@@ -141,42 +125,32 @@ def test_plan_matches_reference(
     budget = None if use_ratio else max(1, window + extra)
     ratio = ratio if use_ratio else None
     scores = random_scores(lens, num_layers, num_kv_heads, seed, levels)
-    kwargs = {
-        "num_layers": num_layers,
-        "num_kv_heads": num_kv_heads,
-        "budget": budget,
-        "ratio": ratio,
-        "window": window,
-        "pooling": pooling,
-        "pooling_kernel": kernel,
-        "sink_tokens": sinks,
-        "adakv_floor": floor,
-    }
-    plan = plan_keep(method, lens, scores, **kwargs)
-    assert kept_lists(plan) == ref_plan(method, lens, scores, **kwargs)
-    check_invariants(
-        plan,
+    policy = PolicySettings(
         method,
-        lens,
-        num_layers,
-        num_kv_heads,
         budget=budget,
         ratio=ratio,
         window=window,
+        pooling=pooling,
+        pooling_kernel=kernel,
         sink_tokens=sinks,
         adakv_floor=floor,
     )
+    shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads}
+    plan = plan_keep(policy, lens, scores, **shape)
+    assert kept_lists(plan) == ref_plan(policy, lens, scores, **shape)
+    check_invariants(plan, policy, lens, num_layers, num_kv_heads)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_llama_sized_plan(method):
     lens = [4000, 1500, 100]
     scores = random_scores(lens, 32, 8, seed=3)
-    plan = plan_keep(method, lens, scores, num_layers=32, num_kv_heads=8, budget=128)
+    policy = PolicySettings(method, budget=128)
+    plan = plan_keep(policy, lens, scores, num_layers=32, num_kv_heads=8)
     assert plan.counts[0].sum() == 32 * 8 * 128
     assert plan.counts[2].tolist() == [[100] * 8] * 32  # shorter than the budget: keep all
     assert plan.compressed.tolist() == [True, True, False]
-    check_invariants(plan, method, lens, 32, 8, budget=128)
+    check_invariants(plan, policy, lens, 32, 8)
     if method == "adakv":
         assert (plan.counts[0].amax(-1) > plan.counts[0].amin(-1)).any()  # heads differ
 
@@ -190,19 +164,16 @@ def test_gqa_scores_from_queries_and_keys(group):
         queries = torch.randn(num_layers, num_kv_heads * group, window, 16)
         keys = torch.randn(num_layers, num_kv_heads, q, 16)
         scores.append(observation_window_scores(queries, keys, group_reduce="mean"))
-    kwargs = {
-        "num_layers": num_layers,
-        "num_kv_heads": num_kv_heads,
-        "budget": 14,
-        "window": window,
-    }
+    shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads}
     for method in METHODS:
-        plan = plan_keep(method, lens, scores, **kwargs)
-        assert kept_lists(plan) == ref_plan(method, lens, scores, **kwargs)
+        policy = PolicySettings(method, budget=14, window=window)
+        plan = plan_keep(policy, lens, scores, **shape)
+        assert kept_lists(plan) == ref_plan(policy, lens, scores, **shape)
 
 
 def test_keep_all_returns_arange_and_allows_missing_scores():
-    plan = plan_keep("pyramidkv", [5, 12], [None, None], num_layers=3, num_kv_heads=2, budget=12)
+    policy = PolicySettings("pyramidkv", budget=12)
+    plan = plan_keep(policy, [5, 12], [None, None], num_layers=3, num_kv_heads=2)
     assert plan.counts.tolist() == [[[5, 5]] * 3, [[12, 12]] * 3]
     assert plan.indices[1, 2, 1].tolist() == list(range(12))
     assert plan.indices[0, 0, 0].tolist() == list(range(5)) + [PAD_INDEX] * 7
@@ -211,29 +182,34 @@ def test_keep_all_returns_arange_and_allows_missing_scores():
 
 def test_budget_equal_to_window_keeps_only_the_window():
     scores = random_scores([30], 2, 2, seed=0)
-    plan = plan_keep("pyramidkv", [30], scores, num_layers=2, num_kv_heads=2, budget=8, window=8)
+    policy = PolicySettings("pyramidkv", budget=8, window=8)
+    plan = plan_keep(policy, [30], scores, num_layers=2, num_kv_heads=2)
     assert plan.indices[0].tolist() == [[list(range(22, 30))] * 2] * 2
 
 
 def test_one_layer():
     scores = random_scores([50], 1, 3, seed=1)
     for method in METHODS:
-        plan = plan_keep(method, [50], scores, num_layers=1, num_kv_heads=3, budget=20)
+        policy = PolicySettings(method, budget=20)
+        plan = plan_keep(policy, [50], scores, num_layers=1, num_kv_heads=3)
         assert plan.counts.sum() == 60
 
 
 def test_streamingllm_keeps_sinks_and_recent_without_scores():
-    plan = plan_keep("streamingllm", [100, 10], None, num_layers=2, num_kv_heads=2, budget=16)
+    policy = PolicySettings("streamingllm", budget=16)
+    plan = plan_keep(policy, [100, 10], None, num_layers=2, num_kv_heads=2)
     assert plan.indices[0, 1, 1].tolist() == [0, 1, 2, 3] + list(range(88, 100))
     assert plan.indices[1, 0, 0, :10].tolist() == list(range(10))
     # sinks are capped so that the window stays inside the recent part
-    plan = plan_keep("streamingllm", [100], None, num_layers=1, num_kv_heads=1, budget=10)
+    policy = PolicySettings("streamingllm", budget=10)
+    plan = plan_keep(policy, [100], None, num_layers=1, num_kv_heads=1)
     assert plan.indices[0, 0, 0].tolist() == [0, 1] + list(range(92, 100))
 
 
 def test_ties_resolve_to_lower_positions():
     scores = [torch.zeros(1, 1, 20)]
-    plan = plan_keep("snapkv", [20], scores, num_layers=1, num_kv_heads=1, budget=11, window=8)
+    policy = PolicySettings("snapkv", budget=11, window=8)
+    plan = plan_keep(policy, [20], scores, num_layers=1, num_kv_heads=1)
     assert plan.indices[0, 0, 0].tolist() == [0, 1, 2] + list(range(12, 20))
 
 
@@ -242,27 +218,29 @@ def test_pooling_ignores_window_and_padding():
     score = torch.zeros(1, 1, 30)
     score[0, 0, 25] = 100.0
     score[0, 0, 3] = 1.0
-    plan = plan_keep("snapkv", [30], [score], num_layers=1, num_kv_heads=1, budget=9, window=8)
+    policy = PolicySettings("snapkv", budget=9, window=8)
+    plan = plan_keep(policy, [30], [score], num_layers=1, num_kv_heads=1)
     assert plan.indices[0, 0, 0].tolist() == [0] + list(range(22, 30))  # max-pool reaches 0..6
-    plan = plan_keep(
-        "snapkv", [30], [score], num_layers=1, num_kv_heads=1, budget=9, window=8, pooling="none"
-    )
+    policy = PolicySettings("snapkv", budget=9, window=8, pooling="none")
+    plan = plan_keep(policy, [30], [score], num_layers=1, num_kv_heads=1)
     assert plan.indices[0, 0, 0].tolist() == [3] + list(range(22, 30))
 
 
 def test_large_batches_split_into_blocks_with_the_same_result(monkeypatch):
     lens = [60, 7, 45, 90, 33]
     scores = random_scores(lens, 3, 2, seed=5)
-    whole = plan_keep("adakv", lens, scores, num_layers=3, num_kv_heads=2, budget=20)
+    policy = PolicySettings("adakv", budget=20)
+    whole = plan_keep(policy, lens, scores, num_layers=3, num_kv_heads=2)
     monkeypatch.setattr(plan_module, "MAX_BLOCK_ELEMENTS", 3 * 2 * 100)
-    split = plan_keep("adakv", lens, scores, num_layers=3, num_kv_heads=2, budget=20)
+    split = plan_keep(policy, lens, scores, num_layers=3, num_kv_heads=2)
     assert torch.equal(whole.counts, split.counts) and torch.equal(whole.indices, split.indices)
 
 
 def test_empty_batch():
-    plan = plan_keep("snapkv", [], [], num_layers=2, num_kv_heads=3, budget=8)
+    plan = plan_keep(PolicySettings("snapkv", budget=8), [], [], num_layers=2, num_kv_heads=3)
     assert plan.counts.shape == (0, 2, 3) and plan.indices.shape == (0, 2, 3, 0)
-    plan = plan_keep("streamingllm", [], None, num_layers=2, num_kv_heads=3, budget=8)
+    policy = PolicySettings("streamingllm", budget=8)
+    plan = plan_keep(policy, [], None, num_layers=2, num_kv_heads=3)
     assert plan.counts.shape == (0, 2, 3) and plan.indices.shape == (0, 2, 3, 0)
 
 
@@ -270,59 +248,73 @@ def test_inputs_are_not_modified():
     scores = random_scores([50, 70], 2, 2, seed=4)
     before = [s.clone() for s in scores]
     for method in METHODS:
-        plan_keep(method, [50, 70], scores, num_layers=2, num_kv_heads=2, budget=20)
-        plan_keep(method, [50], scores[:1], num_layers=2, num_kv_heads=2, budget=20)
+        policy = PolicySettings(method, budget=20)
+        plan_keep(policy, [50, 70], scores, num_layers=2, num_kv_heads=2)
+        plan_keep(policy, [50], scores[:1], num_layers=2, num_kv_heads=2)
     assert all(torch.equal(a, b) for a, b in zip(scores, before))
 
 
 def test_low_precision_scores_are_accepted():
     scores = [s.half() for s in random_scores([40], 2, 2, seed=2)]
-    plan = plan_keep("snapkv", [40], scores, num_layers=2, num_kv_heads=2, budget=16)
+    policy = PolicySettings("snapkv", budget=16)
+    plan = plan_keep(policy, [40], scores, num_layers=2, num_kv_heads=2)
     assert plan.counts.sum() == 64
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"method": "h2o"}, "method"),
         ({"scores": None}, r"scores\[0\] is required"),
         ({"scores": [torch.rand(2, 2, 39)]}, r"scores\[0\] must have shape"),
         ({"scores": [torch.ones(2, 2, 40, dtype=torch.long)]}, "floating-point"),
         ({"scores": []}, "entries"),
         ({"prompt_lens": [0]}, r"prompt_lens\[0\]"),
         ({"num_kv_heads": 0}, "num_kv_heads"),
-        ({"budget": None}, "budget or ratio"),
-        ({"ratio": 0.5}, "budget or ratio"),
-        ({"budget": 7}, "budget"),
-        ({"pooling": "median"}, "pooling"),
-        ({"pooling_kernel": 6}, "pooling_kernel"),
-        ({"sink_tokens": -1}, "sink_tokens"),
-        ({"adakv_floor": 1.5}, "adakv_floor"),
-        ({"beta": 0.0}, "beta"),
+        ({"num_layers": True}, "num_layers"),
     ],
 )
-def test_bad_arguments_are_rejected(kwargs, message):
+def test_bad_plan_arguments_are_rejected(kwargs, message):
     args = {
-        "method": "snapkv",
         "prompt_lens": [40],
         "scores": [torch.rand(2, 2, 40)],
         "num_layers": 2,
         "num_kv_heads": 2,
-        "budget": 16,
     }
     args.update(kwargs)
-    method, lens, scores = args.pop("method"), args.pop("prompt_lens"), args.pop("scores")
+    lens, scores = args.pop("prompt_lens"), args.pop("scores")
     with pytest.raises(ValueError, match=message):
-        plan_keep(method, lens, scores, **args)
+        plan_keep(PolicySettings("snapkv", budget=16), lens, scores, **args)
 
 
-def test_plan_moves_between_devices():
-    plan = plan_keep(
-        "snapkv", [40], random_scores([40], 1, 1, 0), num_layers=1, num_kv_heads=1, budget=16
-    )
-    moved = plan.to("cpu")
-    assert torch.equal(moved.indices, plan.indices) and moved.max_keep == 16
-    assert moved.num_requests == 1
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "h2o"}, "method must be one of pyramidkv, snapkv, streamingllm, adakv"),
+        ({"budget": None}, "budget or ratio"),
+        ({"ratio": 0.5}, "budget or ratio"),
+        ({"budget": 7}, "budget"),
+        ({"budget": None, "ratio": 1.0}, "ratio"),
+        ({"window": -1}, "window"),
+        ({"pooling": "median"}, "pooling"),
+        ({"pooling_kernel": 6}, "pooling_kernel"),
+        ({"sink_tokens": -1}, "sink_tokens"),
+        ({"sink_tokens": 2.0}, "sink_tokens"),
+        ({"adakv_floor": 1.5}, "adakv_floor"),
+        ({"beta": 0.0}, "beta"),
+    ],
+)
+def test_bad_settings_are_rejected_on_construction(kwargs, message):
+    args = {"method": "snapkv", "budget": 16, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        PolicySettings(**args)
+
+
+def test_settings_defaults_are_the_documented_ones():
+    policy = PolicySettings("snapkv", budget=64)
+    assert (policy.window, policy.beta, policy.pooling, policy.pooling_kernel) == (8, 20, "max", 7)
+    assert (policy.sink_tokens, policy.adakv_floor) == (4, 0.2)
+    assert policy.compression_method.name == "snapkv"
+    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv")  # the order users see
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -330,9 +322,9 @@ def test_plan_moves_between_devices():
 def test_cuda_plan_equals_cpu_plan(method):
     lens = [300, 41, 129, 8]
     scores = random_scores(lens, 4, 4, seed=11, levels=4)
-    kwargs = {"num_layers": 4, "num_kv_heads": 4, "budget": 32}
-    cpu = plan_keep(method, lens, scores, **kwargs)
-    gpu = plan_keep(method, lens, [s.cuda() for s in scores], **kwargs)
+    policy, shape = PolicySettings(method, budget=32), {"num_layers": 4, "num_kv_heads": 4}
+    cpu = plan_keep(policy, lens, scores, **shape)
+    gpu = plan_keep(policy, lens, [s.cuda() for s in scores], **shape)
     if method != "streamingllm":
         assert gpu.indices.is_cuda
     assert torch.equal(cpu.counts, gpu.counts.cpu()) and torch.equal(cpu.indices, gpu.indices.cpu())

@@ -8,6 +8,7 @@ from kvcompress.config import (
     KVCompressionConfig,
     KVCompressionConfigError,
 )
+from kvcompress.policies import COMPRESSION_METHODS, METHODS, PolicySettings
 
 
 def test_none_is_default_and_disabled():
@@ -72,6 +73,28 @@ def test_budget_and_ratio_together_are_refused():
         KVCompressionConfig.from_mapping(
             {"kv_compression": "pyramidkv", "kv_budget": 64, "kv_compression_ratio": 0.5}
         )
+
+
+def test_policy_settings_carry_the_config_and_share_its_defaults():
+    config = KVCompressionConfig.from_mapping({
+        "kv_compression": "adakv", "kv_compression_ratio": 0.5, "kv_window": 16,
+        "kv_pyramid_beta": 5, "kv_pooling": "avg", "kv_pooling_kernel": 3, "kv_sink_tokens": 2,
+    })
+    assert config.policy == PolicySettings(
+        "adakv", ratio=0.5, window=16, beta=5.0, pooling="avg", pooling_kernel=3, sink_tokens=2
+    )
+    assert config.policy is config.policy  # built once per config
+    snap = KVCompressionConfig.from_mapping({"kv_compression": "snapkv"})
+    assert snap.policy == PolicySettings("snapkv", budget=DEFAULT_BUDGET)
+    with pytest.raises(ValueError, match="'none'"):
+        _ = KVCompressionConfig().policy
+
+
+def test_method_choices_and_help_come_from_the_registry():
+    spec = next(spec for spec in FLAG_SPECS if spec.key == "kv_compression")
+    assert spec.choices == ("none", *METHODS)
+    for method in COMPRESSION_METHODS:
+        assert f"'{method.name}' {method.summary}" in spec.help
 
 
 def test_every_flag_has_help_and_maps_to_a_snake_case_key():

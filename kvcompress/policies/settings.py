@@ -1,0 +1,64 @@
+"""Policy settings: everything plan_keep needs besides prompts and scores, validated once.
+
+The policy defaults are defined here and nowhere else: config.py (the user-facing flags) and the
+``budgets`` command read them from this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .methods.base import CompressionMethod
+from .registry import get_method
+from .validation import check_beta, check_budget_spec, check_int, check_pooling, check_real
+
+DEFAULT_WINDOW = 8  # PyramidKV's LongBench runs; the authors found 8 or 16 best.
+DEFAULT_BETA = 20.0
+DEFAULT_POOLING = "max"
+DEFAULT_POOLING_KERNEL = 7  # max pool, kernel 7: the setting behind the LongBench numbers.
+DEFAULT_SINK_TOKENS = 4  # StreamingLLM's attention sinks.
+DEFAULT_ADAKV_FLOOR = 0.2
+# How the engine turns window attention into scores (scores.py), before plan_keep sees them.
+DEFAULT_GROUP_REDUCE = "mean"
+DEFAULT_WINDOW_REDUCE = "sum"
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Which method, how much to keep, and the methods' knobs. ValueError on construction
+    naming the argument and its allowed range.
+
+    method: a registered method name (registry.METHODS).
+    budget / ratio: exactly one: tokens kept per KV head and layer on average, window included
+        (an integer >= window), or the fraction of the prompt evicted, in (0, 1).
+    window: the observation window (last prompt tokens, always kept), >= 0.
+    beta: PyramidKV slope, >= 1 (pyramid-shaped methods only).
+    pooling / pooling_kernel: 1-D pooling of the scores before selection: "max", "avg" or
+        "none"; odd kernel >= 1.
+    sink_tokens: StreamingLLM's attention sinks, >= 0.
+    adakv_floor: Ada-KV's per-head floor as a fraction of the per-head average, in [0, 1].
+    """
+
+    method: str
+    budget: int | None = None
+    ratio: float | None = None
+    window: int = DEFAULT_WINDOW
+    beta: float = DEFAULT_BETA
+    pooling: str = DEFAULT_POOLING
+    pooling_kernel: int = DEFAULT_POOLING_KERNEL
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    adakv_floor: float = DEFAULT_ADAKV_FLOOR
+
+    def __post_init__(self) -> None:
+        get_method(self.method)
+        check_budget_spec(self.budget, self.ratio, self.window)
+        check_beta(self.beta)
+        check_pooling(self.pooling, self.pooling_kernel)
+        # A plain int (not a numpy one): selections use it in tensor arithmetic.
+        object.__setattr__(self, "sink_tokens", check_int("sink_tokens", self.sink_tokens, 0))
+        check_real("adakv_floor", self.adakv_floor, low=0.0, high=1.0)
+
+    @property
+    def compression_method(self) -> CompressionMethod:
+        """The registry record of ``method``: budget shape, whether it needs scores, selection."""
+        return get_method(self.method)
