@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Attention analysis on long inputs with Hugging Face transformers (eager attention).
 
 Two pictures, from the embedded model (or ``--model``) run directly in transformers:
@@ -15,8 +14,8 @@ Two pictures, from the embedded model (or ``--model``) run directly in transform
    An "oracle" row keeps, per head, the tokens those later queries attend to most (uniform
    budgets): an upper bound for any uniform selection.
 
-    python benchmarks/attention_analysis.py                    # defaults: ~5-10 min on 2 cores
-    python -m kvcompress analyze --length 2048 --inputs qa     # the same, as a subcommand
+    python -m benchmarks.attention_analysis                    # defaults: ~5-10 min on 2 cores
+    python -m benchmarks.attention_analysis --length 2048 --inputs qa
 
 Inputs are the quality benchmark's synthetic long-context prompts (seeded). Attention weights
 are never kept whole: a custom attention function (eager attention plus statistics) reduces
@@ -34,11 +33,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-from common import METHODS, RESULTS_DIR, default_threads, format_table  # noqa: E402
+from benchmarks.quality.tasks import TASKS, make_samples
+from benchmarks.report import (
+    RESULTS_DIR,
+    command_string,
+    format_table,
+    machine_info,
+    write_json,
+)
+from benchmarks.specs import (
+    benchmark_parser,
+    default_model_dir,
+    default_threads,
+    model_shape,
+    parse_ints,
+    parse_names,
+)
+from kvcompress.policies import METHODS
 
 DEFAULT_BUDGETS = "64,128,256,512,1024,2048"
 ATTENTION_NAME = "kvcompress_analysis"
@@ -123,15 +134,16 @@ def oracle_mask(later: Any, num_kv_heads: int, budget: int, window: int) -> Any:
 def method_recalls(scores: Any, later: Any, *, methods: Sequence[str], budgets: Sequence[int],
                    window: int, num_kv_heads: int) -> dict[str, dict[int, list[float]]]:
     """{method: {budget: per-layer recall}} for plan_keep's selections (and the oracle)."""
-    from kvcompress.policies import plan_keep
+    from kvcompress.policies import PolicySettings, plan_keep
 
     layers, _, length = scores.shape
     out: dict[str, dict[int, list[float]]] = {}
     for method in methods:
         out[method] = {}
         for budget in budgets:
-            plan = plan_keep(method, [length], [scores], num_layers=layers,
-                             num_kv_heads=num_kv_heads, budget=budget, window=window)
+            policy = PolicySettings(method, budget=budget, window=window)
+            plan = plan_keep(policy, [length], [scores], num_layers=layers,
+                             num_kv_heads=num_kv_heads)
             mask = kept_mask(plan.indices[0], plan.counts[0], length)
             out[method][budget] = recall(later, mask).tolist()
     out["oracle"] = {
@@ -227,8 +239,8 @@ def stack_layers(recorder: Recorder) -> tuple[Any, Any, dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------- driver
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: embedded model)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser("benchmarks.attention_analysis", __doc__)
     parser.add_argument("--inputs", default="qa,niah_multikey",
                         help="quality-benchmark tasks used as long inputs (one prompt each)")
     parser.add_argument("--samples", type=int, default=1, help="prompts per input task")
@@ -246,14 +258,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=RESULTS_DIR / "attention_analysis.json")
     parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "attention_analysis.png")
     parser.add_argument("--no-progress", action="store_true")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_arguments(parser)
     return parser
 
 
@@ -269,16 +273,6 @@ def load_model(model_dir: str, dtype: str, device: str) -> Any:
 
 def run(args: argparse.Namespace) -> str:
     """Run the analysis; writes JSON + PNG and returns the text report."""
-    from common import (
-        command_string,
-        default_model_dir,
-        machine_info,
-        model_shape,
-        parse_ints,
-        parse_names,
-    )
-    from quality import TASKS, make_samples
-
     started = time.perf_counter()
     model_dir = args.model or default_model_dir()
     shape = model_shape(model_dir)
@@ -414,7 +408,6 @@ def write_outputs(report: dict[str, Any], json_path: Path, png_path: Path) -> No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from common import write_json
 
     write_json(json_path, report)
     stats = report["layer_stats"]

@@ -5,27 +5,27 @@ is all prefill): once compressed, once with ``kv_compression: none`` per request
 paged engine, no scoring, no eviction). The worker's own counters give the time spent
 scoring observation windows (inside attention) and compacting (after the forward).
 
-    python benchmarks/compression_cost.py                       # defaults, ~5 min on 2 cores
-    python benchmarks/compression_cost.py --prompt-lens 1024,4096 --method snapkv --budget 256
+    python -m benchmarks.compression_cost                       # defaults, ~5 min on 2 cores
+    python -m benchmarks.compression_cost --prompt-lens 1024,4096 --method snapkv --budget 256
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-# In-process engine core and worker: the worker's counters are read directly.
+from benchmarks.engine import generate  # no vLLM import until an engine is built
+from benchmarks.report import command_string, machine_info, write_json
+from benchmarks.specs import detect_device
+
+# In-process engine core and worker: the worker's counters are read directly (set before
+# run() imports vLLM).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import generate  # noqa: E402  (no vLLM import until an engine is built)
 
 
 @dataclass
@@ -53,14 +53,14 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(length)]
 
 
-def worker_stats(engine) -> dict:
+def worker_stats(engine: Any) -> dict:
     (stats,) = engine.collective_rpc(
         lambda worker: asdict(worker.model_runner.paged_runtime.stats)
     )
     return stats
 
 
-def timed_generate(engine, prompts: list[list[int]], params) -> float:
+def timed_generate(engine: Any, prompts: list[list[int]], params: Any) -> float:
     _, seconds = generate(engine, prompts, [params] * len(prompts))
     return seconds
 
@@ -124,7 +124,8 @@ def format_row(row: CostRow) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compression_cost",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=".models/SmolLM2-135M-Instruct")
     parser.add_argument("--prompt-lens", default="1024,2048,4096")
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -141,16 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
+    command, machine = command_string(), machine_info(detect_device())
+    print(f"command: {command}")
+    print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cores, {machine['device']}; "
+          f"{machine['date']}")
     rows = run(args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "settings": vars(args) | {"json": str(args.json)},
+        write_json(args.json, {
+            "benchmark": "compression_cost",
+            "command": command,
+            "machine": machine,
+            "settings": vars(args),
             "rows": [asdict(row) | {"compression_fraction": row.compression_fraction,
                                     "slowdown": row.slowdown} for row in rows],
-        }, indent=2))
+        })
     return 0
 
 

@@ -1,11 +1,11 @@
-#!/usr/bin/env python
 """Kernel microbenchmarks: paged decode attention, cache moves and the compression step.
 
-Runs on a bare machine with torch + triton only (no vLLM, no install):
+Runs on a bare machine with torch + triton only (no vLLM, no install), from the repository
+root (``-m`` puts it on the path, so ``kvcompress`` imports from the checkout):
 
-    PYTHONPATH=. python benchmarks/kernels.py --quick            # H200: well under 3 minutes
-    PYTHONPATH=. python benchmarks/kernels.py --smoke            # tiny; CPU uses the interpreter
-    PYTHONPATH=. python benchmarks/kernels.py --json results/kernels.json
+    python -m benchmarks.kernels --quick            # H200: well under 3 minutes
+    python -m benchmarks.kernels --smoke            # tiny; CPU uses the interpreter
+    python -m benchmarks.kernels --json results/kernels.json
 
 Shapes follow Llama-3-8B (32 layers, 32 query heads, 8 KV heads, head dim 128, bf16). Bandwidth is
 bytes the kernel must touch (K/V read, moves read + write) over time, against --peak-gbps
@@ -30,8 +30,8 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU tensors
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# imported once TRITON_INTERPRET is set: Triton may read it on import
 from kvcompress.kernels import (  # noqa: E402
     move_kv_ref,
     move_kv_triton,
@@ -429,7 +429,8 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
+                                     description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     mode.add_argument("--quick", action="store_true", help="a representative subset for one GPU")

@@ -1,14 +1,13 @@
-#!/usr/bin/env python
 """Offline throughput: the same prompts through vanilla vLLM and kvcompress, in one invocation.
 
 Every configuration gets the same engine settings (KV-cache memory, max_num_seqs,
 max_num_batched_tokens, max_model_len, dtype, eager/compiled) and the same prompts (token ids
 made once, here), and runs in its own worker process, one after the other:
 
-    python benchmarks/throughput.py                                    # defaults (CPU: ~22 min)
-    python benchmarks/throughput.py --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
+    python -m benchmarks.throughput                                    # defaults (CPU: ~22 min)
+    python -m benchmarks.throughput --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
         --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
-    python benchmarks/throughput.py --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
+    python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
 
 Configurations: ``vanilla``, ``METHOD:BUDGET`` (tokens kept per layer and KV head) or
 ``METHOD:r=RATIO`` (fraction of each prompt evicted: r=0.875 is 8x prompt compression).
@@ -37,30 +36,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
-    RESULTS_DIR,
+from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
+from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
-    Reporter,
-    command_string,
+    benchmark_parser,
     default_model_dir,
     default_threads,
     detect_device,
-    format_table,
     kv_bytes_per_token,
-    machine_info,
-    make_workdir,
     parse_kv_options,
     parse_specs,
     resolve_dtype,
-    run_jobs,
-    worker_env,
-    worker_main,
-    write_json,
 )
 
+WORKER_MODULE = "benchmarks.throughput"  # workers: python -m WORKER_MODULE --worker ...
 DEFAULT_CONFIGS = "vanilla,pyramidkv:r=0.5,pyramidkv:r=0.75,pyramidkv:r=0.875"
 RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running")
 
@@ -133,10 +124,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 # ----------------------------------------------------------------------------- worker side
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
-    from common import build_engine, generate, shutdown_engine
     from vllm import SamplingParams
 
-    from kvcompress.stats import EngineStats, StepStatsRecorder
+    from benchmarks.engine import build_engine, generate, shutdown_engine
+    from kvcompress.engine.stats import EngineStats, StepStatsRecorder
 
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
@@ -180,11 +171,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- parent side
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--model", default=None, help="model folder (default: embedded model)")
+    parser = benchmark_parser(WORKER_MODULE, __doc__)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated: vanilla, METHOD:BUDGET, METHOD:r=RATIO")
     workload = parser.add_argument_group("workload")
@@ -279,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs
     ]
     results = run_jobs(
-        Path(__file__).resolve(), jobs, workdir=workdir, log_path=log_path,
+        WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
         units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
         env=worker_env(args.verbose, args.multiprocess_engine, threads), desc="throughput",
         show_progress=not args.no_progress,

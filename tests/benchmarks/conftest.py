@@ -1,15 +1,9 @@
-"""Benchmark-script tests: the scripts live in benchmarks/ (not a package), import them by path."""
+"""Benchmark tests: ``benchmarks`` is a package at the repository root; tests/ and
+tests/benchmarks are packages too, so pytest imports from the root and ``benchmarks`` resolves."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
 
 
 def words(text: str) -> int:

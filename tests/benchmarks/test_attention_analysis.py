@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from attention_analysis import (
+
+from benchmarks.attention_analysis import (
     entropy_stats,
     kept_mask,
     method_recalls,
@@ -15,8 +16,7 @@ from attention_analysis import (
     slope,
     window_scores,
 )
-
-from kvcompress.policies import PAD_INDEX, observation_window_scores, plan_keep
+from kvcompress.policies import PAD_INDEX, PolicySettings, observation_window_scores, plan_keep
 
 
 def test_recall_bounds_and_partial_mask():
@@ -78,8 +78,8 @@ def test_method_recalls_full_budget_and_oracle():
         assert out[method][64] == pytest.approx([1.0] * layers)  # budget >= prompt: all kept
         assert all(0.0 < r < 1.0 for r in out[method][16])
     # snapkv keeps each head's top window scores: recall equals the masks from plan_keep
-    plan = plan_keep("snapkv", [length], [scores], num_layers=layers, num_kv_heads=kv_heads,
-                     budget=16, window=4)
+    plan = plan_keep(PolicySettings("snapkv", budget=16, window=4), [length], [scores],
+                     num_layers=layers, num_kv_heads=kv_heads)
     mask = kept_mask(plan.indices[0], plan.counts[0], length)
     assert out["snapkv"][16] == pytest.approx(recall(later, mask).tolist())
     oracle = oracle_mask(later, kv_heads, 16, 4)
@@ -94,8 +94,9 @@ def test_slope():
 def test_recorder_on_a_tiny_random_llama():
     """The registered attention function sees every layer: prefill stats, window rows and one
     later row per generated token, with the model's outputs unchanged."""
-    from attention_analysis import analyze_input, install_attention, stack_layers
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.attention_analysis import analyze_input, install_attention, stack_layers
 
     install_attention()
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -24,7 +24,7 @@ def run_script(args: list[str], timeout: int = 400) -> subprocess.CompletedProce
 def test_throughput_end_to_end(tmp_path, embedded_model):
     out = tmp_path / "throughput.json"
     run_script([
-        "benchmarks/throughput.py", "--model", embedded_model,
+        "-m", "benchmarks.throughput", "--model", embedded_model,
         "--configs", "vanilla,pyramidkv:r=0.75", "--num-prompts", "3", "--input-len", "96",
         "--output-len", "6", "--kv-cache-tokens", "512", "--max-num-batched-tokens", "512",
         "--output-json", str(out), "--no-progress",
@@ -50,7 +50,7 @@ def test_throughput_end_to_end(tmp_path, embedded_model):
 def test_quality_end_to_end(tmp_path, embedded_model):
     out, png = tmp_path / "quality.json", tmp_path / "quality.png"
     result = run_script([
-        "benchmarks/quality.py", "--model", embedded_model, "--tasks", "niah_single,qa",
+        "-m", "benchmarks.quality", "--model", embedded_model, "--tasks", "niah_single,qa",
         "--lengths", "256", "--samples", "2", "--methods", "pyramidkv", "--budgets", "32,4096",
         "--output-json", str(out), "--plot", str(png), "--no-progress",
     ])
@@ -72,7 +72,7 @@ def test_quality_end_to_end(tmp_path, embedded_model):
 def test_attention_analysis_end_to_end(tmp_path, embedded_model):
     out, png = tmp_path / "attention.json", tmp_path / "attention.png"
     run_script([
-        "-m", "kvcompress", "analyze", "--model", embedded_model, "--inputs", "qa",
+        "-m", "benchmarks.attention_analysis", "--model", embedded_model, "--inputs", "qa",
         "--length", "256", "--new-tokens", "4", "--budgets", "32,64,512",
         "--output-json", str(out), "--plot", str(png), "--no-progress",
     ])

@@ -1,4 +1,5 @@
-"""Smoke runs of the micro benchmarks: kernels.py (Triton interpreter) and compression_cost.py."""
+"""Smoke runs of the micro benchmarks: benchmarks.kernels (Triton interpreter) and
+benchmarks.compression_cost."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def run_script(args: list[str], env: dict[str, str] | None = None,
 
 def test_kernels_smoke_checks_every_kernel_against_its_reference(tmp_path):
     out = tmp_path / "kernels.json"
-    run_script(["benchmarks/kernels.py", "--smoke", "--json", str(out)],
+    run_script(["-m", "benchmarks.kernels", "--smoke", "--json", str(out)],
                env={"TRITON_INTERPRET": "1"})
     report = json.loads(out.read_text())
     assert report["meta"]["checks_failed"] == 0 and report["meta"]["mode"] == "smoke"
@@ -39,7 +40,7 @@ def test_kernels_smoke_checks_every_kernel_against_its_reference(tmp_path):
 def test_compression_cost_smoke(tmp_path, embedded_model):
     out = tmp_path / "cost.json"
     result = run_script([
-        "benchmarks/compression_cost.py", "--model", embedded_model, "--prompt-lens", "256",
+        "-m", "benchmarks.compression_cost", "--model", embedded_model, "--prompt-lens", "256",
         "--num-prompts", "2", "--budget", "32", "--kv-cache-bytes", str(256 << 20),
         "--json", str(out),
     ], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

@@ -7,22 +7,20 @@ import random
 import re
 
 import pytest
-from quality import (
-    TASKS,
-    CompressionSpec,
-    Sample,
+
+from benchmarks.quality.cli import main, make_specs
+from benchmarks.quality.report import plot, render
+from benchmarks.quality.scoring import (
     add_retained,
     contains,
     evicts_nothing,
     kept_fraction,
-    make_samples,
-    make_specs,
-    plot,
     prefix_agreement,
-    render,
     score,
     summarize_config,
 )
+from benchmarks.quality.tasks import TASKS, Sample, make_samples
+from benchmarks.specs import CompressionSpec
 
 
 def test_generation_is_deterministic_and_seeded(count_words):
@@ -174,8 +172,6 @@ def test_render_and_plot(tmp_path):
 
 
 def test_replot_from_saved_json(tmp_path, capsys):
-    from quality import main
-
     report = {
         "settings": {"model": "/m/Tiny"},
         "workload": {"tasks": ["qa"], "lengths": [256], "samples_per_task_length": 1},

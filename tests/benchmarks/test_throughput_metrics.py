@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from common import JobResult
-from throughput import (
-    CompressionSpec,
+
+from benchmarks.jobs import JobResult
+from benchmarks.specs import CompressionSpec
+from benchmarks.throughput import (
     add_ratios,
     config_row,
     file_prompts,

@@ -7,15 +7,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # kernel_cases helpers, whatever the import mode
-
-from kvcompress.kernels import has_triton, has_triton_gpu  # noqa: E402
+from kvcompress.kernels import has_triton, has_triton_gpu
 
 ON_GPU = has_triton_gpu()
 

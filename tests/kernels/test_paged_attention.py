@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import TOLERANCES, PagedCase, dense_attention, make_case
 
 from kvcompress.kernels import paged_attention, paged_attention_ref, paged_attention_triton
+from tests.kernels.kernel_cases import TOLERANCES, PagedCase, dense_attention, make_case
 
 # (query_lens, per-head context lengths before the new tokens) with 2 KV heads: decode rows,
 # prefill chunks on prior context, a fresh prefill (context 0), unequal head lengths and a

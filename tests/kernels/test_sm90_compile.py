@@ -10,8 +10,6 @@ import os
 
 import pytest
 import torch
-from aot_compile import capture_launches
-from kernel_cases import make_case
 
 from kvcompress.kernels import (
     move_kv_triton,
@@ -19,6 +17,8 @@ from kvcompress.kernels import (
     window_scores_triton,
     write_kv_triton,
 )
+from tests.kernels.aot_compile import capture_launches
+from tests.kernels.kernel_cases import make_case
 
 H100_MAX_SHARED_BYTES = 232448
 

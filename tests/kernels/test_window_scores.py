@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import PagedCase, dense_window_scores, make_case
 
 from kvcompress.kernels import (
     paged_attention_ref,
@@ -14,6 +13,7 @@ from kvcompress.kernels import (
     window_scores_ref,
     window_scores_triton,
 )
+from tests.kernels.kernel_cases import PagedCase, dense_window_scores, make_case
 
 # Last prefill chunks (with prior context, unequal heads), a request without window rows in this
 # chunk (window_start == query_len) and a decode row (H2O-style).

@@ -1,0 +1,8 @@
+"""Long-context quality benchmark (``python -m benchmarks.quality``; see ``cli`` for the options).
+
+    words    word pools the prompts are made of
+    tasks    seeded RULER-style task generators (prompt, answers, metric)
+    scoring  outputs -> accuracy, retained share and fidelity per configuration
+    report   text table and plot (also redrawn from a saved JSON)
+    cli      the command: prompts, one engine run per configuration in workers, outputs
+"""

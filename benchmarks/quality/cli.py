@@ -1,0 +1,240 @@
+"""Long-context quality: RULER-style synthetic tasks, full cache vs every compression method.
+
+Tasks are generated (quality/tasks.py) from a seed (no data sets, no downloads) at token lengths
+inside the model's context, run greedily through vLLM for the full cache (vanilla vLLM) and for
+each method at each budget, and scored by string match against the known answers:
+
+    niah_single        one "special magic number" hidden in filler text
+    niah_multikey      the same, among distractor needles with other keys
+    niah_multivalue    one key with several values: all must be recalled
+    variable_tracking  VAR X = 12345, VAR Y = VAR X, ...: name every variable holding the value
+    common_words       a long numbered word list: name the most frequent words
+    qa                 questions on one of many short synthetic biographies
+
+    python -m benchmarks.quality                                   # defaults (CPU: ~25 min)
+    python -m benchmarks.quality --lengths 1024,2048,4096 --samples 10 --budgets 64,128,256,512,2048
+
+Reported per configuration: accuracy per task (mean over samples and lengths), the fraction of
+the full cache's accuracy retained, and fidelity: how much of the full cache's greedy output
+the configuration reproduces token for token (common prefix / full-cache output length).
+A budget at or above every prompt length evicts nothing; such configurations are not run and
+are reported as the full cache (marked ``not_run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.quality.report import plot, plot_title, render, replot
+from benchmarks.quality.scoring import collect_rows, evicts_nothing
+from benchmarks.quality.tasks import TASKS, Sample, make_samples
+from benchmarks.report import RESULTS_DIR, command_string, machine_info, write_json
+from benchmarks.specs import (
+    CompressionSpec,
+    EngineSettings,
+    benchmark_parser,
+    default_model_dir,
+    default_threads,
+    detect_device,
+    kv_bytes_per_token,
+    model_shape,
+    parse_ints,
+    parse_kv_options,
+    parse_names,
+    resolve_dtype,
+)
+from kvcompress.policies import METHODS
+
+WORKER_MODULE = "benchmarks.quality"  # workers: python -m WORKER_MODULE --worker ...
+
+
+# ----------------------------------------------------------------------------- worker side
+def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from benchmarks.engine import build_engine, generate, shutdown_engine
+
+    settings = EngineSettings(**job["settings"])
+    spec = CompressionSpec(**job["spec"])
+    prompts = json.loads(Path(job["prompts_path"]).read_text())
+    engine = build_engine(settings, spec)
+    try:
+        params = [SamplingParams(max_tokens=p["max_tokens"], temperature=0.0) for p in prompts]
+        started = time.perf_counter()
+        outputs, elapsed = generate(
+            engine, [p["prompt_token_ids"] for p in prompts], params,
+            lambda finished, _tokens: reporter.progress(finished),
+        )
+    finally:
+        shutdown_engine(engine)
+    return {
+        "outputs": [{"text": o.text, "token_ids": o.token_ids} for o in outputs],
+        "generate_s": elapsed,
+        "engine_s": time.perf_counter() - started,
+    }
+
+
+# ----------------------------------------------------------------------------- parent side
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(WORKER_MODULE, __doc__)
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
+    parser.add_argument("--lengths", default="1024",
+                        help="prompt lengths in tokens (each prompt is at most this long)")
+    parser.add_argument("--samples", type=int, default=2, help="samples per task and length")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budgets", default="64,128,256,512,2048",
+                        help="tokens kept per layer and KV head (window included)")
+    budget.add_argument("--ratios", default=None,
+                        help="fractions of each prompt evicted instead of budgets, e.g. 0.875")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto",
+                        help="auto = bfloat16, or float32 on CPUs without native bf16")
+    parser.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra kvcompress setting, e.g. kv_window=16")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of the engine (default: cores - 1)")
+    parser.add_argument("--compile", action="store_true", help="no enforce_eager")
+    parser.add_argument("--job-timeout", type=float, default=1800.0)
+    parser.add_argument("--output-json", type=Path, default=RESULTS_DIR / "quality.json")
+    parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "quality.png")
+    parser.add_argument("--log-file", type=Path, default=None)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="redraw the table and --plot from a saved JSON, no engine")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the generated prompts' statistics and one example, no engine")
+    return parser
+
+
+def make_specs(methods: Sequence[str], budgets: Sequence[int] | None,
+               ratios: Sequence[float] | None) -> list[CompressionSpec]:
+    if ratios:
+        return [CompressionSpec(m, ratio=r) for m in methods for r in ratios]
+    return [CompressionSpec(m, budget=b) for m in methods for b in budgets or ()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1:], run_job)
+    args = build_parser().parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot, args.plot)
+    started = time.perf_counter()
+    try:
+        tasks = parse_names(args.tasks, list(TASKS), "--tasks")
+        methods = parse_names(args.methods, METHODS, "--methods")
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else None
+    budgets = None if ratios else parse_ints(args.budgets)
+    lengths = parse_ints(args.lengths)
+
+    from transformers import AutoTokenizer
+
+    device = detect_device()
+    model = args.model or default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    context = model_shape(model)["max_position_embeddings"]
+    if context and max(lengths) > context:
+        raise SystemExit(f"--lengths: {max(lengths)} exceeds the model's context {context}")
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    samples = make_samples(tasks, lengths, args.samples, args.seed, count)
+    prompts = [{"prompt_token_ids": tokenizer.encode(s.prompt), "max_tokens": s.max_tokens}
+               for s in samples]
+    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
+    if args.dry_run:
+        return dry_run(samples, prompt_lens)
+
+    specs = make_specs(methods, budgets, ratios)
+    to_run = [CompressionSpec()] + [s for s in specs if not evicts_nothing(s, prompt_lens)]
+    dtype = resolve_dtype(args.dtype, device)
+    longest = max(n + p["max_tokens"] for n, p in zip(prompt_lens, prompts))
+    # Room for every request at once: quality runs are not meant to be memory-bound.
+    kv_tokens = min(sum(n + p["max_tokens"] for n, p in zip(prompt_lens, prompts)),
+                    args.max_num_seqs * longest)
+    kv_tokens = max(kv_tokens, 2 * longest)
+    settings = EngineSettings(
+        model=model, dtype=dtype, max_model_len=longest, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(2048, longest),
+        kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, dtype),
+        enforce_eager=not args.compile, seed=args.seed,
+        compression_options=parse_kv_options(args.kv_option),
+    )
+    threads = None if device != "cpu" else args.threads or default_threads()
+    workdir = make_workdir("quality")
+    prompts_path = workdir / "prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    log_path = args.log_file or workdir / "vllm.log"
+    header = {
+        "benchmark": "quality",
+        "command": command_string([sys.argv[0], *argv]),
+        "machine": machine_info(device),
+        "settings": {**vars(settings), "threads": threads},
+        "workload": {
+            "tasks": tasks, "lengths": lengths, "samples_per_task_length": args.samples,
+            "seed": args.seed, "num_prompts": len(samples),
+            "prompt_tokens": sum(prompt_lens), "prompt_len_range": [min(prompt_lens),
+                                                                    max(prompt_lens)],
+            "methods": methods, "budgets": budgets, "ratios": ratios,
+        },
+    }
+    print(f"command: {header['command']}")
+    print(f"settings: {json.dumps(header['settings'])}")
+    print(f"workload: {json.dumps(header['workload'])}")
+    print(f"{len(to_run)} engine runs ({len(specs) + 1 - len(to_run)} budgets >= every prompt "
+          f"not run); vLLM logs: {log_path}", flush=True)
+
+    jobs = [{"id": spec.label, "spec": vars(spec), "settings": vars(settings),
+             "prompts_path": str(prompts_path)} for spec in to_run]
+    results = run_jobs(
+        WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
+        units={job["id"]: len(prompts) for job in jobs}, job_timeout=args.job_timeout,
+        env=worker_env(args.verbose, False, threads), desc="quality",
+        show_progress=not args.no_progress,
+    )
+    rows = collect_rows(samples, [CompressionSpec(), *specs], results, prompt_lens)
+    report = {**header, "configs": rows, "samples": sample_records(samples, prompt_lens),
+              "runtime_s": time.perf_counter() - started}
+    write_json(args.output_json, report)
+    print()
+    print(render(rows, tasks))
+    for row in rows:
+        if not row["ok"]:
+            print(f"\n{row['label']} FAILED:\n{row['error']}")
+    plot(rows, args.plot, title=plot_title(header))
+    print(f"\nwrote {args.output_json} and {args.plot} ({report['runtime_s']:.0f} s)")
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+def sample_records(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> list[dict]:
+    return [
+        {"task": s.task, "length": s.length, "index": s.index, "prompt_tokens": n,
+         "answers": s.answers, "metric": s.metric, "max_tokens": s.max_tokens}
+        for s, n in zip(samples, prompt_lens)
+    ]
+
+
+def dry_run(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> int:
+    for task in dict.fromkeys(s.task for s in samples):
+        lens = [n for s, n in zip(samples, prompt_lens) if s.task == task]
+        print(f"{task:18s} {len(lens):3d} prompts, {min(lens)}..{max(lens)} tokens")
+    example = samples[0]
+    print(f"\nexample ({example.task}, answers {example.answers}):\n"
+          f"{example.prompt[:600]} [...] {example.prompt[-300:]}")
+    print(json.dumps([asdict(s) | {"prompt": None} for s in samples[:3]], indent=1))
+    return 0

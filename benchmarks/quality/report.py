@@ -1,0 +1,82 @@
+"""What a quality run shows: the text table, the plot, and both redrawn from a saved JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import format_table
+from kvcompress.policies import METHODS
+
+
+def replot(json_path: Path, png_path: Path) -> int:
+    report = json.loads(json_path.read_text())
+    print(render(report["configs"], report["workload"]["tasks"]))
+    plot(report["configs"], png_path, title=plot_title(report))
+    print(f"wrote {png_path}")
+    return 0
+
+
+def render(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
+    short = {t: t.replace("niah_", "").replace("variable_tracking", "vt")
+             .replace("common_words", "cwe")[:10] for t in tasks}
+    table = []
+    for row in rows:
+        flat = {**row, **{f"t:{t}": (row.get("per_task") or {}).get(t) for t in tasks}}
+        if row.get("not_run"):
+            flat["label"] = f"{row['label']} (=full)"
+        table.append(flat)
+    columns = [("label", "config"), ("kept_fraction", "kept")]
+    columns += [(f"t:{t}", short[t]) for t in tasks]
+    columns += [("accuracy", "mean"), ("retained", "retained"), ("fidelity", "fidelity")]
+    return format_table(table, columns)
+
+
+def plot_title(header: dict[str, Any]) -> str:
+    work = header["workload"]
+    return (f"{Path(header['settings']['model']).name}: {len(work['tasks'])} tasks, lengths "
+            f"{','.join(map(str, work['lengths']))}, {work['samples_per_task_length']} "
+            f"samples each")
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = rows[0] if rows and rows[0]["label"] == "vanilla" and rows[0]["ok"] else None
+    by_ratio = any(r.get("ratio") is not None for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, ylabel in ((axes[0], "accuracy", "accuracy (mean over tasks)"),
+                            (axes[1], "fidelity", "fidelity to full cache")):
+        for index, method in enumerate(METHODS):
+            color = f"C{index}"
+            ran = sorted((r["ratio"] if by_ratio else r["budget"], r[key]) for r in rows
+                         if r["method"] == method and r["ok"] and r.get(key) is not None
+                         and not r.get("not_run"))
+            skipped = sorted((r["budget"], r[key]) for r in rows
+                             if r["method"] == method and r.get("not_run"))
+            if ran:
+                ax.plot(*zip(*ran), marker="o", color=color, label=method)
+            if skipped:  # budget >= every prompt: the full cache, drawn hollow and unlinked
+                ax.plot(*zip(*skipped), marker="o", linestyle="none", color=color,
+                        markerfacecolor="none")
+        if full is not None and full.get(key) is not None:
+            ax.axhline(full[key], color="black", linestyle="--", label="full cache")
+        if not by_ratio:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("fraction of prompt evicted" if by_ratio else "KV budget (tokens / head)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.02, 1.02)
+        if any(r.get("not_run") for r in rows):
+            ax.text(0.99, 0.01, "hollow: budget >= every prompt (= full cache, not run)",
+                    transform=ax.transAxes, ha="right", va="bottom", fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)

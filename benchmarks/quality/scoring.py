@@ -1,0 +1,122 @@
+"""Scoring: each output against its sample's answers, and against the full cache's output;
+per-configuration rows (accuracy, share of the full cache's accuracy retained, fidelity)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.quality.tasks import Sample
+from benchmarks.specs import CompressionSpec
+
+
+def contains(text: str, reference: str) -> bool:
+    """``reference`` as a whole word / number in ``text`` (case-insensitive)."""
+    pattern = r"(?<![A-Za-z0-9])" + re.escape(reference) + r"(?![A-Za-z0-9])"
+    return re.search(pattern, text, flags=re.IGNORECASE) is not None
+
+
+def score(text: str, answers: Sequence[str], metric: str) -> float:
+    found = [contains(text, answer) for answer in answers]
+    if metric == "any":
+        return float(any(found))
+    return sum(found) / len(found)
+
+
+def prefix_agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of the reference (full-cache) greedy tokens reproduced before the first change."""
+    if not reference:
+        return 1.0
+    same = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        same += 1
+    return same / len(reference)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize_config(samples: Sequence[Sample], outputs: Sequence[dict[str, Any]],
+                     reference: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
+    """Accuracy per task and per (task, length), mean over tasks, fidelity to the reference."""
+    scores = [score(o["text"], s.answers, s.metric) for s, o in zip(samples, outputs)]
+    tasks = list(dict.fromkeys(s.task for s in samples))
+    lengths = sorted({s.length for s in samples})
+    per_task = {t: mean([x for s, x in zip(samples, scores) if s.task == t]) for t in tasks}
+    per_length = {
+        f"{t}@{n}": mean([x for s, x in zip(samples, scores) if s.task == t and s.length == n])
+        for t in tasks for n in lengths
+    }
+    result: dict[str, Any] = {
+        "accuracy": mean([per_task[t] for t in tasks]),  # macro average over tasks
+        "per_task": per_task,
+        "per_task_length": per_length,
+        "per_length": {
+            str(n): mean([x for s, x in zip(samples, scores) if s.length == n]) for n in lengths
+        },
+        "scores": scores,
+    }
+    if reference is not None:
+        agree = [prefix_agreement(o["token_ids"], r["token_ids"])
+                 for o, r in zip(outputs, reference)]
+        exact = [float(o["token_ids"] == r["token_ids"]) for o, r in zip(outputs, reference)]
+        result["fidelity"] = mean(agree)
+        result["exact_match_full"] = mean(exact)
+    return result
+
+
+def add_retained(rows: list[dict[str, Any]], full: dict[str, Any]) -> None:
+    """Fraction of the full cache's accuracy kept, overall and per task (None if full is 0)."""
+    for row in rows:
+        if not row.get("ok"):
+            continue
+        base = full.get("accuracy")
+        row["retained"] = row["accuracy"] / base if base else None
+        row["retained_per_task"] = {
+            task: (acc / full["per_task"][task] if full["per_task"].get(task) else None)
+            for task, acc in row["per_task"].items()
+        }
+
+
+def evicts_nothing(spec: CompressionSpec, prompt_lens: Sequence[int]) -> bool:
+    """A budget >= every prompt keeps every prompt whole (ratios always evict)."""
+    return spec.budget is not None and spec.budget >= max(prompt_lens)
+
+
+def collect_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
+                 results: dict[str, Any], prompt_lens: Sequence[int]) -> list[dict[str, Any]]:
+    full = results.get("vanilla")
+    reference = full.result["outputs"] if full is not None and full.result else None
+    rows = []
+    for spec in specs:
+        row: dict[str, Any] = {"label": spec.label, "method": spec.method, "budget": spec.budget,
+                               "ratio": spec.ratio}
+        outcome = results.get(spec.label)
+        if outcome is None and evicts_nothing(spec, prompt_lens) and reference is not None:
+            row.update(ok=True, not_run="budget >= every prompt: nothing evicted, full cache")
+            row.update(summarize_config(samples, reference, reference))
+        elif outcome is None or outcome.error is not None:
+            row.update(ok=False, error=getattr(outcome, "error", "not run"))
+        else:
+            row.update(ok=True, generate_s=outcome.result["generate_s"],
+                       job_seconds=outcome.seconds)
+            row.update(summarize_config(samples, outcome.result["outputs"], reference))
+            row["outputs"] = [o["text"] for o in outcome.result["outputs"]]
+        row["kept_fraction"] = kept_fraction(spec, prompt_lens)
+        rows.append(row)
+    if rows and rows[0]["ok"]:
+        add_retained(rows, rows[0])
+    return rows
+
+
+def kept_fraction(spec: CompressionSpec, prompt_lens: Sequence[int]) -> float:
+    """Mean share of each prompt's cache kept (window included) at this budget or ratio."""
+    if spec.is_vanilla:
+        return 1.0
+    if spec.ratio is not None:
+        return 1.0 - spec.ratio
+    return mean([min(1.0, spec.budget / n) for n in prompt_lens]) or 1.0

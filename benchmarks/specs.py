@@ -1,0 +1,219 @@
+"""What a benchmark runs: the configurations under test and the engine settings they share.
+
+- ``CompressionSpec``: one configuration ("vanilla", "pyramidkv:128", "snapkv:r=0.875") and the
+  ``additional_config`` it becomes; ``benchmark_parser`` and ``parse_*`` read command lines.
+- ``EngineSettings``: identical engine settings for every configuration.
+- model, dtype and device helpers the settings are derived from.
+
+Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcompress.policies import METHODS
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ----------------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class CompressionSpec:
+    """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio."""
+
+    method: str = "none"
+    budget: int | None = None
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "none":
+            if self.budget is not None or self.ratio is not None:
+                raise ValueError("vanilla takes no budget or ratio")
+            return
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; allowed: none, {', '.join(METHODS)}")
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError(f"{self.method}: give exactly one of a budget or a ratio")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"{self.method}: budget must be >= 1, got {self.budget}")
+        if self.ratio is not None and not 0.0 < self.ratio < 1.0:
+            raise ValueError(f"{self.method}: ratio must be in (0, 1), got {self.ratio}")
+
+    @property
+    def is_vanilla(self) -> bool:
+        return self.method == "none"
+
+    @property
+    def label(self) -> str:
+        if self.is_vanilla:
+            return "vanilla"
+        if self.budget is not None:
+            return f"{self.method}:{self.budget}"
+        return f"{self.method}:r={self.ratio:g}"
+
+    @property
+    def compression_factor(self) -> float | None:
+        """Prompt compression for ratio specs (0.875 -> 8x); None for budgets (per prompt)."""
+        if self.is_vanilla:
+            return 1.0
+        return None if self.ratio is None else 1.0 / (1.0 - self.ratio)
+
+    def additional_config(self, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """additional_config keys (``options`` are extra ``kv_*`` settings, e.g. kv_window)."""
+        if self.is_vanilla:
+            return {}
+        config: dict[str, Any] = {"kv_compression": self.method, **(options or {})}
+        if self.budget is not None:
+            config["kv_budget"] = self.budget
+        else:
+            config["kv_compression_ratio"] = self.ratio
+        return config
+
+    @classmethod
+    def parse(cls, text: str) -> CompressionSpec:
+        """``vanilla`` / ``none``, ``METHOD:BUDGET``, ``METHOD:r=RATIO`` or ``METHOD:budget=N``."""
+        text = text.strip().lower()
+        if text in ("none", "vanilla", "full"):
+            return cls()
+        method, sep, amount = text.partition(":")
+        if not sep or not amount:
+            raise ValueError(f"bad configuration {text!r}: use METHOD:BUDGET or METHOD:r=RATIO")
+        key, eq, value = amount.partition("=")
+        if not eq:
+            key, value = "budget", key
+        try:
+            if key in ("r", "ratio"):
+                return cls(method, ratio=float(value))
+            if key in ("b", "budget"):
+                return cls(method, budget=int(value))
+        except ValueError as error:
+            raise ValueError(f"bad configuration {text!r}: {error}") from None
+        raise ValueError(f"bad configuration {text!r}: amount must be N, budget=N or r=R")
+
+
+def benchmark_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line an engine benchmark starts from: ``python -m MODULE`` in the usage
+    line, the first paragraph of its docstring, defaults in --help, and --model."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=(doc or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="model folder (default: embedded model)")
+    return parser
+
+
+def parse_specs(text: str) -> list[CompressionSpec]:
+    specs = [CompressionSpec.parse(part) for part in text.split(",") if part.strip()]
+    if len({spec.label for spec in specs}) != len(specs):
+        raise ValueError(f"duplicate configurations in {text!r}")
+    return specs
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_names(text: str, known: Sequence[str], what: str) -> list[str]:
+    """Comma-separated names, each one of ``known`` (a ValueError names the unknown ones)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; allowed: {list(known)}")
+    return names
+
+
+def parse_kv_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["kv_window=16", "kv_pooling=avg"]`` -> additional_config keys, checked by name here
+    (values are validated by the engine config, before any engine starts)."""
+    from kvcompress.config import CONFIG_KEYS
+
+    options: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in CONFIG_KEYS or key in ("kv_compression", "kv_budget",
+                                                        "kv_compression_ratio"):
+            allowed = sorted(CONFIG_KEYS - {"kv_compression", "kv_budget", "kv_compression_ratio"})
+            raise SystemExit(f"--kv-option {item!r}: expected KEY=VALUE with KEY in {allowed}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value  # a bare word such as avg
+    return options
+
+
+# ----------------------------------------------------------------------------- engine settings
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every configuration shares; only ``additional_config`` differs between them."""
+
+    model: str
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory_bytes: int
+    enforce_eager: bool = True
+    seed: int = 0
+    multiprocess: bool = False  # vLLM's engine-core process + worker process; else in-process
+    compression_options: dict[str, Any] = field(default_factory=dict)  # kv_window, ...
+
+
+def default_model_dir() -> str:
+    from kvcompress.models import embedded_model_dir
+
+    return str(embedded_model_dir())
+
+
+def detect_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_threads() -> int:
+    """CPU threads for the model: all cores but one, as vLLM's own multiprocess default (it
+    reserves a core for the scheduler). Two threads sharing a core with anything else make
+    every OpenMP barrier wait for a time slice: 4x slower on a busy 2-core box."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 matmul (AVX512-BF16 or AMX); without it bf16 runs ~3x slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: the model's bf16, except on CPUs without native bf16 (fp32 is faster there)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device != "cpu" or cpu_has_bf16() else "float32"
+
+
+def model_shape(model_dir: str) -> dict[str, int]:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    return {
+        "num_layers": config["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": config.get("num_key_value_heads", heads),
+        "head_dim": config.get("head_dim", config["hidden_size"] // heads),
+        "max_position_embeddings": config.get("max_position_embeddings", 0),
+    }
+
+
+def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """K and V of one token in every layer and KV head (vLLM's and kvcompress's unit)."""
+    shape = model_shape(model_dir)
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * DTYPE_BYTES[dtype]

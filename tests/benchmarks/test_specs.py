@@ -1,0 +1,59 @@
+"""Configuration specs (parsing, labels, additional_config) and --kv-option parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.specs import CompressionSpec, parse_kv_options, parse_specs
+from kvcompress.policies import METHODS
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("vanilla", CompressionSpec()),
+        ("none", CompressionSpec()),
+        ("pyramidkv:128", CompressionSpec("pyramidkv", budget=128)),
+        ("snapkv:budget=64", CompressionSpec("snapkv", budget=64)),
+        ("AdaKV:r=0.875", CompressionSpec("adakv", ratio=0.875)),
+    ],
+)
+def test_spec_parse(text, expected):
+    assert CompressionSpec.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["h2o:128", "snapkv", "snapkv:r=1.5", "snapkv:0", "snapkv:x=3"])
+def test_spec_parse_rejects(text):
+    with pytest.raises(ValueError):
+        CompressionSpec.parse(text)
+
+
+def test_spec_accepts_every_policy_method():
+    assert [CompressionSpec(m, budget=64).method for m in METHODS] == list(METHODS)
+
+
+def test_spec_labels_and_additional_config():
+    ratio = CompressionSpec("pyramidkv", ratio=0.875)
+    assert ratio.label == "pyramidkv:r=0.875"
+    assert ratio.compression_factor == pytest.approx(8.0)
+    assert ratio.additional_config({"kv_window": 16}) == {
+        "kv_compression": "pyramidkv", "kv_window": 16, "kv_compression_ratio": 0.875}
+    budget = CompressionSpec("snapkv", budget=64)
+    assert budget.additional_config() == {"kv_compression": "snapkv", "kv_budget": 64}
+    assert budget.compression_factor is None
+    assert CompressionSpec().additional_config({"kv_window": 16}) == {}
+    assert CompressionSpec().label == "vanilla"
+
+
+def test_parse_specs_rejects_duplicates():
+    assert [s.label for s in parse_specs("vanilla, snapkv:64")] == ["vanilla", "snapkv:64"]
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_specs("snapkv:64,snapkv:budget=64")
+
+
+def test_parse_kv_options():
+    assert parse_kv_options(["kv_window=16", "kv_pooling=avg", "kv_pyramid_beta=2.5"]) == {
+        "kv_window": 16, "kv_pooling": "avg", "kv_pyramid_beta": 2.5}
+    for bad in ("kv_windw=16", "window=16", "kv_budget=64", "kv_window"):
+        with pytest.raises(SystemExit, match="--kv-option"):
+            parse_kv_options([bad])
