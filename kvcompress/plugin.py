@@ -10,5 +10,6 @@ from __future__ import annotations
 def register() -> None:
     """Idempotent: vLLM may call it several times per process."""
     from kvcompress import vllm_hooks
+    from kvcompress.engine.engine_args import finish_vllm_config, prepare_engine_args
 
-    vllm_hooks.install()
+    vllm_hooks.install(prepare_engine_args, finish_vllm_config)

@@ -12,8 +12,8 @@ vLLM has no seam for a plugin to add CLI flags or to react to an engine config, 
   when compression is on, selects our scheduler and worker classes.
 
 Everything else is reached through vLLM's own seams (``scheduler_cls``, ``worker_cls``),
-except the CPU attention backend: ``attention_backend_override`` scopes a registry
-override to the construction of one kvcompress model.
+except the attention backend: ``attention_backend_override`` scopes a registry override
+(CPU_ATTN on CPU, CUSTOM on CUDA) to the construction of one kvcompress model.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SUPPORTED_VLLM_PREFIX = "0.32."
@@ -36,7 +36,14 @@ def check_vllm_version(version: str) -> None:
         )
 
 
-def install() -> None:
+def install(
+    prepare_engine_args: Callable[[Any], Any],
+    finish_vllm_config: Callable[[Any, Any], None],
+) -> None:
+    """Wrap the three EngineArgs methods; idempotent. ``create_engine_config`` calls
+    ``prepare_engine_args(engine_args)`` before vLLM builds its config and
+    ``finish_vllm_config(vllm_config, what_prepare_returned)`` after (the plugin passes
+    kvcompress.engine.engine_args's functions, so this module imports nothing from engine/)."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
@@ -62,8 +69,6 @@ def install() -> None:
 
     @functools.wraps(original_create_engine_config)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from kvcompress.engine.setup import finish_vllm_config, prepare_engine_args
-
         config = prepare_engine_args(self)
         vllm_config = original_create_engine_config(self, *args, **kwargs)
         finish_vllm_config(vllm_config, config)
@@ -111,10 +116,11 @@ def merge_flags_into_additional_config(engine_args: Any, args: argparse.Namespac
 def attention_backend_override(backend_name: str, class_path: str) -> Iterator[None]:
     """Resolve vLLM's ``backend_name`` attention backend to ``class_path`` inside the block.
 
-    On CPU, vLLM only ever picks CPU_ATTN, so the way in is its registry override. It is
-    process-global and vLLM caches backend selections, so the override is scoped to the
-    model construction of one kvcompress engine and both caches are cleared around it:
-    a vanilla engine built later in the same process gets vLLM's own backend again.
+    On CPU, vLLM only ever picks CPU_ATTN; on CUDA the engine selects the CUSTOM slot. Either
+    way the registry override is the way in. It is process-global and vLLM caches backend
+    selections, so the override is scoped to the model construction of one kvcompress
+    engine and both caches are cleared around it: a vanilla engine built later in the same
+    process gets vLLM's own backend again.
     """
     from vllm.v1.attention.backends import registry
     from vllm.v1.attention.selector import _cached_get_attn_backend

@@ -1,14 +1,15 @@
 """vLLM attention backend reading per-(layer, KV head) page tables.
 
-Selected by the kvcompress worker (it overrides the CPU_ATTN registry entry in its own
-process only when compression is on). The backend is thin: metadata comes from the
-worker's paged-KV runtime, the arithmetic from the platform kernel.
+Selected by the kvcompress workers, in their own process only: the CPU worker resolves the
+CPU_ATTN registry entry to it, the CUDA worker the CUSTOM entry
+(``vllm_hooks.attention_backend_override``). The backend is thin: metadata comes from the
+worker's paged-KV runtime (found through ``kvcompress.step.runtime_for``), the arithmetic
+from the platform kernel (``kvcompress.step.PlatformKernel``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -21,20 +22,10 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.engine.kv_state import StepBatch
-
-
-@dataclass
-class PagedAttentionMetadata:
-    step: StepBatch
-    num_actual_tokens: int
-    kernel: Any  # the platform kernel object (e.g. CpuPagedKernel)
-    kernel_args: Any  # what kernel.prepare(step) returned
-    layer_index: dict[str, int]
-    group_reduce: str
+from kvcompress.step import PagedAttentionMetadata, runtime_for
 
 
 class KVCompressAttentionBackend(AttentionBackend):
@@ -57,7 +48,7 @@ class KVCompressAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        # vLLM resolves backends by registry name; ours overrides the CPU_ATTN entry.
+        # vLLM resolves backends by registry name; on CPU ours fills the CPU_ATTN entry.
         return "CPU_ATTN"
 
     @classmethod
@@ -73,6 +64,14 @@ class KVCompressAttentionBackend(AttentionBackend):
         return KVCompressMetadataBuilder
 
 
+class KVCompressCudaAttentionBackend(KVCompressAttentionBackend):
+    """The same backend under the registry name it is selected by on CUDA (CUSTOM)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return AttentionBackendEnum.CUSTOM.name
+
+
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
@@ -86,8 +85,6 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> PagedAttentionMetadata | None:
-        from kvcompress.engine.runtime import runtime_for
-
         runtime = runtime_for(self.vllm_config)
         if runtime is None:
             return None  # profiling / warm-up before the page pool exists
@@ -154,19 +151,15 @@ class KVCompressAttentionImpl(AttentionImpl):
         layer_index = attn_metadata.layer_index[layer.layer_name]
         num_tokens = attn_metadata.num_actual_tokens
         query, output = query[:num_tokens], output[:num_tokens]
+        key, value = key[:num_tokens], value[:num_tokens]
         slots = step.slot_mapping[:, step.layer_rows(layer_index)]
-        kernel.write(kv_cache, key[:num_tokens], value[:num_tokens], slots)
+        kernel.write(kv_cache, key, value, slots)
         kernel.attend(attn_metadata.kernel_args, layer_index, query, kv_cache, output, self.scale)
         if step.window_queries:
             started = time.perf_counter()
-            # A platform kernel may score the window itself (one Triton launch on GPU).
-            scorer = getattr(kernel, "accumulate_window_scores", None)
-            if scorer is not None:
-                scorer(attn_metadata.kernel_args, layer_index, query, kv_cache, step,
-                       self.scale, attn_metadata.group_reduce)
-            else:
-                accumulate_window_scores(query, kv_cache, kernel.page_format, step,
-                                         layer_index, self.scale, attn_metadata.group_reduce,
-                                         key=key[:num_tokens])
+            kernel.accumulate_window_scores(
+                attn_metadata.kernel_args, layer_index, query, key, kv_cache, step,
+                self.scale, attn_metadata.group_reduce,
+            )
             step.score_seconds += time.perf_counter() - started
         return output

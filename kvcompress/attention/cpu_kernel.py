@@ -14,9 +14,10 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 
-from kvcompress.attention.page_format import CPU_PAGE_FORMAT
-from kvcompress.engine.kv_state import StepBatch
+from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageLayout
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT
+from kvcompress.step import StepBatch
 
 
 def cpu_isa(page_size: int, head_size: int) -> str:
@@ -37,6 +38,8 @@ class CpuStepArgs:
 
 
 class CpuPagedKernel:
+    """``kvcompress.step.PlatformKernel`` on CPU."""
+
     page_format = CPU_PAGE_FORMAT
 
     def __init__(self, layout: PageLayout, dtype: torch.dtype) -> None:
@@ -101,9 +104,15 @@ class CpuPagedKernel:
             result.view(heads, num_tokens, group, head_size).transpose(0, 1)
         )
 
+    def accumulate_window_scores(self, args: CpuStepArgs, layer: int, query: torch.Tensor,
+                                 key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
+                                 scale: float, group_reduce: str) -> None:
+        accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
+                                 group_reduce, key=key)
+
     def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Compaction's cache move: torch indexing over the CPU page format."""
-        self.page_format.move_tokens(pool, src_slots, dst_slots)
+        self.page_format.move(pool, src_slots, dst_slots)
 
     def _caches(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_pages, _, page_size, head_size = pool.shape

@@ -1,7 +1,7 @@
 """Per-head paged attention on GPU through kvcompress's own Triton kernels.
 
-Same interface as :class:`kvcompress.attention.cpu_kernel.CpuPagedKernel` (``page_format``,
-``prepare``, ``write``, ``attend``, ``move``) over the GPU page format (K row-major). The
+``kvcompress.step.PlatformKernel`` over the GPU page format (K row-major), as
+:class:`kvcompress.attention.cpu_kernel.CpuPagedKernel` is on CPU. The
 kernels take per-head page tables directly, so no re-indexing is needed: ``prepare`` only
 casts the step's tables and lengths to int32 once per step, and reads the host-side maxima
 every layer's launch needs, so no layer waits on a device->host copy.
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcompress.attention.page_format import GPU_PAGE_FORMAT
 from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.engine.kv_state import StepBatch
 from kvcompress.kernels import move_kv, paged_attention, window_scores, write_kv
 from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
 from kvcompress.paging import PageLayout
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from kvcompress.step import StepBatch
 
 
 @dataclass
@@ -121,6 +121,7 @@ class TritonPagedKernel:
         args: TritonStepArgs,
         layer: int,
         query: torch.Tensor,
+        key: torch.Tensor,
         pool: torch.Tensor,
         step: StepBatch,
         scale: float,
@@ -136,7 +137,7 @@ class TritonPagedKernel:
             return
         if group_reduce not in ("mean", "sum"):
             accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
-                                     group_reduce)
+                                     group_reduce, key=key)
             return
         rows = self._rows(layer)
         num_keys = [keys[layer] for keys in windows.num_keys]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcompress.attention.page_format import PageFormat
-from kvcompress.engine.kv_state import StepBatch
+from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies.scores import aggregate_window_probs
+from kvcompress.step import StepBatch
 
 
 def accumulate_window_scores(

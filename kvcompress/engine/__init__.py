@@ -1,0 +1,15 @@
+"""The vLLM glue, by side. The stages of one engine step are listed in ``kvcompress.step``.
+
+Before the engine starts: ``engine_args`` (validate, select our classes, refuse what cannot
+work), ``request_settings`` (per-request ``kv_*`` checked at admission, HTTP 400).
+Scheduler process: ``scheduler`` (vLLM's scheduler with page admission and frees) over
+``scheduler_kv_cache`` (vLLM's KV-cache manager, decided in pages).
+Worker processes: ``worker_cpu`` / ``worker_gpu`` (vLLM's workers with our model runner),
+``worker_runner`` (what both runners share), ``worker_runtime`` (one step on the worker),
+``worker_state`` (page-table mirror, step batches), ``worker_compaction`` (plan, moves).
+Both: ``messages`` (what rides on vLLM's step messages), ``vllm_layout`` (the page layout
+from vLLM's KV-cache config), ``stats`` (a stat logger for benchmarks and tests).
+
+Only ``worker_runtime``, ``worker_state``, ``worker_compaction`` and ``messages`` are free of
+vLLM imports: the worker pipeline runs with torch alone.
+"""

@@ -10,11 +10,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.kv_manager import PagedKVCacheManager, virtual_kv_cache_config
-from kvcompress.engine.layout import page_layout
 from kvcompress.engine.messages import attach_page_deltas, compactions
+from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
+from kvcompress.engine.vllm_layout import page_layout
 from kvcompress.log import get_logger
 from kvcompress.paging import PageManager
+from kvcompress.paging.page_table import pages_for_lengths
 
 logger = get_logger(__name__)
 
@@ -22,8 +23,8 @@ logger = get_logger(__name__)
 class KVCompressScheduler(Scheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, *args: Any,
                  **kwargs: Any) -> None:
-        self.compression = KVCompressionConfig.from_mapping(vllm_config.additional_config)
-        layout = page_layout(kv_cache_config, self.compression.page_size)
+        self.compression_config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
+        layout = page_layout(kv_cache_config, self.compression_config.page_size)
         virtual_config = virtual_kv_cache_config(
             kv_cache_config,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
@@ -45,13 +46,14 @@ class KVCompressScheduler(Scheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas."""
         scheduler_output = super().schedule(*args, **kwargs)
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         return scheduler_output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
-        # Release compacted pages first: requests finishing in this step free the rest.
+        # Stage 8: release compacted pages first; requests finishing in this step free the rest.
         for request_id, compaction in compactions(model_runner_output).items():
             self.num_pages_freed_by_compression += self.page_manager.release_after_compression(
                 request_id, compaction.logical_len, compaction.physical_lengths
@@ -62,7 +64,14 @@ class KVCompressScheduler(Scheduler):
         return outputs
 
     def check_pages(self) -> None:
-        """Every page free or owned once, and only by requests the scheduler still knows."""
-        self.page_manager.check_invariants()
-        leaked = self.page_manager.request_ids() - set(self.requests)
+        """Every page free or owned once, only by requests the scheduler still knows, and
+        each request holding exactly ceil(length / page_size) pages per row."""
+        manager = self.page_manager
+        manager.check_invariants()
+        leaked = manager.request_ids() - set(self.requests)
         assert not leaked, f"pages held by requests the scheduler forgot: {sorted(leaked)}"
+        for request_id in manager.request_ids():
+            needed = int(pages_for_lengths(manager.physical_lengths(request_id),
+                                           manager.layout.page_size).sum())
+            held = manager.owned_pages(request_id)
+            assert held == needed, f"request {request_id} holds {held} pages, needs {needed}"

@@ -57,9 +57,6 @@ class PageManager:
     def usage(self) -> float:
         return 1.0 - self._num_free / self.layout.total_pages
 
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     def owned_pages(self, request_id: str | None = None) -> int:
         if request_id is not None:
             state = self._requests.get(request_id)
@@ -70,9 +67,6 @@ class PageManager:
         """Per-row physical tokens of the slots reserved for the request."""
         state = self._requests[request_id]
         return state.logical_len - state.evicted
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
 
     def request_ids(self) -> set[str]:
         return set(self._requests)

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from kvcompress.attention.cpu_kernel import CpuPagedKernel
-from kvcompress.attention.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageTableDelta
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import aggregate_window_probs
-
-from .paged_cases import build_case, dense_attention
+from tests.paged_cases import build_case, dense_attention
 
 LAYOUTS = {
     # unequal head lengths (a compressed request), decode, chunked prefill on context
@@ -60,7 +59,7 @@ def test_moves_copy_k_and_v_and_read_before_write(page_format):
     original = pool.clone()
     src = torch.tensor([3, 17, 40])
     dst = torch.tensor([17, 40, 5])  # chained: every read must see the old contents
-    page_format.move_tokens(pool, src, dst)
+    page_format.move(pool, src, dst)
     old_keys, old_values = page_format.read_tokens(original, src)
     new_keys, new_values = page_format.read_tokens(pool, dst)
     assert torch.equal(new_keys, old_keys) and torch.equal(new_values, old_values)

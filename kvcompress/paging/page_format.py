@@ -47,7 +47,7 @@ class PageFormat:
         pages, offsets = slots // page_size, slots % page_size
         return self.key_view(pool)[pages, offsets], self.value_view(pool)[pages, offsets]
 
-    def move_tokens(
+    def move(
         self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
     ) -> None:
         """Copy K and V of ``src_slots`` to ``dst_slots`` (all reads happen before writes)."""

@@ -10,7 +10,7 @@ import torch
 import vllm.platforms
 from vllm.engine.arg_utils import EngineArgs
 
-from kvcompress.engine import setup
+from kvcompress.engine import engine_args as setup
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -99,12 +99,13 @@ def test_custom_slot_resolves_to_our_backend_only_while_the_model_is_built():
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from kvcompress.engine import gpu
+    from kvcompress.attention.backend import KVCompressCudaAttentionBackend
+    from kvcompress.engine import worker_gpu as gpu
     from kvcompress.vllm_hooks import attention_backend_override
 
-    with attention_backend_override(gpu.CUDA_ATTENTION_BACKEND, gpu.CUDA_BACKEND_PATH):
+    with attention_backend_override(gpu.ATTENTION_BACKEND_NAME, gpu.ATTENTION_BACKEND_PATH):
         backend = AttentionBackendEnum.CUSTOM.get_class()
-    assert backend is gpu.KVCompressCudaAttentionBackend
+    assert backend is KVCompressCudaAttentionBackend
     assert AttentionBackendEnum[backend.get_name()] is AttentionBackendEnum.CUSTOM
     assert not AttentionBackendEnum.CUSTOM.is_overridden()
     common = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
@@ -117,16 +118,16 @@ def test_custom_slot_resolves_to_our_backend_only_while_the_model_is_built():
 
 def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_runs():
     from kvcompress.attention.gpu_kernel import TritonPagedKernel
-    from kvcompress.engine import gpu
-    from kvcompress.engine.runtime import register_runtime, runtime_for
+    from kvcompress.engine import worker_gpu as gpu
     from kvcompress.paging import PageLayout
+    from kvcompress.step import register_runtime, runtime_for
 
     layout = PageLayout(2, 2, 32, 16, 4, 64)
     runner = SimpleNamespace(device=torch.device("cpu"))
     kernel = gpu.KVCompressGPUModelRunner.make_kernel(runner, layout, torch.float32)
     assert isinstance(kernel, TritonPagedKernel) and kernel.native_move is None
 
-    from kvcompress.engine.model_runner import PagedKVRunnerMixin
+    from kvcompress.engine.worker_runner import PagedKVRunnerMixin
 
     seen = []
 

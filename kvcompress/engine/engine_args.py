@@ -12,8 +12,8 @@ from kvcompress.log import get_logger
 logger = get_logger(__name__)
 
 SCHEDULER_CLS = "kvcompress.engine.scheduler.KVCompressScheduler"
-CPU_WORKER_CLS = "kvcompress.engine.worker.KVCompressCPUWorker"
-GPU_WORKER_CLS = "kvcompress.engine.gpu.KVCompressGPUWorker"
+CPU_WORKER_CLS = "kvcompress.engine.worker_cpu.KVCompressCPUWorker"
+GPU_WORKER_CLS = "kvcompress.engine.worker_gpu.KVCompressGPUWorker"
 # On CUDA our backend fills the registry's CUSTOM slot (in the worker process only).
 CUDA_ATTENTION_BACKEND = "CUSTOM"
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -37,7 +37,7 @@ def test_settings_reach_engine_core_and_workers(tiny_llama):
     harness = EngineHarness(tiny_llama, SETTINGS, dtype="float32", max_model_len=512,
                             kv_cache_memory_bytes=32 << 20)
     try:
-        assert harness.scheduler.compression == expected
+        assert harness.scheduler.compression_config == expected
         assert harness.page_manager.layout.page_size == 32
         (view,) = harness.on_workers(worker_view)
         assert KVCompressionConfig.from_mapping(view["settings"]) == expected

@@ -1,20 +1,22 @@
-"""Worker-side mirror of the page tables and the per-step attention metadata.
+"""Worker-side mirror of the page tables, and the batch of each step built from it.
 
 The worker holds, per request: the page table (identical to the scheduler's), how many
 tokens each (layer, KV head) row physically stores, and while its observation window is
-being processed, the window-score accumulator. No vLLM imports: testable alone.
+being processed, the window-score accumulator. ``prepare_step`` turns it into the step's
+``kvcompress.step.StepBatch``. No vLLM imports: testable alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
+from kvcompress.step import StepBatch, WindowQueries
 
 
 @dataclass
@@ -27,56 +29,12 @@ class RequestKV:
     compressed: bool = False
     # [num_layers, num_kv_heads, prompt_len] summed window probabilities, fp32.
     window_scores: torch.Tensor | None = None
-    # This request's compression settings (engine config + its own overrides).
-    settings: KVCompressionConfig | None = None
+    # This request's compression config (engine config + its own overrides).
+    config: KVCompressionConfig | None = None
     # Per row: slots [0, prompt_kept) hold prompt tokens, the rest generated tokens in
     # generation order (None until the prompt completes: then it is the prompt length or
     # what compaction kept).
     prompt_kept: np.ndarray | None = None
-
-
-@dataclass
-class WindowQueries:
-    """Queries of one request that fall inside its observation window in this step."""
-
-    batch_index: int
-    first_query: int  # offset within the request's queries in this step
-    num_queries: int
-    prompt_len: int
-    scores: torch.Tensor  # the request's accumulator, [L, H, prompt_len]
-
-
-@dataclass
-class StepBatch:
-    """Everything the attention backend needs for one forward pass, in batch order."""
-
-    layout: PageLayout
-    req_ids: list[str]
-    query_start_loc: list[int]
-    num_new_tokens: torch.Tensor  # [R] int64
-    lengths_before: torch.Tensor  # [R, rows] int64, before this step's tokens
-    page_tables: torch.Tensor  # [R, rows, max_pages] int64
-    slot_mapping: torch.Tensor  # [T, rows] int64, where each new token goes per row
-    decode_indices: torch.Tensor  # requests with exactly one new token
-    prefill_indices: list[int]  # requests with several new tokens
-    logical_after: np.ndarray  # [R] vLLM's computed tokens once this step is done
-    window_queries: list[WindowQueries] = field(default_factory=list)
-    # Requests whose prompt completes in this step and need compaction afterwards.
-    completing_prompt: list[int] = field(default_factory=list)
-    # Time the attention backend spent scoring observation windows in this step.
-    score_seconds: float = 0.0
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    def layer_rows(self, layer: int) -> slice:
-        heads = self.layout.num_kv_heads
-        return slice(layer * heads, (layer + 1) * heads)
-
-    @property
-    def lengths_after(self) -> torch.Tensor:
-        return self.lengths_before + self.num_new_tokens[:, None]
 
 
 class WorkerKVState:
@@ -104,21 +62,18 @@ class WorkerKVState:
             for counts, page_ids in delta.appends:
                 state.table.append(counts, page_ids)
 
-    def owned_pages(self) -> int:
-        return sum(state.table.total_pages for state in self.requests.values())
-
     def prepare_step(
         self,
         req_ids: Sequence[str],
         num_new_tokens: np.ndarray,
         num_computed_before: np.ndarray,
         prompt_lens: np.ndarray,
-        windows: Sequence[int],
+        observation_windows: Sequence[int],
         wants_compression: Sequence[bool],
     ) -> StepBatch:
         """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
-        when its prompt completes, so the queries of its last ``windows[i]`` prompt
-        positions score the prompt."""
+        when its prompt completes, so the queries of its last ``observation_windows[i]``
+        prompt positions score the prompt."""
         layout = self.layout
         states = [self.requests[request_id] for request_id in req_ids]
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
@@ -153,7 +108,7 @@ class WorkerKVState:
                 continue
             if start < prompt_len <= stop:
                 completing.append(index)
-            window_start = max(0, prompt_len - windows[index])
+            window_start = max(0, prompt_len - observation_windows[index])
             first = max(start, window_start)
             last = min(stop, prompt_len)
             if first < last:
@@ -167,7 +122,6 @@ class WorkerKVState:
                                   state.window_scores)
                 )
 
-        multi = (num_new != 1).nonzero().flatten().tolist()
         return StepBatch(
             layout=layout,
             req_ids=list(req_ids),
@@ -176,8 +130,6 @@ class WorkerKVState:
             lengths_before=lengths_before.to(self.device),
             page_tables=page_tables.to(self.device),
             slot_mapping=slot_mapping.to(self.device),
-            decode_indices=(num_new == 1).nonzero().flatten().to(self.device),
-            prefill_indices=multi,
             logical_after=np.asarray(num_computed_before, dtype=np.int64)
             + np.asarray(num_new_tokens, dtype=np.int64),
             window_queries=window_queries,

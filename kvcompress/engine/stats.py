@@ -1,9 +1,10 @@
 """Per-step engine figures read from vLLM's own scheduler stats (no timing, no guessing).
 
-``StepStatsRecorder`` is a vLLM stat logger: pass ``StepStatsRecorder.factory()`` to
-``LLMEngine.from_engine_args(..., stat_loggers=[...])`` (with log stats enabled) and it
-records, for every engine step, how many requests ran, how many waited, and the KV-cache
-usage the scheduler reported (pages in use for kvcompress, blocks for vanilla vLLM).
+``StepStatsRecorder`` is a vLLM stat logger: pass ``StepStatsRecorder.factory(stats)``
+(``stats``: the ``EngineStats`` to fill) to ``LLMEngine.from_engine_args(...,
+stat_loggers=[...])`` (with log stats enabled) and it records, for every engine step, how
+many requests ran, how many waited, and the KV-cache usage the scheduler reported (pages
+in use for kvcompress, blocks for vanilla vLLM).
 """
 
 from __future__ import annotations
@@ -28,19 +29,6 @@ class EngineStats:
     preemptions: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
-
-    @property
-    def peak_running(self) -> int:
-        return max((sample.running for sample in self.samples), default=0)
-
-    @property
-    def peak_kv_cache_usage(self) -> float:
-        return max((sample.kv_cache_usage for sample in self.samples), default=0.0)
-
-    @property
-    def mean_running(self) -> float:
-        busy = [sample.running for sample in self.samples if sample.running]
-        return sum(busy) / len(busy) if busy else 0.0
 
 
 class StepStatsRecorder(StatLoggerBase):

@@ -11,7 +11,7 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from kvcompress.stats import EngineStats, StepStatsRecorder
+from kvcompress.engine.stats import EngineStats, StepStatsRecorder
 
 
 class EngineHarness:

@@ -1,9 +1,10 @@
 """CUDA worker and model runner for kvcompress: vLLM's GPU worker with the paged-KV runner.
 
-Everything but the kernel is shared with the CPU path (PagedKVRunnerMixin, runtime,
-scheduler). What is CUDA-specific here:
+Everything but the kernel is shared with the CPU path (``worker_runner``, the runtime,
+the scheduler). What is CUDA-specific here:
 
-- the attention backend is selected through the registry's CUSTOM slot: engine/setup.py
+- the platform kernel: kvcompress's Triton kernels (``attention/gpu_kernel.py``);
+- the attention backend is selected through the registry's CUSTOM slot: engine_args.py
   sets ``--attention-backend CUSTOM`` and this worker resolves CUSTOM to ours while it
   builds the model (the same scoped override the CPU worker uses for CPU_ATTN);
 - the metadata builder declares no CUDA-graph support, so vLLM compiles attention as a
@@ -17,32 +18,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from kvcompress.attention.backend import KVCompressAttentionBackend
-from kvcompress.engine.model_runner import PagedKVRunnerMixin
-from kvcompress.engine.runtime import register_runtime
+from kvcompress.engine.engine_args import CUDA_ATTENTION_BACKEND
+from kvcompress.engine.worker_runner import PagedKVRunnerMixin, require_v1_model_runner
 from kvcompress.log import get_logger
+from kvcompress.paging import PageLayout
+from kvcompress.step import PlatformKernel, register_runtime
 from kvcompress.vllm_hooks import attention_backend_override
 
 logger = get_logger(__name__)
 
-CUDA_BACKEND_PATH = "kvcompress.engine.gpu.KVCompressCudaAttentionBackend"
-CUDA_ATTENTION_BACKEND = AttentionBackendEnum.CUSTOM.name  # engine/setup.py selects it
-
-
-class KVCompressCudaAttentionBackend(KVCompressAttentionBackend):
-    """The shared backend under the registry name it is selected by on CUDA."""
-
-    @staticmethod
-    def get_name() -> str:
-        return CUDA_ATTENTION_BACKEND
+ATTENTION_BACKEND_NAME = CUDA_ATTENTION_BACKEND
+ATTENTION_BACKEND_PATH = "kvcompress.attention.backend.KVCompressCudaAttentionBackend"
 
 
 class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
-    def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
+    def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
         from kvcompress.attention.gpu_kernel import TritonPagedKernel
         from kvcompress.kernels.cuda_ext import ENV_SWITCH, jit_unavailable_reason
 
@@ -68,13 +61,10 @@ class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
 
 class KVCompressGPUWorker(Worker):
     def _make_model_runner(self) -> GPUModelRunner:
-        if self.use_v2_model_runner:
-            raise NotImplementedError(
-                "kvcompress needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
-            )
+        require_v1_model_runner(self.use_v2_model_runner)
         return KVCompressGPUModelRunner(self.vllm_config, self.device)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         # Attention layers pick their backend while the model is built.
-        with attention_backend_override(CUDA_ATTENTION_BACKEND, CUDA_BACKEND_PATH):
+        with attention_backend_override(ATTENTION_BACKEND_NAME, ATTENTION_BACKEND_PATH):
             super().load_model(*args, **kwargs)

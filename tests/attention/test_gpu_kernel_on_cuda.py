@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from unit.paged_cases import build_case, dense_attention
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.attention.page_format import GPU_PAGE_FORMAT
 from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.engine.kv_state import StepBatch
 from kvcompress.kernels import has_triton_gpu, move_kv_ref
 from kvcompress.kernels.cuda_ext import jit_unavailable_reason, native_move_kv
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from kvcompress.step import StepBatch
+from tests.paged_cases import build_case, dense_attention
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and has_triton_gpu()),
@@ -85,8 +85,7 @@ def test_kernel_move_prefers_the_native_move(native_move):
 
 
 def _to_cuda(step: StepBatch) -> StepBatch:
-    tensors = ("num_new_tokens", "lengths_before", "page_tables", "slot_mapping",
-               "decode_indices")
+    tensors = ("num_new_tokens", "lengths_before", "page_tables", "slot_mapping")
     return StepBatch(**{**vars(step), **{name: getattr(step, name).cuda() for name in tensors}})
 
 
@@ -133,8 +132,9 @@ def test_window_scores_on_gpu_match_the_torch_path_on_cpu():
     for layer in range(2):
         accumulate_window_scores(case.query, case.pool, GPU_PAGE_FORMAT, case.step, layer,
                                  0.125)
-        kernel.accumulate_window_scores(args, layer, case.query.cuda(), gpu_pool, gpu_step,
-                                        0.125)
+        keys = case.new_keys[:, case.step.layer_rows(layer)].cuda()
+        kernel.accumulate_window_scores(args, layer, case.query.cuda(), keys, gpu_pool,
+                                        gpu_step, 0.125)
     for window, expected in zip(gpu_step.window_queries, case.step.window_queries):
         assert expected.scores.abs().sum() > 0
         torch.testing.assert_close(window.scores.cpu(), expected.scores, atol=1e-4, rtol=1e-4)

@@ -16,12 +16,11 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.kv_state import RequestKV, StepBatch, WorkerKVState
 from kvcompress.engine.messages import Compaction
+from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.kernels.hole_filling import plan_hole_filling_moves
-from kvcompress.policies import plan_keep
-
-SCORELESS_METHODS = frozenset({"streamingllm"})
+from kvcompress.policies import KeepPlan, plan_keep
+from kvcompress.step import KVMover, StepBatch
 
 
 @dataclass
@@ -35,38 +34,38 @@ class CompactionStats:
     score_seconds: float = 0.0  # observation-window scoring inside attention
 
 
-def wants_compression(settings: KVCompressionConfig, prompt_len: int) -> bool:
+def wants_compression(config: KVCompressionConfig, prompt_len: int) -> bool:
     """Whether a prompt of this length will be compacted (so its window is scored)."""
-    if not settings.enabled:
+    if not config.enabled:
         return False
-    return settings.ratio is not None or prompt_len > (settings.budget or 0)
+    return config.ratio is not None or prompt_len > (config.budget or 0)
 
 
 def compact_completed_prompts(
     state: WorkerKVState,
     step: StepBatch,
     pool: torch.Tensor,
-    mover: Any,
+    mover: KVMover,
     stats: CompactionStats | None = None,
 ) -> dict[str, Compaction]:
-    """Compact every request of ``step.completing_prompt``; requests sharing settings
-    are planned together (one policy call per distinct setting).
+    """Compact every request of ``step.completing_prompt``; requests sharing a config
+    are planned together (one policy call per distinct config).
 
-    ``mover`` copies tokens between slots: a platform kernel with a ``move`` hook (native
-    CUDA / Triton on GPU) or a bare PageFormat (torch indexing).
+    ``mover`` copies tokens between slots: the platform kernel (native CUDA / Triton on
+    GPU) or a bare PageFormat (torch indexing).
     """
     groups: dict[KVCompressionConfig, list[str]] = defaultdict(list)
     for index in step.completing_prompt:
         request_id = step.req_ids[index]
-        settings = state.requests[request_id].settings
-        assert settings is not None, "settings are resolved when the step is prepared"
-        groups[settings].append(request_id)
+        config = state.requests[request_id].config
+        assert config is not None, "configs are resolved when the step is prepared"
+        groups[config].append(request_id)
     compactions: dict[str, Compaction] = {}
     sources, destinations = [], []
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
-    for settings, req_ids in groups.items():
+    for config, req_ids in groups.items():
         requests = [state.requests[request_id] for request_id in req_ids]
-        plan = _plan(settings, requests, state.layout.num_layers, state.layout.num_kv_heads)
+        plan = _plan(config, requests, state.layout.num_layers, state.layout.num_kv_heads)
         rows = state.layout.num_rows
         for number, (request_id, request) in enumerate(zip(req_ids, requests)):
             counts = plan.counts[number].reshape(rows)
@@ -94,13 +93,13 @@ def trim_generation_windows(
     state: WorkerKVState,
     step: StepBatch,
     pool: torch.Tensor,
-    mover: Any,
+    mover: KVMover,
     stats: CompactionStats | None = None,
 ) -> dict[str, Compaction]:
     """--kv-decode-window: keep each head's prompt part plus its newest generated tokens.
 
     Generated tokens sit after the prompt part in generation order, so trimming is an
-    order-preserving shift of the newest ``window`` tokens down to the prompt part's end;
+    order-preserving shift of the newest ``decode_window`` tokens down to the prompt part's end;
     it runs once a head exceeds the window by the margin (amortized cost).
     """
     compactions: dict[str, Compaction] = {}
@@ -108,18 +107,18 @@ def trim_generation_windows(
     page_size = state.layout.page_size
     for index, request_id in enumerate(step.req_ids):
         request = state.requests[request_id]
-        settings = request.settings
-        if (settings is None or not settings.enabled or settings.decode_window is None
+        config = request.config
+        if (config is None or not config.enabled or config.decode_window is None
                 or request.prompt_kept is None):
             continue
-        window = settings.decode_window
+        decode_window = config.decode_window
         generated = request.lengths - request.prompt_kept
-        trimmed = generated > window
-        if generated.max() <= window + settings.decode_margin:
+        trimmed = generated > decode_window
+        if generated.max() <= decode_window + config.decode_margin:
             continue
         rows = np.nonzero(trimmed)[0]
-        offsets = np.arange(window)
-        src_pos = (request.lengths[rows] - window)[:, None] + offsets
+        offsets = np.arange(decode_window)
+        src_pos = (request.lengths[rows] - decode_window)[:, None] + offsets
         dst_pos = request.prompt_kept[rows][:, None] + offsets
         pages = request.table.pages[rows].astype(np.int64)
         row_index = np.arange(len(rows))[:, None]
@@ -127,7 +126,7 @@ def trim_generation_windows(
         dst = _slots(pages, row_index, dst_pos, page_size)
         sources.append(torch.as_tensor(src.reshape(-1), dtype=torch.long))
         destinations.append(torch.as_tensor(dst.reshape(-1), dtype=torch.long))
-        new_lengths = np.where(trimmed, request.prompt_kept + window, request.lengths)
+        new_lengths = np.where(trimmed, request.prompt_kept + decode_window, request.lengths)
         compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths)
         if stats is not None:
             stats.tokens_moved += int(src.size)
@@ -137,36 +136,29 @@ def trim_generation_windows(
 
 
 def _apply(state: WorkerKVState, compactions: dict[str, Compaction], sources: list,
-           destinations: list, pool: torch.Tensor, mover: Any) -> None:
+           destinations: list, pool: torch.Tensor, mover: KVMover) -> None:
     """Run the moves, then shrink the tables. Every move reads before any write, so one
     batched move is safe; the scheduler frees the pages only after this step."""
     if not compactions:
         return
     src, dst = torch.cat(sources).to(pool.device), torch.cat(destinations).to(pool.device)
-    move = getattr(mover, "move", None) or mover.move_tokens
-    move(pool, src, dst)
+    mover.move(pool, src, dst)
     for request_id, compaction in compactions.items():
         request = state.requests[request_id]
         request.table.truncate(compaction.physical_lengths)
         request.lengths = compaction.physical_lengths.copy()
 
 
-def _plan(settings: KVCompressionConfig, requests: list[RequestKV], num_layers: int,
-          num_kv_heads: int):
-    needs_scores = settings.method not in SCORELESS_METHODS
+def _plan(config: KVCompressionConfig, requests: list[RequestKV], num_layers: int,
+          num_kv_heads: int) -> KeepPlan:
+    policy = config.policy
+    needs_scores = policy.compression_method.needs_scores
     return plan_keep(
-        settings.method,
+        policy,
         [request.prompt_len for request in requests],
         [request.window_scores for request in requests] if needs_scores else None,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
-        budget=settings.budget,
-        ratio=settings.ratio,
-        window=settings.window,
-        beta=settings.pyramid_beta,
-        pooling=settings.pooling,
-        pooling_kernel=settings.pooling_kernel,
-        sink_tokens=settings.sink_tokens,
     )
 
 

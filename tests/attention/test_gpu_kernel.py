@@ -1,6 +1,6 @@
 """TritonPagedKernel (the GPU attention kernel adapter) on CPU tensors, Triton interpreted.
 
-Same random per-head layouts as the CPU kernel's tests (tests/unit/paged_cases.py), same
+Same random per-head layouts as the CPU kernel's tests (tests/paged_cases.py), same
 dense reference; plus window scores against the torch path, the move hook, and compaction
 through the hook.
 """
@@ -11,13 +11,13 @@ import copy
 
 import pytest
 import torch
-from unit.paged_cases import build_case, dense_attention
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.attention.page_format import GPU_PAGE_FORMAT
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.compaction import compact_completed_prompts
+from kvcompress.engine.worker_compaction import compact_completed_prompts
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from tests.paged_cases import build_case, dense_attention
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -112,8 +112,9 @@ def test_window_scores_match_the_torch_path(group_reduce):
     for window in case.step.window_queries:
         window.scores.zero_()
     for layer in range(LAYERS):
-        kernel.accumulate_window_scores(args, layer, case.query, case.pool, case.step, scale,
-                                        group_reduce)
+        keys = case.new_keys[:, case.step.layer_rows(layer)]
+        kernel.accumulate_window_scores(args, layer, case.query, keys, case.pool, case.step,
+                                        scale, group_reduce)
     for window, want in zip(case.step.window_queries, expected):
         assert want.abs().sum() > 0
         torch.testing.assert_close(window.scores, want, atol=1e-5, rtol=1e-5)
@@ -126,7 +127,7 @@ def test_move_hook_matches_the_page_format_move(use_triton):
     expected = pool.clone()
     slots = torch.randperm(8 * PAGE_SIZE, generator=generator)
     src, dst = slots[:40], slots[40:80]  # disjoint: no destination is a pending source
-    GPU_PAGE_FORMAT.move_tokens(expected, src, dst)
+    GPU_PAGE_FORMAT.move(expected, src, dst)
     layout = _case([[4] * 4], [1]).layout
     TritonPagedKernel(layout, torch.float32, use_triton=use_triton).move(pool, src, dst)
     assert torch.equal(pool, expected)
@@ -141,7 +142,7 @@ def test_compaction_moves_through_the_kernel_hook():
         accumulate_window_scores(case.query, case.pool, GPU_PAGE_FORMAT, case.step, layer,
                                  HEAD_SIZE**-0.5)
     case.state.finish_step(case.step)
-    case.state.requests["req0"].settings = KVCompressionConfig.from_mapping(
+    case.state.requests["req0"].config = KVCompressionConfig.from_mapping(
         {"kv_compression": "pyramidkv", "kv_budget": 12, "kv_window": 4}
     )
     state, pool = copy.deepcopy(case.state), case.pool.clone()

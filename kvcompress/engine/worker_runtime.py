@@ -1,9 +1,10 @@
 """Worker-side paged-KV runtime: the pool, the page-table mirror, per-step metadata and
 the compression step, bound to one vLLM model runner.
 
-The attention metadata builder finds the runtime of its engine through
-``runtime_for(vllm_config)``: vLLM creates builders with the engine's config but no
-reference to the runner, and several engines may share one process (uniproc executor).
+It runs stages 2-7 of a step (``kvcompress.step``): ``begin_step`` applies the page deltas,
+``build_attention_metadata`` prepares the batch the attention layers write and attend
+over, ``end_step`` plans, moves and returns the compaction reports. The attention
+metadata builder finds it through ``kvcompress.step.runtime_for``.
 """
 
 from __future__ import annotations
@@ -14,34 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcompress.attention.backend import PagedAttentionMetadata
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.compaction import (
+from kvcompress.engine.messages import Compaction, page_deltas
+from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
     trim_generation_windows,
     wants_compression,
 )
-from kvcompress.engine.kv_state import StepBatch, WorkerKVState
-from kvcompress.engine.messages import Compaction, page_deltas
-from kvcompress.engine.request_settings import resolve as resolve_request_settings
+from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
+from kvcompress.step import PagedAttentionMetadata, PlatformKernel, StepBatch
 
 logger = get_logger(__name__)
-
-_RUNTIMES: dict[int, PagedKVRuntime] = {}
-
-
-def runtime_for(vllm_config: Any) -> PagedKVRuntime | None:
-    return _RUNTIMES.get(id(vllm_config))
-
-
-def register_runtime(vllm_config: Any, runtime: PagedKVRuntime | None) -> None:
-    if runtime is None:
-        _RUNTIMES.pop(id(vllm_config), None)
-    else:
-        _RUNTIMES[id(vllm_config)] = runtime
 
 
 class PagedKVRuntime:
@@ -50,7 +37,7 @@ class PagedKVRuntime:
         config: KVCompressionConfig,
         layout: PageLayout,
         layer_names: list[str],
-        kernel: Any,
+        kernel: PlatformKernel,
         dtype: torch.dtype,
         device: torch.device,
         group_reduce: str = "mean",
@@ -58,7 +45,6 @@ class PagedKVRuntime:
         self.config = config
         self.layout = layout
         self.kernel = kernel
-        self.page_format = kernel.page_format
         self.layer_index = {name: index for index, name in enumerate(layer_names)}
         self.group_reduce = group_reduce
         self.pool = torch.zeros(
@@ -75,18 +61,20 @@ class PagedKVRuntime:
         its request states the sampling params (per-request settings)."""
         self._runner = runner
 
-    def settings_of(self, request_id: str) -> KVCompressionConfig:
+    def request_config(self, request_id: str) -> KVCompressionConfig:
+        """The engine config with the request's own ``kv_*`` overrides, resolved once."""
         request = self.state.requests[request_id]
-        if request.settings is None:
+        if request.config is None:
             request_state = self._runner.requests.get(request_id)
             sampling_params = getattr(request_state, "sampling_params", None)
+            extra_args = getattr(sampling_params, "extra_args", None)
             try:
-                request.settings = resolve_request_settings(self.config, sampling_params)
+                request.config = self.config.with_request_overrides(extra_args)
             except ValueError as error:  # validated at admission; never fail the batch here
                 logger.warning("kvcompress: request %s: %s; using engine settings",
                                request_id, error)
-                request.settings = self.config
-        return request.settings
+                request.config = self.config
+        return request.config
 
     # ------------------------------------------------------------ per step
     def begin_step(self, scheduler_output: Any) -> None:
@@ -104,15 +92,15 @@ class PagedKVRuntime:
         num_new = np.diff(query_start[: num_reqs + 1]).astype(np.int64)
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         prompt_lens = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
-        settings = [self.settings_of(request_id) for request_id in req_ids]
+        configs = [self.request_config(request_id) for request_id in req_ids]
         step = self.state.prepare_step(
             req_ids,
             num_new,
             num_computed,
             prompt_lens,
-            windows=[s.window for s in settings],
+            observation_windows=[config.window for config in configs],
             wants_compression=[
-                wants_compression(s, int(n)) for s, n in zip(settings, prompt_lens)
+                wants_compression(config, int(n)) for config, n in zip(configs, prompt_lens)
             ],
         )
         self.step = step
@@ -143,6 +131,3 @@ class PagedKVRuntime:
         if compactions:
             self.stats.seconds += time.perf_counter() - started
         return compactions
-
-    def owned_pages(self) -> int:
-        return self.state.owned_pages()

@@ -4,12 +4,11 @@ requests keep their generated tail in order, the decode window keeps the newest 
 import numpy as np
 import torch
 
-from kvcompress.attention.page_format import CPU_PAGE_FORMAT
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.compaction import compact_completed_prompts, trim_generation_windows
+from kvcompress.engine.worker_compaction import compact_completed_prompts, trim_generation_windows
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT
 from kvcompress.policies import plan_keep
-
-from .paged_cases import build_case
+from tests.paged_cases import build_case
 
 FORMAT = CPU_PAGE_FORMAT
 
@@ -42,7 +41,7 @@ def labelled_case(lengths, prompt_len, settings):
     new_key[:, :, 0] = float(lengths)
     FORMAT.write_tokens(case.pool, new_key[0], case.new_values[0], case.step.slot_mapping[0])
     case.state.finish_step(case.step)
-    request.settings = settings
+    request.config = settings
     request.window_scores = torch.rand(2, 2, prompt_len, generator=torch.Generator().manual_seed(0))
     return case, request
 
@@ -53,7 +52,7 @@ def test_prompt_compaction_keeps_exactly_the_planned_tokens():
     scores = request.window_scores.clone()
     case.step.completing_prompt = [0]
     compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
-    plan = plan_keep("snapkv", [100], [scores], num_layers=2, num_kv_heads=2, budget=24)
+    plan = plan_keep(settings.policy, [100], [scores], num_layers=2, num_kv_heads=2)
     assert compactions["req0"].logical_len == 100
     assert compactions["req0"].physical_lengths.tolist() == [24] * 4
     for row in range(4):

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcompress.engine.kv_state import WorkerKVState
+from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import HeadPageTable, PageLayout, PageManager
 
 
@@ -40,7 +40,7 @@ def test_allocation_is_all_or_nothing():
     manager = PageManager(make_layout(total_pages=10))
     assert manager.allocate("a", 8)  # 2 pages per row x 4 rows
     assert not manager.allocate("b", 8)  # needs 8, 2 free
-    assert manager.num_free == 2 and not manager.has_request("b")
+    assert manager.num_free == 2 and "b" not in manager.request_ids()
     manager.check_invariants()
 
 

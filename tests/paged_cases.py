@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcompress.attention.page_format import PageFormat
-from kvcompress.engine.kv_state import StepBatch, WorkerKVState
+from kvcompress.engine.worker_state import StepBatch, WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
+from kvcompress.paging.page_format import PageFormat
 
 
 @dataclass
@@ -80,7 +80,7 @@ def build_case(
         np.array(num_new),
         np.array([lengths_before[r][0] for r in range(num_reqs)]),
         np.array(prompt_lens),
-        windows=[window] * num_reqs,
+        observation_windows=[window] * num_reqs,
         wants_compression=wants_compression or [False] * num_reqs,
     )
     total = sum(num_new)

@@ -1,4 +1,6 @@
-"""vLLM model runners that keep the KV cache in per-head pages and compress it."""
+"""What the CPU and CUDA model runners share: one page pool instead of vLLM's per-layer KV
+tensors, the runtime's step hooks around ``execute_model``, and the compaction reports
+attached to the runner's output."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ from typing import Any
 
 import torch
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.layout import attention_layer_names, page_layout
 from kvcompress.engine.messages import COMPACTIONS_ATTR, Compaction
-from kvcompress.engine.runtime import PagedKVRuntime, register_runtime
+from kvcompress.engine.vllm_layout import attention_layer_names, page_layout
+from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
+from kvcompress.paging import PageLayout
+from kvcompress.step import PlatformKernel, register_runtime
 
 logger = get_logger(__name__)
 
@@ -30,7 +33,7 @@ class PagedKVRunnerMixin:
     paged_runtime: PagedKVRuntime | None = None
     _pending_compactions: dict[str, Compaction]
 
-    def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
+    def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
         raise NotImplementedError
 
     def initialize_kv_cache_tensors(
@@ -60,6 +63,9 @@ class PagedKVRunnerMixin:
         return kv_caches
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        """Stages 2-7 of a step (``kvcompress.step``) on this worker: page deltas before
+        vLLM's forward (which writes, attends and scores), plan + moves after it, and the
+        reports attached to the output."""
         runtime = self.paged_runtime
         if runtime is not None:
             runtime.begin_step(scheduler_output)
@@ -102,8 +108,8 @@ class PagedKVRunnerMixin:
         return output
 
 
-class KVCompressCPUModelRunner(PagedKVRunnerMixin, CPUModelRunner):
-    def make_kernel(self, layout: Any, dtype: torch.dtype) -> Any:
-        from kvcompress.attention.cpu_kernel import CpuPagedKernel
-
-        return CpuPagedKernel(layout, dtype)
+def require_v1_model_runner(uses_v2_model_runner: bool) -> None:
+    if uses_v2_model_runner:
+        raise NotImplementedError(
+            "kvcompress needs vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0"
+        )

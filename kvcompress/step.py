@@ -1,0 +1,150 @@
+"""One engine step with compression on: its stages, and the contract between the worker's
+runtime, the attention backend and the platform kernels.
+
+One step, in order (scheduler and workers are separate processes; vLLM carries the two
+hand-offs on its own step messages, see ``kvcompress.engine.messages``):
+
+1. admit (scheduler, ``engine/scheduler``): vLLM's scheduler picks the requests; the page
+   manager grows every (layer, KV head) row of each by the pages its new tokens need, or
+   refuses (vLLM then queues or preempts). Decided in pages.
+2. page deltas (scheduler -> worker): the pages appended since the worker last heard ride
+   on the SchedulerOutput; the worker's mirror applies them (``WorkerKVState``).
+3. write (worker, attention backend, per layer): each new token's K/V goes to its own slot
+   in every head's row (``StepBatch.slot_mapping``; ``PlatformKernel.write``).
+4. attend + window scores (per layer): attention over each head's own pages
+   (``PlatformKernel.attend``); on a request's last prefill chunk the observation-window
+   queries also add their probabilities into the request's score accumulator
+   (``PlatformKernel.accumulate_window_scores``).
+5. plan (worker, after the forward): the request's policy (``kvcompress.policies``) picks the
+   tokens each (layer, KV head) keeps.
+6. moves: kept tokens above the new length fill the holes below it
+   (``PlatformKernel.move``); nothing is freed yet.
+7. report (worker -> scheduler): the new per-row lengths ride on the ModelRunnerOutput.
+8. free (scheduler): trailing pages return to the free pool before the next step plans.
+
+This module is the leaf both sides import: it holds what one forward pass needs
+(``StepBatch``, ``WindowQueries``, ``PagedAttentionMetadata``), the platform kernel's
+declared interface (``PlatformKernel``), and the lookup by which vLLM's attention
+metadata builder finds the runtime of its engine. No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvcompress.paging import PageLayout
+from kvcompress.paging.page_format import PageFormat
+
+
+@dataclass
+class WindowQueries:
+    """Queries of one request that fall inside its observation window in this step."""
+
+    batch_index: int
+    first_query: int  # offset within the request's queries in this step
+    num_queries: int
+    prompt_len: int
+    scores: torch.Tensor  # the request's accumulator, [L, H, prompt_len]
+
+
+@dataclass
+class StepBatch:
+    """Everything the attention backend needs for one forward pass, in batch order."""
+
+    layout: PageLayout
+    req_ids: list[str]
+    query_start_loc: list[int]
+    num_new_tokens: torch.Tensor  # [R] int64
+    lengths_before: torch.Tensor  # [R, rows] int64, before this step's tokens
+    page_tables: torch.Tensor  # [R, rows, max_pages] int64
+    slot_mapping: torch.Tensor  # [T, rows] int64, where each new token goes per row
+    logical_after: np.ndarray  # [R] vLLM's computed tokens once this step is done
+    window_queries: list[WindowQueries] = field(default_factory=list)
+    # Requests whose prompt completes in this step and need compaction afterwards.
+    completing_prompt: list[int] = field(default_factory=list)
+    # Time the attention backend spent scoring observation windows in this step.
+    score_seconds: float = 0.0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def layer_rows(self, layer: int) -> slice:
+        heads = self.layout.num_kv_heads
+        return slice(layer * heads, (layer + 1) * heads)
+
+    @property
+    def lengths_after(self) -> torch.Tensor:
+        return self.lengths_before + self.num_new_tokens[:, None]
+
+
+@runtime_checkable
+class KVMover(Protocol):
+    """Copies K and V between pool slots; safe when no destination is a pending source."""
+
+    def move(self, pool: torch.Tensor, src_slots: torch.Tensor,
+             dst_slots: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class PlatformKernel(KVMover, Protocol):
+    """The arithmetic of one platform over the page pool (CPU: vLLM's C++ kernel re-indexed;
+    GPU: Triton). ``prepare`` runs once per step; its result is handed back to the
+    per-layer calls unchanged, so each platform keeps its own launch arguments."""
+
+    page_format: PageFormat
+
+    def prepare(self, step: StepBatch) -> Any: ...
+
+    def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """``key``/``value`` ``[T, H, D]`` to per-head ``slots [T, H]``."""
+        ...
+
+    def attend(self, args: Any, layer: int, query: torch.Tensor, pool: torch.Tensor,
+               output: torch.Tensor, scale: float) -> None: ...
+
+    def accumulate_window_scores(self, args: Any, layer: int, query: torch.Tensor,
+                                 key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
+                                 scale: float, group_reduce: str) -> None:
+        """Add ``layer``'s observation-window probabilities into each window's accumulator
+        (``step.window_queries``); ``key`` is the step's own ``[T, H, D]`` keys."""
+        ...
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """What vLLM's metadata builder hands every attention layer for one step."""
+
+    step: StepBatch
+    num_actual_tokens: int
+    kernel: PlatformKernel
+    kernel_args: Any  # what kernel.prepare(step) returned
+    layer_index: dict[str, int]
+    group_reduce: str
+
+
+class StepRuntime(Protocol):
+    """The worker-side runtime of one engine, as the attention metadata builder sees it."""
+
+    def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata: ...
+
+
+# vLLM creates metadata builders with the engine's config but no reference to the runner,
+# and several engines may share one process (uniproc executor): key by the config object.
+_RUNTIMES: dict[int, StepRuntime] = {}
+
+
+def runtime_for(vllm_config: Any) -> StepRuntime | None:
+    return _RUNTIMES.get(id(vllm_config))
+
+
+def register_runtime(vllm_config: Any, runtime: StepRuntime | None) -> None:
+    if runtime is None:
+        _RUNTIMES.pop(id(vllm_config), None)
+    else:
+        _RUNTIMES[id(vllm_config)] = runtime
