@@ -52,10 +52,12 @@ class KVCompressionConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FlagSpec:
-    """One user-facing setting: its CLI flag, config key, type and help text."""
+    """One user-facing setting: its CLI flag, config key, KVCompressionConfig field, type
+    and help text."""
 
     key: str
     flag: str
+    field: str
     type: type
     help: str
     choices: tuple[str, ...] | None = None
@@ -63,63 +65,63 @@ class FlagSpec:
 
 FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec(
-        "kv_compression", "--kv-compression", str,
+        "kv_compression", "--kv-compression", "method", str,
         "KV-cache compression method. 'none' (default) leaves vLLM untouched; "
         + "; ".join(f"'{method.name}' {method.summary}" for method in COMPRESSION_METHODS)
         + ".",
         METHODS,
     ),
     FlagSpec(
-        "kv_budget", "--kv-budget", int,
+        "kv_budget", "--kv-budget", "budget", int,
         "Average tokens kept per KV head per layer after prefill, observation window "
         f"included (the papers' 'KV size': 64, 128, 2048...). Default {DEFAULT_BUDGET} when "
         "a method is set and --kv-compression-ratio is not. Exclusive with "
         "--kv-compression-ratio.",
     ),
     FlagSpec(
-        "kv_compression_ratio", "--kv-compression-ratio", float,
+        "kv_compression_ratio", "--kv-compression-ratio", "ratio", float,
         "Fraction of each prompt's tokens to evict, 0 < R < 1 (0.875 = keep 1/8). "
         "Exclusive with --kv-budget.",
     ),
     FlagSpec(
-        "kv_window", "--kv-window", int,
+        "kv_window", "--kv-window", "window", int,
         "Observation window: the last W prompt tokens whose queries score the rest; "
         f"they are always kept. Default {DEFAULT_WINDOW}; must not exceed --kv-budget.",
     ),
     FlagSpec(
-        "kv_pyramid_beta", "--kv-pyramid-beta", float,
+        "kv_pyramid_beta", "--kv-pyramid-beta", "beta", float,
         "PyramidKV slope: the top layer keeps (budget - window) / beta tokens besides the "
         f"window. >= 1; default {DEFAULT_BETA:g}. 1 gives uniform budgets.",
     ),
     FlagSpec(
-        "kv_pooling", "--kv-pooling", str,
+        "kv_pooling", "--kv-pooling", "pooling", str,
         "1-D pooling of token scores before top-k, so neighbours of important tokens "
         f"survive too. Default {DEFAULT_POOLING}.",
         POOLINGS,
     ),
     FlagSpec(
-        "kv_pooling_kernel", "--kv-pooling-kernel", int,
+        "kv_pooling_kernel", "--kv-pooling-kernel", "pooling_kernel", int,
         f"Pooling kernel size, odd, >= 1. Default {DEFAULT_POOLING_KERNEL}.",
     ),
     FlagSpec(
-        "kv_sink_tokens", "--kv-sink-tokens", int,
+        "kv_sink_tokens", "--kv-sink-tokens", "sink_tokens", int,
         "StreamingLLM: number of initial 'attention sink' tokens always kept. "
         f">= 0; default {DEFAULT_SINK_TOKENS}.",
     ),
     FlagSpec(
-        "kv_decode_window", "--kv-decode-window", int,
+        "kv_decode_window", "--kv-decode-window", "decode_window", int,
         "Bound the cache during long generations: each KV head keeps its compressed prompt "
         "plus only the most recent N generated tokens (StreamingLLM-style window over the "
         "output). Off by default: every generated token is kept.",
     ),
     FlagSpec(
-        "kv_decode_margin", "--kv-decode-margin", int,
+        "kv_decode_margin", "--kv-decode-margin", "decode_margin", int,
         "With --kv-decode-window: trim once a head holds this many generated tokens more "
         f"than the window, so the trimming cost is amortized. >= 1; default "
         f"{DEFAULT_DECODE_MARGIN}.",
     ),
     FlagSpec(
-        "kv_page_size", "--kv-page-size", int,
+        "kv_page_size", "--kv-page-size", "page_size", int,
         "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
         f"default {DEFAULT_PAGE_SIZE}.",
@@ -140,7 +142,7 @@ class KVCompressionConfig:
     budget: int | None = None
     ratio: float | None = None
     window: int = DEFAULT_WINDOW
-    pyramid_beta: float = DEFAULT_BETA
+    beta: float = DEFAULT_BETA
     pooling: str = DEFAULT_POOLING
     pooling_kernel: int = DEFAULT_POOLING_KERNEL
     sink_tokens: int = DEFAULT_SINK_TOKENS
@@ -157,16 +159,7 @@ class KVCompressionConfig:
         """The settings ``plan_keep`` takes (computed once: configs are shared by many steps)."""
         if not self.enabled:
             raise ValueError("kv_compression is 'none': there is no policy to plan with")
-        return PolicySettings(
-            method=self.method,
-            budget=self.budget,
-            ratio=self.ratio,
-            window=self.window,
-            beta=self.pyramid_beta,
-            pooling=self.pooling,
-            pooling_kernel=self.pooling_kernel,
-            sink_tokens=self.sink_tokens,
-        )
+        return PolicySettings(**{name: getattr(self, name) for name in _POLICY_FIELDS})
 
     @classmethod
     def from_mapping(
@@ -200,24 +193,11 @@ class KVCompressionConfig:
     @classmethod
     def _from_known_keys(cls, values: dict[str, Any]) -> KVCompressionConfig:
         given = {k: _coerce(k, v) for k, v in values.items() if k in CONFIG_KEYS and v is not None}
-        method = given.get("kv_compression", "none")
-        budget = given.get("kv_budget")
-        ratio = given.get("kv_compression_ratio")
-        if method != "none" and budget is None and ratio is None:
-            budget = DEFAULT_BUDGET
-        config = cls(
-            method=method,
-            budget=budget,
-            ratio=ratio,
-            window=given.get("kv_window", DEFAULT_WINDOW),
-            pyramid_beta=given.get("kv_pyramid_beta", DEFAULT_BETA),
-            pooling=given.get("kv_pooling", DEFAULT_POOLING),
-            pooling_kernel=given.get("kv_pooling_kernel", DEFAULT_POOLING_KERNEL),
-            sink_tokens=given.get("kv_sink_tokens", DEFAULT_SINK_TOKENS),
-            page_size=given.get("kv_page_size", DEFAULT_PAGE_SIZE),
-            decode_window=given.get("kv_decode_window"),
-            decode_margin=given.get("kv_decode_margin", DEFAULT_DECODE_MARGIN),
-        )
+        fields = {_SPEC_BY_KEY[key].field: value for key, value in given.items()}
+        amount_given = "budget" in fields or "ratio" in fields
+        if fields.get("method", "none") != "none" and not amount_given:
+            fields["budget"] = DEFAULT_BUDGET
+        config = cls(**fields)  # the field defaults are the documented ones
         config.validate(explicit_keys=set(given))
         return config
 
@@ -242,8 +222,8 @@ class KVCompressionConfig:
                 f"got {self.window}, larger than --kv-budget {self.budget}; "
                 f"allowed: 1 <= window <= budget",
             )
-        if not (self.pyramid_beta >= 1.0) or math.isinf(self.pyramid_beta):
-            _fail("kv_pyramid_beta", f"got {self.pyramid_beta}; allowed: a finite number >= 1")
+        if not (self.beta >= 1.0) or math.isinf(self.beta):
+            _fail("kv_pyramid_beta", f"got {self.beta}; allowed: a finite number >= 1")
         if self.pooling not in POOLINGS:
             _fail("kv_pooling", f"got {self.pooling!r}; allowed: {', '.join(POOLINGS)}")
         if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
@@ -286,30 +266,25 @@ class KVCompressionConfig:
 
     def to_mapping(self) -> dict[str, Any]:
         """The ``additional_config`` keys that reproduce this config exactly."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {
-            "kv_compression": fields["method"],
-            "kv_budget": fields["budget"],
-            "kv_compression_ratio": fields["ratio"],
-            "kv_window": fields["window"],
-            "kv_pyramid_beta": fields["pyramid_beta"],
-            "kv_pooling": fields["pooling"],
-            "kv_pooling_kernel": fields["pooling_kernel"],
-            "kv_sink_tokens": fields["sink_tokens"],
-            "kv_page_size": fields["page_size"],
-            "kv_decode_window": fields["decode_window"],
-            "kv_decode_margin": fields["decode_margin"],
-        }
+        return {spec.key: getattr(self, spec.field) for spec in FLAG_SPECS}
 
     def describe(self) -> str:
         amount = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
         return (
-            f"method={self.method} {amount} window={self.window} beta={self.pyramid_beta:g} "
+            f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
             f"page_size={self.page_size}"
             + (f" decode_window={self.decode_window}+{self.decode_margin}"
                if self.decode_window else "")
         )
+
+
+# Every setting the policy takes that the engine config carries (the rest keep the policy's
+# defaults): one list, so a new policy knob with a flag reaches plan_keep without glue.
+_POLICY_FIELDS = tuple(
+    field.name for field in dataclasses.fields(PolicySettings)
+    if field.name in {f.name for f in dataclasses.fields(KVCompressionConfig)}
+)
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -134,3 +134,18 @@ def test_bad_request_overrides_name_the_field(overrides, message):
 def test_request_overrides_need_compression_on_the_engine():
     with pytest.raises(KVCompressionConfigError, match="--kv-compression"):
         KVCompressionConfig().with_request_overrides({"kv_budget": 64})
+
+
+def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
+    given = {
+        "kv_compression": "adakv", "kv_budget": 96, "kv_window": 16, "kv_pyramid_beta": 4,
+        "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
+        "kv_decode_window": 128, "kv_decode_margin": 8,
+    }
+    config = KVCompressionConfig.from_mapping(given)
+    for spec in FLAG_SPECS:
+        assert getattr(config, spec.field) == given.get(spec.key), spec.key
+    policy = config.policy
+    assert (policy.method, policy.budget, policy.ratio, policy.window, policy.beta) == (
+        "adakv", 96, None, 16, 4.0)
+    assert (policy.pooling, policy.pooling_kernel, policy.sink_tokens) == ("avg", 5, 2)
