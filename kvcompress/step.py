@@ -63,6 +63,10 @@ class StepBatch:
     page_tables: torch.Tensor  # [R, rows, max_pages] int64
     slot_mapping: torch.Tensor  # [T, rows] int64, where each new token goes per row
     logical_after: np.ndarray  # [R] vLLM's computed tokens once this step is done
+    # Host copies of lengths_before / lengths_after [R, rows]: what host code reads, so no
+    # step waits on a device->host copy of what the host computed in the first place.
+    host_lengths_before: np.ndarray
+    host_lengths_after: np.ndarray
     window_queries: list[WindowQueries] = field(default_factory=list)
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
@@ -84,10 +88,13 @@ class StepBatch:
 
 @runtime_checkable
 class KVMover(Protocol):
-    """Copies K and V between pool slots; safe when no destination is a pending source."""
+    """Copies K and V between pool slots with parallel-move semantics (every source is read
+    before any destination is written), whatever the overlap. ``disjoint=True`` is the
+    caller's promise that no destination is also a source: a mover may then copy in
+    parallel, in place (the fast path of the GPU kernels)."""
 
-    def move(self, pool: torch.Tensor, src_slots: torch.Tensor,
-             dst_slots: torch.Tensor) -> None: ...
+    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+             *, disjoint: bool = False) -> None: ...
 
 
 @runtime_checkable

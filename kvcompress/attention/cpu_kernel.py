@@ -110,8 +110,9 @@ class CpuPagedKernel:
         accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
                                  group_reduce, key=key)
 
-    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Compaction's cache move: torch indexing over the CPU page format."""
+    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+             *, disjoint: bool = False) -> None:
+        """Compaction's cache move: torch gather-then-scatter over the CPU page format."""
         self.page_format.move(pool, src_slots, dst_slots)
 
     def _caches(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,9 @@ kernels take per-head page tables directly, so no re-indexing is needed: ``prepa
 casts the step's tables and lengths to int32 once per step, and reads the host-side maxima
 every layer's launch needs, so no layer waits on a device->host copy.
 
-Compaction moves go through :meth:`TritonPagedKernel.move`: the native CUDA kernel
-(``csrc/``, see :mod:`kvcompress.kernels.cuda_ext`) when it is available, else the Triton
-move, else the torch reference.
+Compaction moves go through :meth:`TritonPagedKernel.move`: for move lists the host proved
+disjoint, the native CUDA kernel (``csrc/``, see :mod:`kvcompress.kernels.cuda_ext`) when it is
+available, else the Triton move; otherwise the torch gather-then-scatter.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.kernels import move_kv, paged_attention, window_scores, write_kv
+from kvcompress.kernels import move_kv, move_kv_ref, paged_attention, window_scores, write_kv
 from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
 from kvcompress.paging import PageLayout
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
@@ -83,8 +83,8 @@ class TritonPagedKernel:
         starts = step.query_start_loc
         device = step.page_tables.device
         lengths = step.lengths_after
-        # One small device->host copy per step (not per layer) for the launch hints.
-        host_lengths = lengths.cpu()
+        # Launch hints from the host's copy of the lengths: no device->host copy in a step.
+        host_lengths = torch.from_numpy(step.host_lengths_after)
         per_layer = host_lengths.view(step.num_reqs, layout.num_layers, layout.num_kv_heads)
         max_kv_len = (
             per_layer.amax(dim=(0, 2)).tolist() if step.num_reqs else [0] * layout.num_layers
@@ -96,7 +96,7 @@ class TritonPagedKernel:
             query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
             max_query_len=max(query_lens, default=0),
             max_kv_len=[int(value) for value in max_kv_len],
-            windows=self._window_batch(step, host_lengths, query_lens),
+            windows=self._window_batch(step),
         )
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -158,13 +158,17 @@ class TritonPagedKernel:
             window.scores[layer, :, :keys] += scores[index, :, :keys]
 
     # ------------------------------------------------------------------ compaction
-    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy K and V of ``src_slots`` to ``dst_slots`` (no destination is a pending
-        source: the hole-filling plan guarantees it): native CUDA kernel, else Triton, else
-        the torch reference."""
+    def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+             *, disjoint: bool = False) -> None:
+        """Copy K and V of ``src_slots`` to ``dst_slots``. The native CUDA kernel, else the
+        Triton one, copy in parallel and in place: only for lists the caller knows are
+        disjoint (hole filling). Overlapping lists (a decode-window trim by less than the
+        window, a resumed request) gather every source first, then scatter."""
         if src_slots.numel() == 0:
             return
-        if self.native_move is not None and pool.is_cuda:
+        if not disjoint:
+            move_kv_ref(pool, src_slots, dst_slots)
+        elif self.native_move is not None and pool.is_cuda:
             self.native_move(pool, src_slots, dst_slots)
         else:
             move_kv(pool, src_slots, dst_slots, use_triton=self.use_triton)
@@ -174,9 +178,7 @@ class TritonPagedKernel:
         heads = self.layout.num_kv_heads
         return slice(layer * heads, (layer + 1) * heads)
 
-    def _window_batch(
-        self, step: StepBatch, host_lengths: torch.Tensor, query_lens: list[int]
-    ) -> WindowBatch | None:
+    def _window_batch(self, step: StepBatch) -> WindowBatch | None:
         if not step.window_queries:
             return None
         layout = self.layout
@@ -190,9 +192,7 @@ class TritonPagedKernel:
         rows = torch.cat([torch.arange(first, first + count) for first, count in
                           zip(firsts, counts)])
         # Physical length right after each window's last query, per (layer, head) row.
-        lengths_before = host_lengths[indices] - torch.tensor(
-            [query_lens[index] for index in indices]
-        )[:, None]
+        lengths_before = torch.from_numpy(step.host_lengths_before[indices])
         ends = torch.tensor([w.first_query + w.num_queries for w in step.window_queries])
         kv_lens = lengths_before + ends[:, None]
         num_keys = kv_lens.view(len(indices), layout.num_layers, layout.num_kv_heads)

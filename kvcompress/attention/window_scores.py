@@ -37,9 +37,9 @@ def accumulate_window_scores(
         first = start + window.first_query
         queries = query[first : first + window.num_queries].float()  # [w, Hq, D]
         lengths_before = step.lengths_before[index, rows]
-        lengths_after = lengths_before + step.num_new_tokens[index]
-        num_keys = min(window.prompt_len, int(lengths_after.min()))
-        if key is not None and int(lengths_before.max()) == 0:
+        # Host copies for the shapes: no device->host copy in a step.
+        num_keys = min(window.prompt_len, int(step.host_lengths_after[index, rows].min()))
+        if key is not None and int(step.host_lengths_before[index, rows].max()) == 0:
             # The whole prompt is in this step (no earlier chunk): its keys are at hand.
             keys = key[start : start + num_keys].transpose(0, 1)
         else:

@@ -6,10 +6,11 @@ Scheduler process: ``scheduler`` (vLLM's scheduler with page admission and frees
 ``scheduler_kv_cache`` (vLLM's KV-cache manager, decided in pages).
 Worker processes: ``worker_cpu`` / ``worker_gpu`` (vLLM's workers with our model runner),
 ``worker_runner`` (what both runners share), ``worker_runtime`` (one step on the worker),
-``worker_state`` (page-table mirror, step batches), ``worker_compaction`` (plan, moves).
+``worker_state`` (page-table mirror, step batches), ``worker_compaction`` (plan, moves),
+``worker_moves`` (which tokens move where; one mover call per step).
 Both: ``messages`` (what rides on vLLM's step messages), ``vllm_layout`` (the page layout
 from vLLM's KV-cache config), ``stats`` (a stat logger for benchmarks and tests).
 
-Only ``worker_runtime``, ``worker_state``, ``worker_compaction`` and ``messages`` are free of
-vLLM imports: the worker pipeline runs with torch alone.
+``worker_runtime``, ``worker_state``, ``worker_compaction``, ``worker_moves`` and ``messages``
+import no vLLM: the worker pipeline runs with torch + Triton alone (scripts/gpu_check.sh).
 """

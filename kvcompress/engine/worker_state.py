@@ -113,10 +113,10 @@ class WorkerKVState:
             last = min(stop, prompt_len)
             if first < last:
                 if state.window_scores is None:
-                    state.window_scores = torch.zeros(
+                    state.window_scores = self.to_device(torch.zeros(
                         layout.num_layers, layout.num_kv_heads, prompt_len,
-                        dtype=torch.float32, device=self.device,
-                    )
+                        dtype=torch.float32,
+                    ))
                 window_queries.append(
                     WindowQueries(index, first - start, last - first, prompt_len,
                                   state.window_scores)
@@ -126,25 +126,30 @@ class WorkerKVState:
             layout=layout,
             req_ids=list(req_ids),
             query_start_loc=query_start_loc,
-            num_new_tokens=num_new.to(self.device),
-            lengths_before=lengths_before.to(self.device),
-            page_tables=page_tables.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
+            num_new_tokens=self.to_device(num_new),
+            lengths_before=self.to_device(lengths_before),
+            page_tables=self.to_device(page_tables),
+            slot_mapping=self.to_device(slot_mapping),
             logical_after=np.asarray(num_computed_before, dtype=np.int64)
             + np.asarray(num_new_tokens, dtype=np.int64),
+            host_lengths_before=lengths_before_np,
+            host_lengths_after=lengths_after_np,
             window_queries=window_queries,
             completing_prompt=completing,
         )
 
     def finish_step(self, batch: StepBatch) -> None:
         """The forward wrote every new token: advance the physical lengths."""
-        lengths_after = batch.lengths_after.cpu().numpy()
         for index, request_id in enumerate(batch.req_ids):
             request = self.requests[request_id]
-            request.lengths = lengths_after[index].copy()
+            request.lengths = batch.host_lengths_after[index].copy()
             if request.prompt_kept is None and batch.logical_after[index] >= request.prompt_len:
                 # Prompt complete and not compacted (yet): every prompt token is kept.
                 request.prompt_kept = np.full_like(request.lengths, request.prompt_len)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> the runner's device (the only host->device path of a step)."""
+        return tensor.to(self.device)
 
     def _slot_mapping(
         self, page_tables: torch.Tensor, lengths_before: torch.Tensor, num_new: torch.Tensor

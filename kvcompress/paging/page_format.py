@@ -48,9 +48,11 @@ class PageFormat:
         return self.key_view(pool)[pages, offsets], self.value_view(pool)[pages, offsets]
 
     def move(
-        self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+        self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+        *, disjoint: bool = False,
     ) -> None:
-        """Copy K and V of ``src_slots`` to ``dst_slots`` (all reads happen before writes)."""
+        """Copy K and V of ``src_slots`` to ``dst_slots``: a gather, then a scatter, so every
+        read happens before any write whatever the overlap (``disjoint`` changes nothing)."""
         if src_slots.numel() == 0:
             return
         keys, values = self.read_tokens(pool, src_slots)

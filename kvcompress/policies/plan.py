@@ -37,6 +37,12 @@ class KeepPlan:
     prompt_lens: torch.Tensor
     compressed: torch.Tensor
 
+    def to(self, device: torch.device | str) -> KeepPlan:
+        """The plan on ``device``: the engine plans where the scores are and moves tokens
+        from the host, so it transfers each plan once."""
+        return KeepPlan(*(tensor.to(device) for tensor in
+                          (self.counts, self.indices, self.prompt_lens, self.compressed)))
+
 
 @torch.no_grad()
 def plan_keep(

@@ -1,0 +1,123 @@
+"""Which tokens move where when a request's rows shrink, and the one batched move per step.
+
+Planners work on one request's rows, on the host, in positions: ``plan_prompt_moves`` (after
+prefill: the policy's kept prompt tokens, plus the generated tail of a resumed request) and
+``plan_window_trim`` (``--kv-decode-window``: the newest generated tokens shifted down).
+``MoveBatch`` turns the moves of all requests of a step into pool slots and runs them in one
+call of the platform's mover.
+
+Moves have parallel-move semantics: every token is read before any is written. A mover that
+copies in parallel (the Triton and CUDA kernels) honours that only when no destination is also
+a source; ``MoveBatch`` checks this on the host and tells the mover (``disjoint``), so lists
+that overlap (a trim by less than the window, a resumed request) take the gather-then-scatter
+path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcompress.kernels.hole_filling import plan_hole_filling_moves
+from kvcompress.step import KVMover
+
+
+@dataclass
+class RowMoves:
+    """Moves inside one request: the token at ``src_positions[i]`` of row ``rows[i]`` goes
+    to ``dst_positions[i]`` of the same row (int64 numpy arrays of equal length)."""
+
+    rows: np.ndarray
+    src_positions: np.ndarray
+    dst_positions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def plan_prompt_moves(
+    counts: torch.Tensor, indices: torch.Tensor, lengths: np.ndarray, prompt_len: int
+) -> tuple[RowMoves, np.ndarray]:
+    """Moves that leave each row holding its kept prompt positions (``indices[row,
+    :counts[row]]``, ascending, host tensors) and then, for a request resumed after
+    preemption (rows longer than the prompt), its whole generated tail in order.
+
+    Returns the moves and the new per-row lengths. Without a tail, kept tokens above the new
+    length fill the holes below it (only those move); with one, the compaction preserves
+    order (the decode window relies on generated tokens sitting after the prompt part).
+    """
+    tail = torch.as_tensor(lengths) - prompt_len  # >= 0, equal in every row
+    max_tail = int(tail.max())
+    if not max_tail:
+        rows, src, dst = plan_hole_filling_moves(indices, counts).flat_moves()
+        return _row_moves(rows, src, dst), counts.numpy().astype(np.int64)
+    width = int(counts.max()) + max_tail
+    column = torch.arange(width)[None, :]
+    prompt_part = torch.zeros(len(lengths), width, dtype=indices.dtype)
+    prompt_part[:, : indices.shape[1]] = indices[:, :width]
+    # Each row: its kept prompt positions, then the whole tail after them.
+    tail_values = prompt_len + (column - counts[:, None])
+    is_tail = (column >= counts[:, None]) & (column < (counts + tail)[:, None])
+    sources = torch.where(column < counts[:, None], prompt_part,
+                          torch.where(is_tail, tail_values, 0))
+    new_lengths = counts + tail
+    moving = (column < new_lengths[:, None]) & (sources != column)
+    rows, dst = moving.nonzero(as_tuple=True)
+    return _row_moves(rows, sources[rows, dst], dst), new_lengths.numpy().astype(np.int64)
+
+
+def plan_window_trim(
+    lengths: np.ndarray, prompt_kept: np.ndarray, decode_window: int
+) -> tuple[RowMoves, np.ndarray]:
+    """Rows holding more than ``decode_window`` generated tokens (after their
+    ``prompt_kept`` prompt part) keep only the newest ``decode_window``, shifted down in
+    order to the prompt part's end. Returns the moves and the new per-row lengths."""
+    trimmed = lengths - prompt_kept > decode_window
+    rows = np.nonzero(trimmed)[0]
+    offsets = np.arange(decode_window)
+    src = (lengths[rows] - decode_window)[:, None] + offsets
+    dst = prompt_kept[rows][:, None] + offsets
+    row_of_move = np.repeat(rows, decode_window)
+    new_lengths = np.where(trimmed, prompt_kept + decode_window, lengths)
+    return RowMoves(row_of_move, src.reshape(-1), dst.reshape(-1)), new_lengths
+
+
+@dataclass
+class MoveBatch:
+    """The slot moves of every request compacted in one step, run as one mover call."""
+
+    page_size: int
+    _sources: list[np.ndarray] = field(default_factory=list)
+    _destinations: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, pages: np.ndarray, moves: RowMoves) -> None:
+        """``pages``: the request's page table ``[rows, max_pages]`` (before any truncation)."""
+        self._sources.append(_slots(pages, moves.rows, moves.src_positions, self.page_size))
+        self._destinations.append(_slots(pages, moves.rows, moves.dst_positions, self.page_size))
+
+    def run(self, pool: torch.Tensor, mover: KVMover) -> None:
+        if not self._sources:
+            return
+        src, dst = np.concatenate(self._sources), np.concatenate(self._destinations)
+        if not len(src):
+            return
+        # Pages are owned by one request each, so only a request's own moves can overlap.
+        disjoint = not np.isin(dst, src).any()
+        mover.move(pool, torch.from_numpy(src).to(pool.device),
+                   torch.from_numpy(dst).to(pool.device), disjoint=disjoint)
+
+
+def _row_moves(rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> RowMoves:
+    return RowMoves(*(np.asarray(t.numpy(), dtype=np.int64) for t in (rows, src, dst)))
+
+
+def _slots(pages: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+           page_size: int) -> np.ndarray:
+    """Pool slots of positions in one request's rows.
+
+    Indexes the page table directly instead of kernels.positions_to_slots, which would first
+    gather a whole page-table row for every one of the (many) moves.
+    """
+    return pages[rows, positions // page_size].astype(np.int64) * page_size + positions % page_size

@@ -1,0 +1,69 @@
+"""The host/device boundary of a step, checked on CPU with an emulated device (a GPU's rules:
+device tensors cannot become numpy or index host tensors, and reading them on the host is a
+synchronisation): the plan is made where the window scores are and comes to the host once;
+preparing and finishing a step read nothing back from the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcompress.attention.gpu_kernel import TritonPagedKernel
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine import worker_compaction
+from kvcompress.engine.worker_compaction import compact_completed_prompts
+from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+from kvcompress.policies import KeepPlan, plan_keep
+from tests.device_emulation import DeviceTensor, is_on_device, on_device
+from tests.engine.test_worker_compaction import labelled_case, token_ids_in_slots
+from tests.paged_cases import build_case
+
+
+@pytest.fixture
+def emulated_device(monkeypatch):
+    """The worker's device tensors (step batch, score accumulators) become DeviceTensors."""
+    monkeypatch.setattr(WorkerKVState, "to_device", lambda self, tensor: on_device(tensor))
+    DeviceTensor.syncs = 0
+
+
+@pytest.mark.parametrize("method", ["pyramidkv", "snapkv", "adakv", "streamingllm"])
+def test_a_plan_made_on_the_device_is_brought_to_the_host_for_the_moves(monkeypatch, method):
+    # plan_keep returns its plan on the scores' device (documented); emulate that device.
+    def plan_on_device(*args, **kwargs):
+        plan = plan_keep(*args, **kwargs)
+        return KeepPlan(*(on_device(tensor) for tensor in
+                          (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
+
+    monkeypatch.setattr(worker_compaction, "plan_keep", plan_on_device)
+    config = KVCompressionConfig.from_mapping({"kv_compression": method, "kv_budget": 24})
+    case, request = labelled_case(lengths=99, prompt_len=100, settings=config)
+    host_scores = request.window_scores.clone()
+    request.window_scores = on_device(request.window_scores)
+    case.step.completing_prompt = [0]
+    compactions = compact_completed_prompts(case.state, case.step, case.pool, CPU_PAGE_FORMAT)
+    plan = plan_keep(config.policy, [100], [host_scores], num_layers=2, num_kv_heads=2)
+    counts = plan.counts[0].reshape(4).tolist()
+    assert compactions["req0"].physical_lengths.tolist() == counts
+    for row in range(4):
+        kept = plan.indices[0].reshape(4, -1)[row, : counts[row]].tolist()
+        assert sorted(token_ids_in_slots(case, request, row)) == kept
+    assert not is_on_device(torch.as_tensor(request.prompt_kept))
+
+
+def test_preparing_and_finishing_a_step_read_nothing_back_from_the_device(emulated_device):
+    # Decodes, a chunk on context, a fresh prompt; two requests score their window.
+    case = build_case(GPU_PAGE_FORMAT, [[5, 9, 33, 1], [40] * 4, [3, 17, 2, 60], [0] * 4],
+                      [1, 7, 1, 20], num_layers=2, num_kv_heads=2, group=2, head_size=32,
+                      page_size=16, dtype=torch.float32, prompt_lens=[10, 47, 70, 20],
+                      window=8, wants_compression=[False, True, False, True])
+    assert is_on_device(case.step.page_tables) and is_on_device(case.step.lengths_before)
+    assert case.step.window_queries
+    kernel = TritonPagedKernel(case.layout, torch.float32)
+    args = kernel.prepare(case.step)
+    assert args.windows is not None and is_on_device(args.kv_lens)
+    case.state.finish_step(case.step)
+    assert DeviceTensor.syncs == 0
+    # the emulation does count host reads of device tensors
+    int(case.step.lengths_before.max())
+    assert DeviceTensor.syncs == 1

@@ -1,0 +1,230 @@
+"""Every move planner, through every mover, against a sequential reference of what each row
+must hold afterwards; and overlapping move lists never reach a mover's in-place fast path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompress.attention.gpu_kernel import TritonPagedKernel
+from kvcompress.engine.worker_moves import (
+    MoveBatch,
+    RowMoves,
+    plan_prompt_moves,
+    plan_window_trim,
+)
+from kvcompress.kernels import has_triton
+from kvcompress.paging import PageLayout
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+
+HEAD_SIZE = 8
+
+
+class RacyMover:
+    """What a parallel GPU kernel may do with a list it was told is disjoint: copy in place,
+    in any order (here the last move first). Lists not promised disjoint are gathered first."""
+
+    def __init__(self) -> None:
+        self.fast_calls = 0
+
+    def move(self, pool, src_slots, dst_slots, *, disjoint=False):
+        if not disjoint:
+            GPU_PAGE_FORMAT.move(pool, src_slots, dst_slots)
+            return
+        self.fast_calls += 1
+        for src, dst in reversed(list(zip(src_slots.tolist(), dst_slots.tolist()))):
+            GPU_PAGE_FORMAT.move(pool, torch.tensor([src]), torch.tensor([dst]))
+
+
+def movers():
+    layout = PageLayout(1, 1, HEAD_SIZE, 4, 4, 1)
+    return {
+        "page_format": GPU_PAGE_FORMAT,
+        "kernel_torch": TritonPagedKernel(layout, torch.float32, use_triton=False),
+        "racy": RacyMover(),
+    }
+
+
+def labelled_pool(num_pages: int, page_size: int) -> torch.Tensor:
+    """Every slot's K[0] is its own slot number (V[0] its negative): tokens are traceable."""
+    pool = torch.zeros(num_pages, 2, page_size, HEAD_SIZE)
+    slots = torch.arange(num_pages * page_size, dtype=torch.float32).view(num_pages, page_size)
+    pool[:, 0, :, 0], pool[:, 1, :, 0] = slots, -slots
+    return pool
+
+
+def row_tokens(pool: torch.Tensor, pages: np.ndarray, row: int, length: int) -> list[int]:
+    """The labels held at positions [0, length) of a row (checking K and V agree)."""
+    page_size = pool.shape[2]
+    positions = torch.arange(length)
+    slots = torch.as_tensor(pages[row].astype(np.int64))[positions // page_size] * page_size
+    slots = slots + positions % page_size
+    keys, values = GPU_PAGE_FORMAT.read_tokens(pool, slots)
+    assert torch.equal(keys[:, 0], -values[:, 0])
+    return keys[:, 0].long().tolist()
+
+
+def random_pages(lengths: np.ndarray, page_size: int, rng: np.random.Generator):
+    per_row = -(-lengths // page_size)
+    width = max(1, int(per_row.max()))
+    total = int(per_row.sum()) + 3
+    ids = rng.permutation(total).astype(np.int32)
+    pages = np.zeros((len(lengths), width), dtype=np.int32)
+    used = 0
+    for row, count in enumerate(per_row):
+        pages[row, :count] = ids[used: used + count]
+        used += count
+    return pages, total
+
+
+def run(moves: RowMoves, pages: np.ndarray, total_pages: int, page_size: int, mover):
+    pool = labelled_pool(total_pages, page_size)
+    before = pool.clone()
+    batch = MoveBatch(page_size)
+    batch.add(pages, moves)
+    batch.run(pool, mover)
+    return before, pool
+
+
+def original(before, pages, row, positions):
+    tokens = row_tokens(before, pages, row, max(positions, default=-1) + 1)
+    return [tokens[p] for p in positions]
+
+
+@st.composite
+def prompt_cases(draw, resumed: bool):
+    rows = draw(st.integers(1, 5))
+    prompt_len = draw(st.integers(2, 70))
+    tail = draw(st.integers(1, 25)) if resumed else 0
+    kept = []
+    for _ in range(rows):
+        count = draw(st.integers(1, prompt_len))
+        kept.append(sorted(draw(st.permutations(range(prompt_len)))[:count]))
+    page_size = draw(st.sampled_from([4, 8, 16]))
+    return prompt_len, tail, kept, page_size, draw(st.integers(0, 2**31))
+
+
+@st.composite
+def trim_cases(draw):
+    rows = draw(st.integers(1, 5))
+    window = draw(st.integers(1, 40))
+    prompt_kept = np.array([draw(st.integers(0, 40)) for _ in range(rows)])
+    generated = np.array([draw(st.integers(0, 90)) for _ in range(rows)])
+    page_size = draw(st.sampled_from([4, 8, 16]))
+    return prompt_kept, generated, window, page_size, draw(st.integers(0, 2**31))
+
+
+def prompt_plan(prompt_len, tail, kept):
+    width = max(map(len, kept))
+    indices = torch.full((len(kept), width), 2**31 - 1)
+    for row, positions in enumerate(kept):
+        indices[row, : len(positions)] = torch.tensor(positions)
+    counts = torch.tensor([len(positions) for positions in kept])
+    lengths = np.full(len(kept), prompt_len + tail, dtype=np.int64)
+    moves, new_lengths = plan_prompt_moves(counts, indices, lengths, prompt_len)
+    return lengths, moves, new_lengths
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.one_of(prompt_cases(resumed=False), prompt_cases(resumed=True)))
+def test_prompt_compaction_keeps_the_planned_tokens_with_every_mover(case):
+    prompt_len, tail, kept, page_size, seed = case
+    lengths, moves, new_lengths = prompt_plan(prompt_len, tail, kept)
+    pages, total = random_pages(lengths, page_size, np.random.default_rng(seed))
+    for name, mover in movers().items():
+        before, pool = run(moves, pages, total, page_size, mover)
+        for row, positions in enumerate(kept):
+            assert new_lengths[row] == len(positions) + tail
+            got = row_tokens(pool, pages, row, int(new_lengths[row]))
+            tail_tokens = original(before, pages, row, list(range(prompt_len, prompt_len + tail)))
+            want = original(before, pages, row, positions)
+            if tail:  # resumed: order-preserving, prompt part then the generated tail
+                assert got == want + tail_tokens, name
+            else:  # hole filling: the kept set, kept tokens below the new length stay put
+                assert sorted(got) == sorted(want), name
+                stay = [p for p in positions if p < len(positions)]
+                assert [got[p] for p in stay] == original(before, pages, row, stay), name
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=trim_cases())
+def test_window_trim_keeps_the_prompt_part_and_the_newest_tokens_with_every_mover(case):
+    prompt_kept, generated, window, page_size, seed = case
+    lengths = prompt_kept + generated
+    moves, new_lengths = plan_window_trim(lengths, prompt_kept, window)
+    pages, total = random_pages(lengths, page_size, np.random.default_rng(seed))
+    for name, mover in movers().items():
+        before, pool = run(moves, pages, total, page_size, mover)
+        for row in range(len(lengths)):
+            length, prompt = int(lengths[row]), int(prompt_kept[row])
+            newest = list(range(max(prompt, length - window), length))
+            want = original(before, pages, row, list(range(prompt)) + newest)
+            assert new_lengths[row] == len(want)
+            assert row_tokens(pool, pages, row, len(want)) == want, name
+
+
+def test_hole_filling_takes_the_fast_path_and_overlapping_trims_do_not():
+    lengths, moves, _ = prompt_plan(40, 0, [[0, 5, 9, 30, 39], list(range(20, 40))])
+    pages, total = random_pages(lengths, 8, np.random.default_rng(0))
+    racy = RacyMover()
+    run(moves, pages, total, 8, racy)
+    assert racy.fast_calls == 1
+    # window 128, margin 64: a head 63 tokens over shifts its newest 128 down by 63
+    lengths, prompt_kept = np.array([10 + 128 + 63]), np.array([10])
+    moves, _ = plan_window_trim(lengths, prompt_kept, 128)
+    pages, total = random_pages(lengths, 16, np.random.default_rng(1))
+    racy = RacyMover()
+    run(moves, pages, total, 16, racy)
+    assert racy.fast_calls == 0
+
+
+def test_an_overlapping_list_on_the_fast_path_would_corrupt_the_cache():
+    """Why the check matters: the in-place path on an overlapping trim loses tokens."""
+    lengths, prompt_kept = np.array([10 + 128 + 63]), np.array([10])
+    moves, _ = plan_window_trim(lengths, prompt_kept, 128)
+    pages, total = random_pages(lengths, 16, np.random.default_rng(1))
+    pool = labelled_pool(total, 16)
+    before = pool.clone()
+    batch = MoveBatch(16)
+    batch.add(pages, moves)
+    src, dst = np.concatenate(batch._sources), np.concatenate(batch._destinations)
+    RacyMover().move(pool, torch.from_numpy(src), torch.from_numpy(dst), disjoint=True)
+    want = original(before, pages, 0, list(range(10)) + list(range(73, 201)))
+    assert row_tokens(pool, pages, 0, 138) != want
+
+
+@pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT])
+def test_page_formats_gather_before_scattering(page_format):
+    pool = torch.randn(4, 2, 8, HEAD_SIZE)
+    before = pool.clone()
+    src, dst = torch.arange(1, 17), torch.arange(0, 16)  # a shift by one: every dst a src
+    page_format.move(pool, src, dst)
+    keys, _ = page_format.read_tokens(pool, dst)
+    old_keys, _ = page_format.read_tokens(before, src)
+    assert torch.equal(keys, old_keys)
+
+
+@pytest.mark.skipif(not has_triton(), reason="triton is not installed")
+@pytest.mark.parametrize("overlapping", [False, True], ids=["hole_filling", "trim"])
+def test_triton_mover_under_the_interpreter(monkeypatch, overlapping):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if overlapping:
+        lengths, prompt_kept = np.array([10 + 40 + 7, 12]), np.array([10, 12])
+        moves, new_lengths = plan_window_trim(lengths, prompt_kept, 40)
+        expected_rows = [list(range(10)) + list(range(17, 57)), list(range(12))]
+    else:
+        lengths, moves, new_lengths = prompt_plan(40, 0, [[1, 2, 30, 39], list(range(25, 40))])
+        expected_rows = None
+    pages, total = random_pages(lengths, 8, np.random.default_rng(2))
+    layout = PageLayout(1, 1, HEAD_SIZE, 8, 4, total)
+    kernel = TritonPagedKernel(layout, torch.float32, use_triton=True)
+    before, pool = run(moves, pages, total, 8, kernel)
+    _, reference = run(moves, pages, total, 8, GPU_PAGE_FORMAT)
+    assert torch.equal(pool, reference)
+    if expected_rows:
+        for row, positions in enumerate(expected_rows):
+            got = row_tokens(pool, pages, row, int(new_lengths[row]))
+            assert got == original(before, pages, row, positions)
