@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole suite, slow engine and server tests included (CI runs everything), then the
-# static checks: ruff, the import-layering contracts (lint-imports) and dead code (vulture).
+# The whole suite, slow engine and server tests included (CI runs everything), the GPU check
+# in its CPU mode, then the static checks: ruff, the import-layering contracts (lint-imports)
+# and dead code (vulture).
 # pytest's exit code 5 (no tests collected) counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ fi
 if [ "$status" -ne 0 ]; then
   exit "$status"
 fi
+# The GPU path's prepared check, in its CPU mode (Triton interpreter, vLLM unimportable).
+bash scripts/gpu_check.sh --cpu "${TMPDIR:-/tmp}/kvcompress-gpu-check" || exit 1
 .venv/bin/ruff check . || exit 1
 .venv/bin/lint-imports --no-logo || exit 1
 .venv/bin/vulture && echo "[test] vulture: no dead code"

@@ -9,7 +9,6 @@ from the platform kernel (``kvcompress.step.PlatformKernel``).
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +24,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
+from kvcompress.attention.layer import attend_layer
 from kvcompress.step import PagedAttentionMetadata, runtime_for
 
 
@@ -146,20 +146,6 @@ class KVCompressAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:
             return output.fill_(0)  # warm-up / profiling without a KV cache
-        step = attn_metadata.step
-        kernel = attn_metadata.kernel
         layer_index = attn_metadata.layer_index[layer.layer_name]
-        num_tokens = attn_metadata.num_actual_tokens
-        query, output = query[:num_tokens], output[:num_tokens]
-        key, value = key[:num_tokens], value[:num_tokens]
-        slots = step.slot_mapping[:, step.layer_rows(layer_index)]
-        kernel.write(kv_cache, key, value, slots)
-        kernel.attend(attn_metadata.kernel_args, layer_index, query, kv_cache, output, self.scale)
-        if step.window_queries:
-            started = time.perf_counter()
-            kernel.accumulate_window_scores(
-                attn_metadata.kernel_args, layer_index, query, key, kv_cache, step,
-                self.scale, attn_metadata.group_reduce,
-            )
-            step.score_seconds += time.perf_counter() - started
-        return output
+        return attend_layer(attn_metadata, layer_index, query, key, value, kv_cache, output,
+                            self.scale)

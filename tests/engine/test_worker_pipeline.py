@@ -1,0 +1,211 @@
+"""The worker-side pipeline end to end, with torch + Triton alone (no vLLM): the scheduler's
+page manager, the worker's mirror, K/V write, attention, window scores, every policy and the
+compaction with every mover, then a decode step over the kept tokens; pages accounted.
+
+Runs on CPU with the torch references and under Triton's interpreter, and on CUDA with the real
+kernels (scripts/gpu_check.sh runs it there, in a process where vLLM cannot be imported).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvcompress.attention.gpu_kernel import TritonPagedKernel
+from kvcompress.attention.layer import attend_layer
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.worker_compaction import compact_completed_prompts, wants_compression
+from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.kernels import has_triton
+from kvcompress.paging import PageLayout, PageManager
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from kvcompress.policies import METHODS, observation_window_scores, plan_keep
+from kvcompress.step import PagedAttentionMetadata
+
+LAYERS, KV_HEADS, GROUP, HEAD_SIZE, PAGE_SIZE = 2, 2, 2, 32, 16
+PROMPTS = [50, 23, 77, 12]  # three compress at budget 16, the last keeps everything
+BUDGET, WINDOW = 16, 4
+SCALE = HEAD_SIZE**-0.5
+ROWS = LAYERS * KV_HEADS
+
+TARGETS = {
+    "torch": ("cpu", False),
+    "interpreter": ("cpu", True),
+    "cuda": ("cuda", None),
+}
+
+
+def target_params():
+    params = []
+    for name, (device, use_triton) in TARGETS.items():
+        marks = []
+        if name == "interpreter" and not has_triton():
+            marks.append(pytest.mark.skip(reason="triton is not installed"))
+        if name == "cuda" and not torch.cuda.is_available():
+            marks.append(pytest.mark.skip(reason="needs a CUDA device"))
+        params.append(pytest.param(device, use_triton, id=name, marks=marks))
+    return params
+
+
+def dense_attention(query, keys, values, first_position):
+    """query [n, G, D] at positions first_position.. against keys/values [m, D], causal."""
+    logits = torch.einsum("ngd,md->ngm", query.double(), keys.double()) * SCALE
+    position = first_position + torch.arange(query.shape[0], device=query.device)
+    future = torch.arange(keys.shape[0], device=query.device)[None, :] > position[:, None]
+    logits = logits.masked_fill(future[:, None, :], -math.inf)
+    return torch.einsum("ngm,md->ngd", torch.softmax(logits, -1), values.double())
+
+
+class Pipeline:
+    def __init__(self, device: str, use_triton: bool | None, mover: str, method: str):
+        self.device = torch.device(device)
+        self.generator = torch.Generator().manual_seed(7)
+        self.layout = PageLayout(LAYERS, KV_HEADS, HEAD_SIZE, PAGE_SIZE, 4, total_pages=200)
+        self.manager = PageManager(self.layout)
+        self.state = WorkerKVState(self.layout, self.device)
+        self.pool = torch.zeros(200, 2, PAGE_SIZE, HEAD_SIZE, device=self.device)
+        self.kernel = TritonPagedKernel(self.layout, torch.float32, self.device,
+                                        use_triton=use_triton)
+        if mover == "native" and self.kernel.native_move is None:
+            pytest.skip("the native CUDA move is not available")
+        if mover != "native":
+            self.kernel.native_move = None
+        # "torch": compaction through the page format's gather-then-scatter instead
+        self.mover = GPU_PAGE_FORMAT if mover == "torch" else self.kernel
+        self.config = KVCompressionConfig.from_mapping(
+            {"kv_compression": method, "kv_budget": BUDGET, "kv_window": WINDOW})
+        self.req_ids = [f"r{index}" for index in range(len(PROMPTS))]
+        # Dense history per (request, row): what the cache must hold, in logical positions.
+        self.keys: dict[tuple[int, int], torch.Tensor] = {}
+        self.values: dict[tuple[int, int], torch.Tensor] = {}
+
+    def random(self, *shape):
+        return torch.randn(*shape, generator=self.generator).to(self.device)
+
+    def step(self, num_new: list[int], computed: list[int]):
+        """One step: pages, mirror, batch, then every layer written and attended; returns the
+        batch, this step's queries and the attention outputs per layer."""
+        for request_id, new, done in zip(self.req_ids, num_new, computed):
+            assert self.manager.allocate(request_id, done + new)
+        self.state.apply_deltas(self.manager.take_deltas())
+        for request_id in self.req_ids:
+            self.state.requests[request_id].config = self.config
+        step = self.state.prepare_step(
+            self.req_ids, np.array(num_new), np.array(computed), np.array(PROMPTS),
+            observation_windows=[WINDOW] * len(PROMPTS),
+            wants_compression=[wants_compression(self.config, q) for q in PROMPTS],
+        )
+        total = sum(num_new)
+        metadata = PagedAttentionMetadata(step, total, self.kernel, self.kernel.prepare(step),
+                                          {}, "mean")
+        queries, outputs = [], []
+        for layer in range(LAYERS):
+            query = self.random(total, KV_HEADS * GROUP, HEAD_SIZE)
+            key, value = (self.random(total, KV_HEADS, HEAD_SIZE) for _ in range(2))
+            for r, (start, stop) in enumerate(zip(step.query_start_loc, step.query_start_loc[1:])):
+                for head in range(KV_HEADS):
+                    row = layer * KV_HEADS + head
+                    old_k = self.keys.get((r, row), key[:0, 0])
+                    old_v = self.values.get((r, row), value[:0, 0])
+                    self.keys[r, row] = torch.cat([old_k, key[start:stop, head]])
+                    self.values[r, row] = torch.cat([old_v, value[start:stop, head]])
+            output = torch.empty_like(query)
+            attend_layer(metadata, layer, query, key, value, self.pool, output, SCALE)
+            queries.append(query)
+            outputs.append(output)
+        self.state.finish_step(step)
+        return step, queries, outputs
+
+    def check_attention(self, step, queries, outputs, kept: dict | None = None):
+        """Each head's output against dense attention over what it should hold (all tokens,
+        or after compaction the kept prompt positions plus what came after)."""
+        for layer in range(LAYERS):
+            for r, (start, stop) in enumerate(zip(step.query_start_loc, step.query_start_loc[1:])):
+                for head in range(KV_HEADS):
+                    row = layer * KV_HEADS + head
+                    keys, values = self.keys[r, row], self.values[r, row]
+                    first = keys.shape[0] - (stop - start)
+                    if kept is not None and (r, row) in kept:
+                        positions = kept[r, row] + list(range(PROMPTS[r], keys.shape[0]))
+                        keys, values = keys[positions], values[positions]
+                        first = keys.shape[0] - (stop - start)
+                    query = queries[layer][start:stop, head * GROUP:(head + 1) * GROUP]
+                    want = dense_attention(query, keys, values, first)
+                    got = outputs[layer][start:stop, head * GROUP:(head + 1) * GROUP]
+                    torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+
+    def check_pages(self):
+        self.manager.check_invariants()
+        for request_id in self.req_ids:
+            lengths = self.manager.physical_lengths(request_id)
+            assert (lengths == self.state.requests[request_id].lengths).all()
+            held = self.manager.owned_pages(request_id)
+            assert held == int((-(-lengths // PAGE_SIZE)).sum())
+
+
+@pytest.mark.parametrize(("device", "use_triton"), target_params())
+@pytest.mark.parametrize("mover", ["torch", "kernel", "native"])
+@pytest.mark.parametrize("method", METHODS)
+def test_prefill_compact_decode(monkeypatch, device, use_triton, mover, method):
+    if use_triton and device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if mover == "native" and device != "cuda":
+        pytest.skip("the native move runs on CUDA only")
+    pipeline = Pipeline(device, use_triton, mover, method)
+
+    # Prefill every prompt in one step: attention, and the window scores of those to compress.
+    step, queries, outputs = pipeline.step(PROMPTS, [0] * len(PROMPTS))
+    pipeline.check_attention(step, queries, outputs)
+    scores = {}
+    for r, request_id in enumerate(pipeline.req_ids):
+        request = pipeline.state.requests[request_id]
+        if request.window_scores is None:
+            continue
+        window_queries = torch.stack([
+            queries[layer][step.query_start_loc[r] + PROMPTS[r] - WINDOW:
+                           step.query_start_loc[r] + PROMPTS[r]].transpose(0, 1)
+            for layer in range(LAYERS)])  # [L, Hq, W, D]
+        keys = torch.stack([torch.stack([pipeline.keys[r, layer * KV_HEADS + head]
+                                         for head in range(KV_HEADS)])
+                            for layer in range(LAYERS)])  # [L, H, S, D]
+        want = observation_window_scores(window_queries.float(), keys.float(), scale=SCALE)
+        torch.testing.assert_close(request.window_scores, want, atol=1e-4, rtol=1e-4)
+        scores[r] = request.window_scores.clone()
+
+    # Compact: exactly the policy's tokens stay, the scheduler frees the rest.
+    step.completing_prompt = [r for r in range(len(PROMPTS)) if PROMPTS[r] > BUDGET]
+    free_before = pipeline.manager.num_free
+    compactions = compact_completed_prompts(pipeline.state, step, pipeline.pool,
+                                            pipeline.mover)
+    for request_id, compaction in compactions.items():
+        pipeline.manager.release_after_compression(request_id, compaction.logical_len,
+                                                   compaction.physical_lengths)
+    assert pipeline.manager.num_free > free_before
+    kept = {}
+    for r in step.completing_prompt:
+        plan = plan_keep(pipeline.config.policy, [PROMPTS[r]], [scores.get(r)],
+                         num_layers=LAYERS, num_kv_heads=KV_HEADS).to("cpu")
+        for row in range(ROWS):
+            count = int(plan.counts[0].reshape(ROWS)[row])
+            kept[r, row] = plan.indices[0].reshape(ROWS, -1)[row, :count].tolist()
+            request = pipeline.state.requests[pipeline.req_ids[r]]
+            assert request.lengths[row] == count
+            slots = torch.as_tensor(request.table.pages[row].astype(np.int64))
+            positions = torch.arange(count)
+            slots = (slots[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE)
+            stored, _ = GPU_PAGE_FORMAT.read_tokens(pipeline.pool, slots.to(pipeline.device))
+            want = pipeline.keys[r, row][kept[r, row]]
+            # hole filling keeps the set, not the order
+            assert sorted(stored[:, 0].tolist()) == sorted(want[:, 0].tolist())
+    pipeline.check_pages()
+
+    # Decode one token each: attention over the kept tokens (order inside a row is free).
+    step, queries, outputs = pipeline.step([1] * len(PROMPTS), PROMPTS)
+    pipeline.check_attention(step, queries, outputs, kept)
+    pipeline.check_pages()
+    for request_id in pipeline.req_ids:
+        pipeline.manager.free(request_id)
+    assert pipeline.manager.num_free == pipeline.layout.total_pages
