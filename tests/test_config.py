@@ -149,3 +149,19 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
     assert (policy.method, policy.budget, policy.ratio, policy.window, policy.beta) == (
         "adakv", 96, None, 16, 4.0)
     assert (policy.pooling, policy.pooling_kernel, policy.sink_tokens) == ("avg", 5, 2)
+
+
+def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
+    """The flat user-facing config repeats PolicySettings' fields (it also accepts "none" and
+    names flags in its errors): they must not drift apart."""
+    import dataclasses
+
+    from kvcompress.policies import PolicySettings
+
+    config_fields = {f.name: f for f in dataclasses.fields(KVCompressionConfig)}
+    shared = [f for f in dataclasses.fields(PolicySettings) if f.name in config_fields]
+    assert {f.name for f in shared} >= {"method", "budget", "ratio", "window", "beta",
+                                         "pooling", "pooling_kernel", "sink_tokens"}
+    for field in shared:
+        if field.name != "method":  # required in the policy, "none" in the config
+            assert config_fields[field.name].default == field.default, field.name
