@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole suite, slow engine and server tests included (CI runs everything), the GPU check
-# in its CPU mode, then the static checks: ruff, the import-layering contracts (lint-imports)
-# and dead code (vulture).
+# in its CPU mode, then the static checks: ruff, the import-layering contracts (lint-imports),
+# the Dockerfiles (hadolint) and dead code (vulture).
 # pytest's exit code 5 (no tests collected) counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,4 +19,5 @@ fi
 bash scripts/gpu_check.sh --cpu "${TMPDIR:-/tmp}/kvcompress-gpu-check" || exit 1
 .venv/bin/ruff check . || exit 1
 .venv/bin/lint-imports --no-logo || exit 1
+.venv/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.cpu || exit 1
 .venv/bin/vulture && echo "[test] vulture: no dead code"

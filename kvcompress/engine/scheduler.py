@@ -25,6 +25,7 @@ class KVCompressScheduler(Scheduler):
                  **kwargs: Any) -> None:
         self.compression_config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
         layout = page_layout(kv_cache_config, self.compression_config.page_size)
+        layout.check_holds_one_request(vllm_config.model_config.max_model_len)
         virtual_config = virtual_kv_cache_config(
             kv_cache_config,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,

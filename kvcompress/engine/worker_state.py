@@ -50,10 +50,17 @@ class WorkerKVState:
             self.requests.pop(request_id, None)
 
     def apply_deltas(self, deltas: Mapping[str, PageTableDelta]) -> None:
+        """Mirror the scheduler's page-table changes. A delta that extends a table this worker
+        does not hold means the two sides diverged: fail with the request id, never guess."""
         rows = self.layout.num_rows
         for request_id, delta in deltas.items():
             state = self.requests.get(request_id)
-            if delta.fresh or state is None:
+            if state is None and not delta.fresh:
+                raise RuntimeError(
+                    f"request {request_id}: the scheduler extends a page table this worker "
+                    "does not hold (scheduler and worker page tables diverged)"
+                )
+            if delta.fresh:
                 state = RequestKV(
                     table=HeadPageTable(rows, self.layout.page_size),
                     lengths=np.zeros(rows, dtype=np.int64),

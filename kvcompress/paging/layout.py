@@ -54,6 +54,19 @@ class PageLayout:
         """Pages one request of ``num_tokens`` uncompressed tokens occupies."""
         return self.num_rows * (-(-num_tokens // self.page_size))
 
+    def check_holds_one_request(self, max_model_len: int) -> None:
+        """A request of ``max_model_len`` tokens must fit uncompressed (prefill comes before
+        compression), or it would wait forever: every row rounds up to whole pages."""
+        needed = self.pages_for_tokens(max_model_len)
+        if needed > self.total_pages:
+            raise ValueError(
+                f"the KV-cache pool holds {self.total_pages} pages of {self.page_size} tokens, "
+                f"but one request of --max-model-len {max_model_len} needs {needed} "
+                f"({self.num_rows} (layer, KV head) rows x ceil({max_model_len} / "
+                f"{self.page_size}) pages, each row rounded up to whole pages); use a smaller "
+                "--kv-page-size or --max-model-len, or give the KV cache more memory"
+            )
+
     @property
     def token_capacity(self) -> int:
         """Uncompressed tokens the pool holds (all rows of a token together)."""

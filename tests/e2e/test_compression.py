@@ -243,3 +243,14 @@ def test_decode_window_bounds_the_cache_of_long_generations(tiny_llama):
         assert manager.num_free == manager.total_pages
     finally:
         harness.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_refuses_a_page_size_that_strands_a_max_model_len_request(tiny_llama):
+    # Bytes for 1100 tokens (vLLM's own check, in 16-token blocks, passes for 1030), but at
+    # 256 tokens a page each of the 8 rows of a 1030-token request takes 5 pages: 40 > 34.
+    settings = {**TINY, "max_model_len": 1030, "max_num_batched_tokens": 1030,
+                "block_size": 16}
+    with pytest.raises(Exception, match=r"--max-model-len 1030 needs 40.*--kv-page-size"):
+        EngineHarness(tiny_llama, {"kv_compression": "pyramidkv", "kv_page_size": 256},
+                      kv_cache_memory_bytes=1100 * BYTES_PER_TOKEN, **settings)

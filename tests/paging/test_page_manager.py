@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcompress.engine.worker_state import WorkerKVState
-from kvcompress.paging import HeadPageTable, PageLayout, PageManager
+from kvcompress.paging import HeadPageTable, PageLayout, PageManager, PageTableDelta
 
 
 def make_layout(total_pages=64, layers=2, heads=2, page_size=4):
@@ -24,6 +24,28 @@ def test_layout_fits_the_bytes_vanilla_vllm_would_use():
     with pytest.raises(ValueError, match="--kv-page-size"):
         PageLayout.for_memory(kv_cache_bytes=100, num_layers=4, num_kv_heads=2, head_size=64,
                               page_size=16, dtype_bytes=2)
+
+
+def test_a_max_model_len_request_must_fit_with_rows_rounded_up_to_pages():
+    # 2048 B per token over all rows: bytes for 1100 tokens, but at 256 tokens a page each of
+    # the 8 rows of a 1030-token request takes 5 pages (40 > the 34 there are).
+    layout = PageLayout.for_memory(kv_cache_bytes=1100 * 2048, num_layers=4, num_kv_heads=2,
+                                   head_size=32, page_size=256, dtype_bytes=4)
+    assert layout.total_pages == 34
+    layout.check_holds_one_request(1024)
+    with pytest.raises(ValueError, match=r"--max-model-len 1030 needs 40.*--kv-page-size"):
+        layout.check_holds_one_request(1030)
+
+
+def test_worker_refuses_a_delta_extending_a_table_it_does_not_hold():
+    state = WorkerKVState(make_layout(total_pages=10), torch.device("cpu"))
+    grow = PageTableDelta(fresh=False, appends=[(np.ones(4, dtype=np.int32),
+                                                 np.arange(4, dtype=np.int32))])
+    with pytest.raises(RuntimeError, match="request ghost: .*diverged"):
+        state.apply_deltas({"ghost": grow})
+    state.apply_deltas({"known": PageTableDelta(fresh=True, appends=grow.appends)})
+    state.apply_deltas({"known": grow})
+    assert state.requests["known"].table.total_pages == 8
 
 
 def test_table_append_and_truncate_return_exact_pages():
