@@ -49,6 +49,8 @@ class WindowQueries:
     num_queries: int
     prompt_len: int
     scores: torch.Tensor  # the request's accumulator, [L, H, prompt_len]
+    # Whether the whole window is in this step (else earlier chunks already added to scores).
+    starts_in_step: bool = True
 
 
 @dataclass
@@ -72,6 +74,13 @@ class StepBatch:
     completing_prompt: list[int] = field(default_factory=list)
     # Time the attention backend spent scoring observation windows in this step.
     score_seconds: float = 0.0
+    # Requests whose compression failed in this step (request id -> reason): they are not
+    # compacted, and the scheduler ends them with an error.
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def fail(self, request_ids: list[str], reason: str) -> None:
+        for request_id in request_ids:
+            self.failures.setdefault(request_id, reason)
 
     @property
     def num_reqs(self) -> int:

@@ -5,10 +5,16 @@ layer, kept free of vLLM so the worker pipeline runs (and is tested) with torch 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
+from kvcompress.attention.window_scores import accumulate_window_scores
+from kvcompress.faults import maybe_fail
+from kvcompress.log import get_logger
 from kvcompress.step import PagedAttentionMetadata
+
+logger = get_logger(__name__)
 
 
 def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
@@ -16,8 +22,9 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
                  output: torch.Tensor, scale: float) -> torch.Tensor:
     """Stages 3-4 of a step (``kvcompress.step``) for one layer: write the step's K/V
     ``[T, H, D]`` into every head's row, attend (``query [T, Hq, D]`` into ``output``), and
-    add the observation-window probabilities of requests finishing their prompt. Tensors
-    may be padded beyond ``metadata.num_actual_tokens``; returns ``output``."""
+    add the observation-window probabilities of requests finishing their prompt (if that
+    fails, those requests are marked failed and the layer goes on). Tensors may be padded
+    beyond ``metadata.num_actual_tokens``; returns ``output``."""
     step, kernel = metadata.step, metadata.kernel
     num_tokens = metadata.num_actual_tokens
     query, output = query[:num_tokens], output[:num_tokens]
@@ -26,7 +33,37 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
     kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale)
     if step.window_queries:
         started = time.perf_counter()
-        kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key, pool,
-                                        step, scale, metadata.group_reduce)
+        try:
+            maybe_fail("score", [window.prompt_len for window in step.window_queries])
+            kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
+                                            pool, step, scale, metadata.group_reduce)
+        except Exception:
+            logger.exception("kvcompress: scoring the observation windows failed; "
+                             "scoring them one by one")
+            _score_one_by_one(metadata, layer_index, query, key, pool, scale)
         step.score_seconds += time.perf_counter() - started
     return output
+
+
+def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
+                      key: torch.Tensor, pool: torch.Tensor, scale: float) -> None:
+    """After a batched scoring failure: each window alone, on the torch path, so that only
+    the windows that fail lose their request. This layer's share of a window's scores is
+    recomputed from zero, which is exact only when the whole window is in this step; a
+    window that began in an earlier chunk fails with the batch."""
+    step = metadata.step
+    healthy = []
+    for window in step.window_queries:
+        request_id = step.req_ids[window.batch_index]
+        try:
+            if not window.starts_in_step:
+                raise RuntimeError("its scores from earlier chunks cannot be restored")
+            window.scores[layer_index].zero_()
+            maybe_fail("score", [window.prompt_len])
+            accumulate_window_scores(query, pool, metadata.kernel.page_format,
+                                     replace(step, window_queries=[window]), layer_index,
+                                     scale, metadata.group_reduce, key=key)
+            healthy.append(window)
+        except Exception as error:
+            step.fail([request_id], f"window scoring failed: {error!r}")
+    step.window_queries = healthy

@@ -1,8 +1,8 @@
 """What the scheduler and the workers tell each other beyond vLLM's own messages.
 
 Both travel as extra attributes on vLLM's step messages (pickled whole across the
-process boundary): page-table deltas on the SchedulerOutput, compaction reports on the
-ModelRunnerOutput.
+process boundary): page-table deltas on the SchedulerOutput, compaction reports and the
+requests whose compression failed on the ModelRunnerOutput.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kvcompress.paging import PageTableDelta
 
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
 COMPACTIONS_ATTR = "kvcompress_compactions"
+FAILURES_ATTR = "kvcompress_failures"
 
 
 @dataclass
@@ -37,3 +38,9 @@ def page_deltas(scheduler_output: Any) -> dict[str, PageTableDelta]:
 
 def compactions(model_runner_output: Any) -> dict[str, Compaction]:
     return getattr(model_runner_output, COMPACTIONS_ATTR, None) or {}
+
+
+def failures(model_runner_output: Any) -> dict[str, str]:
+    """Requests whose compression failed on the worker, with the reason: the scheduler ends
+    each with an error (its pages are freed), every other request goes on."""
+    return getattr(model_runner_output, FAILURES_ATTR, None) or {}

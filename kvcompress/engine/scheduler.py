@@ -7,10 +7,12 @@ from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import RequestStatus
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import attach_page_deltas, compactions
+from kvcompress.engine.messages import attach_page_deltas, compactions, failures
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.vllm_layout import page_layout
 from kvcompress.log import get_logger
@@ -55,14 +57,40 @@ class KVCompressScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
         # Stage 8: release compacted pages first; requests finishing in this step free the rest.
+        failed = dict(failures(model_runner_output))
         for request_id, compaction in compactions(model_runner_output).items():
-            self.num_pages_freed_by_compression += self.page_manager.release_after_compression(
-                request_id, compaction.logical_len, compaction.physical_lengths
-            )
+            try:
+                self.num_pages_freed_by_compression += (
+                    self.page_manager.release_after_compression(
+                        request_id, compaction.logical_len, compaction.physical_lengths
+                    )
+                )
+            except Exception as error:  # a bad report ends its request, not the engine
+                logger.exception("kvcompress: compaction report of %s rejected", request_id)
+                failed[request_id] = f"compaction report rejected: {error!r}"
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if failed:
+            self._finish_with_error(failed, outputs)
         if self.check_pages_every_step:
             self.check_pages()
         return outputs
+
+    def _finish_with_error(self, failed: dict[str, str], outputs: dict[int, Any]) -> None:
+        """End each failed request with an error (its pages are freed) in this step's
+        outputs; the engine and every other request go on."""
+        for request in self.finish_requests(failed, RequestStatus.FINISHED_ERROR):
+            logger.error("kvcompress: request %s ended with an error: %s",
+                         request.request_id, failed[request.request_id])
+            batch = outputs.get(request.client_index)
+            if batch is None:
+                batch = outputs[request.client_index] = EngineCoreOutputs()
+            batch.outputs.append(EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            ))
 
     def check_pages(self) -> None:
         """Every page free or owned once, only by requests the scheduler still knows, and

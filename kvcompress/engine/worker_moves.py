@@ -4,7 +4,7 @@ Planners work on one request's rows, on the host, in positions: ``plan_prompt_mo
 prefill: the policy's kept prompt tokens, plus the generated tail of a resumed request) and
 ``plan_window_trim`` (``--kv-decode-window``: the newest generated tokens shifted down).
 ``MoveBatch`` turns the moves of all requests of a step into pool slots and runs them in one
-call of the platform's mover.
+call of the platform's mover (or request by request, to isolate a failure).
 
 Moves have parallel-move semantics: every token is read before any is written. A mover that
 copies in parallel (the Triton and CUDA kernels) honours that only when no destination is also
@@ -89,18 +89,24 @@ class MoveBatch:
     """The slot moves of every request compacted in one step, run as one mover call."""
 
     page_size: int
-    _sources: list[np.ndarray] = field(default_factory=list)
-    _destinations: list[np.ndarray] = field(default_factory=list)
+    _by_request: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
-    def add(self, pages: np.ndarray, moves: RowMoves) -> None:
+    def add(self, request_id: str, pages: np.ndarray, moves: RowMoves) -> None:
         """``pages``: the request's page table ``[rows, max_pages]`` (before any truncation)."""
-        self._sources.append(_slots(pages, moves.rows, moves.src_positions, self.page_size))
-        self._destinations.append(_slots(pages, moves.rows, moves.dst_positions, self.page_size))
+        self._by_request[request_id] = (
+            _slots(pages, moves.rows, moves.src_positions, self.page_size),
+            _slots(pages, moves.rows, moves.dst_positions, self.page_size),
+        )
 
-    def run(self, pool: torch.Tensor, mover: KVMover) -> None:
-        if not self._sources:
+    def run(self, pool: torch.Tensor, mover: KVMover,
+            request_ids: list[str] | None = None) -> None:
+        """Every request's moves (or only those of ``request_ids``) in one mover call."""
+        parts = [self._by_request[request_id]
+                 for request_id in (request_ids or self._by_request)]
+        if not parts:
             return
-        src, dst = np.concatenate(self._sources), np.concatenate(self._destinations)
+        src = np.concatenate([part[0] for part in parts])
+        dst = np.concatenate([part[1] for part in parts])
         if not len(src):
             return
         # Pages are owned by one request each, so only a request's own moves can overlap.

@@ -13,7 +13,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import COMPACTIONS_ATTR, Compaction
+from kvcompress.engine.messages import COMPACTIONS_ATTR, FAILURES_ATTR, Compaction
 from kvcompress.engine.vllm_layout import attention_layer_names, page_layout
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
@@ -32,6 +32,7 @@ class PagedKVRunnerMixin:
 
     paged_runtime: PagedKVRuntime | None = None
     _pending_compactions: dict[str, Compaction]
+    _pending_failures: dict[str, str]
 
     def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
         raise NotImplementedError
@@ -51,7 +52,7 @@ class PagedKVRunnerMixin:
         )
         runtime.bind_runner(self)
         self.paged_runtime = runtime
-        self._pending_compactions = {}
+        self._pending_compactions, self._pending_failures = {}, {}
         register_runtime(self.vllm_config, runtime)
         kv_caches = {name: runtime.pool for name in layer_names}
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
@@ -71,7 +72,9 @@ class PagedKVRunnerMixin:
             runtime.begin_step(scheduler_output)
         result = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         if runtime is not None:
-            self._pending_compactions.update(runtime.end_step())
+            compactions, failures = runtime.end_step()
+            self._pending_compactions.update(compactions)
+            self._pending_failures.update(failures)
             if isinstance(result, ModelRunnerOutput):
                 result = self._attach_compactions(result)
         return result
@@ -100,11 +103,12 @@ class PagedKVRunnerMixin:
         super().shutdown()  # type: ignore[misc]
 
     def _attach_compactions(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        if not self._pending_compactions:
+        if not (self._pending_compactions or self._pending_failures):
             return output
         output = copy(output)  # may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
         setattr(output, COMPACTIONS_ATTR, self._pending_compactions)
-        self._pending_compactions = {}
+        setattr(output, FAILURES_ATTR, self._pending_failures)
+        self._pending_compactions, self._pending_failures = {}, {}
         return output
 
 

@@ -54,6 +54,8 @@ class PagedKVRuntime:
         self.state = WorkerKVState(layout, device)
         self.step: StepBatch | None = None
         self.stats = CompactionStats()
+        # Requests whose own kv_* settings the worker rejected (id -> reason), until reported.
+        self.rejected_settings: dict[str, str] = {}
         self._runner: Any = None
 
     def bind_runner(self, runner: Any) -> None:
@@ -62,7 +64,11 @@ class PagedKVRuntime:
         self._runner = runner
 
     def request_config(self, request_id: str) -> KVCompressionConfig:
-        """The engine config with the request's own ``kv_*`` overrides, resolved once."""
+        """The engine config with the request's own ``kv_*`` overrides, resolved once.
+
+        Settings are validated at admission; one that is invalid here means the front end
+        was bypassed: the request is not compressed with other settings than it asked for,
+        it fails (``rejected_settings``) and runs this step uncompressed."""
         request = self.state.requests[request_id]
         if request.config is None:
             request_state = self._runner.requests.get(request_id)
@@ -70,10 +76,10 @@ class PagedKVRuntime:
             extra_args = getattr(sampling_params, "extra_args", None)
             try:
                 request.config = self.config.with_request_overrides(extra_args)
-            except ValueError as error:  # validated at admission; never fail the batch here
-                logger.warning("kvcompress: request %s: %s; using engine settings",
-                               request_id, error)
-                request.config = self.config
+            except ValueError as error:
+                logger.error("kvcompress: request %s: %s", request_id, error)
+                self.rejected_settings[request_id] = f"invalid kvcompress settings: {error}"
+                request.config = KVCompressionConfig()  # compression off
         return request.config
 
     # ------------------------------------------------------------ per step
@@ -103,6 +109,9 @@ class PagedKVRuntime:
                 wants_compression(config, int(n)) for config, n in zip(configs, prompt_lens)
             ],
         )
+        for request_id in req_ids:
+            if request_id in self.rejected_settings:
+                step.failures[request_id] = self.rejected_settings.pop(request_id)
         self.step = step
         return PagedAttentionMetadata(
             step=step,
@@ -113,11 +122,13 @@ class PagedKVRuntime:
             group_reduce=self.group_reduce,
         )
 
-    def end_step(self) -> dict[str, Compaction]:
-        """After the forward: lengths advance, then completed prompts are compacted."""
+    def end_step(self) -> tuple[dict[str, Compaction], dict[str, str]]:
+        """After the forward: lengths advance, then completed prompts are compacted.
+        Returns the compaction reports and the requests whose compression failed in this
+        step (id -> reason), which the scheduler ends with an error."""
         step, self.step = self.step, None
         if step is None:
-            return {}
+            return {}, {}
         self.state.finish_step(step)
         self.stats.score_seconds += step.score_seconds
         started = time.perf_counter()
@@ -130,4 +141,4 @@ class PagedKVRuntime:
         )
         if compactions:
             self.stats.seconds += time.perf_counter() - started
-        return compactions
+        return compactions, step.failures

@@ -126,7 +126,7 @@ class WorkerKVState:
                     ))
                 window_queries.append(
                     WindowQueries(index, first - start, last - first, prompt_len,
-                                  state.window_scores)
+                                  state.window_scores, starts_in_step=window_start >= start)
                 )
 
         return StepBatch(

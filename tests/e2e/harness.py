@@ -27,6 +27,7 @@ class EngineHarness:
         )
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
+        self.finish_reasons: dict[str, str | None] = {}
 
     # ---------------------------------------------------------------- access
     @property
@@ -55,6 +56,7 @@ class EngineHarness:
             self.outputs[output.request_id] = list(output.outputs[0].token_ids)
             if output.finished:
                 self.finished.add(output.request_id)
+                self.finish_reasons[output.request_id] = output.outputs[0].finish_reason
         return outputs
 
     def run_until_done(self, max_steps: int = 100_000) -> dict[str, list[int]]:

@@ -84,7 +84,7 @@ def run(moves: RowMoves, pages: np.ndarray, total_pages: int, page_size: int, mo
     pool = labelled_pool(total_pages, page_size)
     before = pool.clone()
     batch = MoveBatch(page_size)
-    batch.add(pages, moves)
+    batch.add("r", pages, moves)
     batch.run(pool, mover)
     return before, pool
 
@@ -189,8 +189,8 @@ def test_an_overlapping_list_on_the_fast_path_would_corrupt_the_cache():
     pool = labelled_pool(total, 16)
     before = pool.clone()
     batch = MoveBatch(16)
-    batch.add(pages, moves)
-    src, dst = np.concatenate(batch._sources), np.concatenate(batch._destinations)
+    batch.add("r", pages, moves)
+    src, dst = batch._by_request["r"]
     RacyMover().move(pool, torch.from_numpy(src), torch.from_numpy(dst), disjoint=True)
     want = original(before, pages, 0, list(range(10)) + list(range(73, 201)))
     assert row_tokens(pool, pages, 0, 138) != want
