@@ -110,6 +110,11 @@ def merge_flags_into_additional_config(engine_args: Any, args: argparse.Namespac
         merged = dict(engine_args.additional_config or {})
         merged.update(given)
         engine_args.additional_config = merged
+        if hasattr(args, "additional_config"):
+            # Extra API-server processes (--api-server-count) rebuild their engine args from
+            # this Namespace with vLLM's unpatched from_cli_args (plugins load during it), so
+            # the flags must already sit in additional_config there.
+            args.additional_config = merged
 
 
 @contextlib.contextmanager

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -40,16 +42,14 @@ def server_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def server(embedded_model, tmp_path_factory):
+@contextlib.contextmanager
+def running_server(model: str, log_dir: Path, *flags: str) -> Iterator[tuple[str, Path]]:
+    """`vllm serve` on a free loopback port until the block ends: (base URL, log path)."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log_path = log_dir / f"serve-{port}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            serve_command(embedded_model, port, "--kv-compression", "pyramidkv",
-                          "--kv-budget", "64"),
-            stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-        )
+        process = subprocess.Popen(serve_command(model, port, *flags), stdout=log,
+                                   stderr=subprocess.STDOUT, env=server_env())
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -64,13 +64,21 @@ def server(embedded_model, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not ready:\n{log_path.read_text()[-4000:]}")
             time.sleep(2)
-        yield base, embedded_model, log_path
+        yield base, log_path
     finally:
         process.terminate()
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(embedded_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("serve")
+    flags = ("--kv-compression", "pyramidkv", "--kv-budget", "64")
+    with running_server(embedded_model, log_dir, *flags) as (base, log_path):
+        yield base, embedded_model, log_path
 
 
 def client(base: str) -> openai.OpenAI:
@@ -149,3 +157,22 @@ def test_invalid_flag_stops_the_server_before_the_engine(embedded_model):
     output = result.stdout + result.stderr
     assert "--kv-budget" in output and ">= 1" in output
     assert "Initializing a V1 LLM engine" not in output
+
+
+def test_per_request_validation_holds_in_every_api_server(embedded_model, tmp_path):
+    """With two API-server processes each validates vllm_xargs (each builds its own engine
+    config through the hook); a bad setting is a 400 whichever process takes it."""
+    flags = ("--kv-compression", "pyramidkv", "--kv-budget", "64", "--api-server-count", "2")
+    with running_server(embedded_model, tmp_path, *flags) as (base, log_path):
+        model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        for _ in range(8):  # the two processes share the port: both get some
+            with pytest.raises(openai.BadRequestError) as error:
+                client(base).chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                    extra_body={"vllm_xargs": {"kv_budget": -3}},
+                )
+            assert "kv_budget" in str(error.value)
+        reply = client(base).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4)
+        assert reply.choices[0].message.content
+        assert "ApiServer_1" in log_path.read_text()  # two API-server processes served
