@@ -11,15 +11,20 @@ vLLM has no seam for a plugin to add CLI flags or to react to an engine config, 
 - ``create_engine_config`` validates the settings before any engine process starts and,
   when compression is on, selects our scheduler and worker classes.
 
-Everything else is reached through vLLM's own seams (``scheduler_cls``, ``worker_cls``),
-except the attention backend: ``attention_backend_override`` scopes a registry override
-(CPU_ATTN on CPU, CUSTOM on CUDA) to the construction of one kvcompress model.
+``SchedulerStats`` gains one field (``extend_scheduler_stats``), the only way per-step
+compression figures travel from the engine core to the stat loggers of the API server.
+
+Everything else is reached through vLLM's own seams (``scheduler_cls``, ``worker_cls``, the
+``vllm.stat_logger_plugins`` entry point), except the attention backend:
+``attention_backend_override`` scopes a registry override (CPU_ATTN on CPU, CUSTOM on CUDA)
+to the construction of one kvcompress model.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -74,10 +79,34 @@ def install(
         finish_vllm_config(vllm_config, config)
         return vllm_config
 
+    extend_scheduler_stats()
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
     EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign]
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     setattr(EngineArgs, _INSTALLED_MARK, True)
+
+
+def extend_scheduler_stats() -> None:
+    """Give vLLM's SchedulerStats a ``kvcompress_stats`` field (default None).
+
+    SchedulerStats travels from the engine core to the API server as msgpack of its
+    dataclass fields (attributes and subclasses are dropped), and it is what vLLM hands the
+    stat loggers: a field of its own is the one way the scheduler's per-step compression
+    figures reach /metrics (``engine/metrics.py``). Every process installs it before any
+    stats are encoded or decoded (the plugin runs first in each).
+    """
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    name = "kvcompress_stats"
+    if name in SchedulerStats.__dataclass_fields__:
+        return
+    stats_field = dataclasses.field(default=None)
+    stats_field.name = name
+    stats_field.type = "dict[str, Any] | None"
+    stats_field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+    SchedulerStats.__dataclass_fields__[name] = stats_field
+    SchedulerStats.__annotations__[name] = stats_field.type
+    setattr(SchedulerStats, name, None)
 
 
 def add_compression_flags(parser: Any) -> None:

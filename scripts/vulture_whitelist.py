@@ -4,12 +4,14 @@ package; nothing imports it. Every entry says who uses the name."""
 
 # ruff: noqa: B018, F821  (bare names are how vulture whitelists mark a use)
 
-# Selected by class path strings (engine/engine_args.py, engine/worker_*.py).
+# Selected by class path strings (engine/engine_args.py, engine/worker_*.py) or entry points
+# (pyproject.toml).
 KVCompressScheduler
 KVCompressCPUWorker
 KVCompressGPUWorker
 KVCompressCudaAttentionBackend
 RequestSettingsValidator
+KVCompressStatLogger
 
 # vLLM's AttentionBackend / AttentionMetadataBuilder / AttentionImpl interface.
 _.forward_includes_kv_cache_update
@@ -52,6 +54,9 @@ kv_cache_allocation_context
 
 # Read by the engine tests; the metrics work (issue 15) exports it.
 _.num_pages_freed_by_compression
+
+# dataclasses' own record of a field's kind, set on the field vllm_hooks adds.
+_._field_type
 
 # transformers model attributes cleared before saving the converted model (models.py).
 _.hf_quantizer

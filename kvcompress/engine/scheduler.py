@@ -12,7 +12,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import RequestStatus
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import attach_page_deltas, compactions, failures
+from kvcompress.engine.messages import Compaction, attach_page_deltas, worker_report
+from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.vllm_layout import page_layout
 from kvcompress.log import get_logger
@@ -39,6 +40,7 @@ class KVCompressScheduler(Scheduler):
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark
         )
         self.num_pages_freed_by_compression = 0
+        self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
         logger.info(
@@ -56,24 +58,42 @@ class KVCompressScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
+        report = worker_report(model_runner_output)
+        failed = dict(report.failures)
         # Stage 8: release compacted pages first; requests finishing in this step free the rest.
-        failed = dict(failures(model_runner_output))
-        for request_id, compaction in compactions(model_runner_output).items():
+        for request_id, compaction in report.compactions.items():
             try:
-                self.num_pages_freed_by_compression += (
-                    self.page_manager.release_after_compression(
-                        request_id, compaction.logical_len, compaction.physical_lengths
-                    )
-                )
+                self._release(request_id, compaction)
             except Exception as error:  # a bad report ends its request, not the engine
                 logger.exception("kvcompress: compaction report of %s rejected", request_id)
                 failed[request_id] = f"compaction report rejected: {error!r}"
+        if self.log_stats:
+            self.figures.add_report(report)
+            self.figures.failed_requests += len(failed)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if failed:
             self._finish_with_error(failed, outputs)
         if self.check_pages_every_step:
             self.check_pages()
         return outputs
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None:  # vllm_hooks gave SchedulerStats this field
+            setattr(stats, STATS_FIELD, self.figures.take(self.page_manager.num_free,
+                                                          self.page_manager.total_pages))
+        return stats
+
+    def _release(self, request_id: str, compaction: Compaction) -> None:
+        manager = self.page_manager
+        if request_id not in manager:
+            return  # finished or aborted while the step ran: its pages are free already
+        before = manager.physical_lengths(request_id)
+        self.num_pages_freed_by_compression += manager.release_after_compression(
+            request_id, compaction.logical_len, compaction.physical_lengths
+        )
+        if self.log_stats:
+            self.figures.add_compaction(compaction, before)
 
     def _finish_with_error(self, failed: dict[str, str], outputs: dict[int, Any]) -> None:
         """End each failed request with an error (its pages are freed) in this step's

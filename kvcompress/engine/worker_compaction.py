@@ -130,7 +130,8 @@ def trim_generation_windows(
             _record_failure(step, [request_id], "planning the decode-window trim", error)
             continue
         moves.add(request_id, request.table.pages, row_moves)
-        compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths)
+        compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths,
+                                             kind="decode")
         if stats is not None:
             stats.tokens_moved += len(row_moves)
             stats.tokens_evicted += int((request.lengths - new_lengths).sum())

@@ -13,7 +13,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import COMPACTIONS_ATTR, FAILURES_ATTR, Compaction
+from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
 from kvcompress.engine.vllm_layout import attention_layer_names, page_layout
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
@@ -24,15 +24,15 @@ logger = get_logger(__name__)
 
 
 class PagedKVRunnerMixin:
-    """Replaces vLLM's per-layer KV tensors by one page pool and reports compactions.
+    """Replaces vLLM's per-layer KV tensors by one page pool and reports what compression
+    did (compactions, failed requests, timings).
 
     Mixed in before a vLLM model runner class; platform specifics come from
     ``make_kernel`` (the attention kernel and page format of the platform).
     """
 
     paged_runtime: PagedKVRuntime | None = None
-    _pending_compactions: dict[str, Compaction]
-    _pending_failures: dict[str, str]
+    _pending_report: WorkerReport
 
     def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
         raise NotImplementedError
@@ -52,7 +52,7 @@ class PagedKVRunnerMixin:
         )
         runtime.bind_runner(self)
         self.paged_runtime = runtime
-        self._pending_compactions, self._pending_failures = {}, {}
+        self._pending_report = WorkerReport()
         register_runtime(self.vllm_config, runtime)
         kv_caches = {name: runtime.pool for name in layer_names}
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
@@ -72,11 +72,9 @@ class PagedKVRunnerMixin:
             runtime.begin_step(scheduler_output)
         result = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         if runtime is not None:
-            compactions, failures = runtime.end_step()
-            self._pending_compactions.update(compactions)
-            self._pending_failures.update(failures)
+            self._pending_report.merge(runtime.end_step())
             if isinstance(result, ModelRunnerOutput):
-                result = self._attach_compactions(result)
+                result = self._attach_report(result)
         return result
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
@@ -93,7 +91,7 @@ class PagedKVRunnerMixin:
     def sample_tokens(self, grammar_output: Any) -> Any:
         output = super().sample_tokens(grammar_output)  # type: ignore[misc]
         if self.paged_runtime is not None and isinstance(output, ModelRunnerOutput):
-            output = self._attach_compactions(output)
+            output = self._attach_report(output)
         return output
 
     def shutdown(self) -> None:
@@ -102,15 +100,13 @@ class PagedKVRunnerMixin:
             self.paged_runtime = None  # releases the page pool
         super().shutdown()  # type: ignore[misc]
 
-    def _attach_compactions(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        if not (self._pending_compactions or self._pending_failures):
+    def _attach_report(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        if not self._pending_report:
             return output
         output = copy(output)  # may be vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
-        setattr(output, COMPACTIONS_ATTR, self._pending_compactions)
-        setattr(output, FAILURES_ATTR, self._pending_failures)
-        self._pending_compactions, self._pending_failures = {}, {}
+        setattr(output, REPORT_ATTR, self._pending_report)
+        self._pending_report = WorkerReport()
         return output
-
 
 def require_v1_model_runner(uses_v2_model_runner: bool) -> None:
     if uses_v2_model_runner:

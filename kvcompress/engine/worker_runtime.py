@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import Compaction, page_deltas
+from kvcompress.engine.messages import WorkerReport, page_deltas
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
@@ -122,13 +122,13 @@ class PagedKVRuntime:
             group_reduce=self.group_reduce,
         )
 
-    def end_step(self) -> tuple[dict[str, Compaction], dict[str, str]]:
-        """After the forward: lengths advance, then completed prompts are compacted.
-        Returns the compaction reports and the requests whose compression failed in this
-        step (id -> reason), which the scheduler ends with an error."""
+    def end_step(self) -> WorkerReport:
+        """After the forward: lengths advance, then completed prompts are compacted and
+        decode windows trimmed. The report also names the requests whose compression failed
+        in this step, which the scheduler ends with an error."""
         step, self.step = self.step, None
         if step is None:
-            return {}, {}
+            return WorkerReport()
         self.state.finish_step(step)
         self.stats.score_seconds += step.score_seconds
         started = time.perf_counter()
@@ -139,6 +139,6 @@ class PagedKVRuntime:
         compactions.update(
             trim_generation_windows(self.state, step, self.pool, self.kernel, self.stats)
         )
-        if compactions:
-            self.stats.seconds += time.perf_counter() - started
-        return compactions, step.failures
+        seconds = time.perf_counter() - started if compactions else 0.0
+        self.stats.seconds += seconds
+        return WorkerReport(compactions, step.failures, step.score_seconds, seconds)

@@ -68,6 +68,9 @@ class PageManager:
         state = self._requests[request_id]
         return state.logical_len - state.evicted
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def request_ids(self) -> set[str]:
         return set(self._requests)
 

@@ -132,6 +132,37 @@ def test_kv_usage_metric_shows_the_saving(server):
     assert kv_usage(base) == 0.0  # both finished: every page is free again
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total, found = 0.0, False
+    for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text,
+                             re.MULTILINE):
+        if all(f'{key}="{value}"' in match.group(1) for key, value in labels.items()):
+            total, found = total + float(match.group(2)), True
+    assert found, f"{name} {labels} missing from /metrics"
+    return total
+
+
+def test_compression_shows_in_metrics(server):
+    base, model, _ = server
+    before = requests.get(f"{base}/metrics", timeout=10).text
+    client(base).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": long_question()}], max_tokens=4,
+    )
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    name = "kvcompress:compressed_requests_total"
+    assert metric(text, name) >= 1 + (metric(before, name) if name in before else 0)
+    assert metric(text, "kvcompress:evicted_tokens_total", phase="prompt") > 0
+    kept = metric(text, "kvcompress:request_kept_fraction_sum")
+    count = metric(text, "kvcompress:request_kept_fraction_count")
+    assert count >= 1 and 0 < kept / count < 0.5  # budget 64 of ~900-token prompts
+    assert metric(text, "kvcompress:compaction_seconds_count") >= 1
+    assert metric(text, "kvcompress:scoring_seconds_count") >= 1
+    total = metric(text, "kvcompress:pages_total")
+    assert total > 0 and 0 < metric(text, "kvcompress:pages_free") <= total
+    assert metric(text, "kvcompress:failed_requests_total") == 0
+
+
 def test_bad_per_request_setting_is_http_400_and_harms_nobody(server):
     base, model, _ = server
     with pytest.raises(openai.BadRequestError) as error:

@@ -1,0 +1,134 @@
+"""Compression in vLLM's /metrics: figures gathered by the scheduler each step, carried to the
+API server on vLLM's SchedulerStats (a field ``vllm_hooks`` adds), and exported by a stat
+logger plugin (entry point ``vllm.stat_logger_plugins``) as Prometheus metrics named
+``kvcompress:*`` beside vLLM's own. A user sees that compression ran and what it saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from kvcompress.engine.messages import Compaction, WorkerReport
+
+STATS_FIELD = "kvcompress_stats"  # the SchedulerStats field (vllm_hooks.extend_scheduler_stats)
+KEPT_FRACTION_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class StepFigures:
+    """What compression did since the last SchedulerStats, in the scheduler process."""
+
+    evicted_prompt_tokens: int = 0
+    evicted_decode_tokens: int = 0
+    compressed_requests: int = 0
+    failed_requests: int = 0
+    kept_fractions: list[float] = field(default_factory=list)
+    score_seconds: list[float] = field(default_factory=list)
+    compaction_seconds: list[float] = field(default_factory=list)
+
+    def add_report(self, report: WorkerReport) -> None:
+        if report.score_seconds:
+            self.score_seconds.append(report.score_seconds)
+        if report.compaction_seconds:
+            self.compaction_seconds.append(report.compaction_seconds)
+
+    def add_compaction(self, compaction: Compaction, physical_before: np.ndarray) -> None:
+        """``physical_before``: the request's per-row physical lengths before the report."""
+        kept = int(compaction.physical_lengths.sum())
+        evicted = int(physical_before.sum()) - kept
+        if compaction.kind == "decode":
+            self.evicted_decode_tokens += evicted
+            return
+        self.evicted_prompt_tokens += evicted
+        self.compressed_requests += 1
+        self.kept_fractions.append(kept / (len(physical_before) * compaction.logical_len))
+
+    def take(self, pages_free: int, pages_total: int) -> dict[str, Any]:
+        """The figures as plain msgpack-able values, and a fresh start."""
+        figures = {
+            "evicted_prompt_tokens": self.evicted_prompt_tokens,
+            "evicted_decode_tokens": self.evicted_decode_tokens,
+            "compressed_requests": self.compressed_requests,
+            "failed_requests": self.failed_requests,
+            "kept_fractions": self.kept_fractions,
+            "score_seconds": self.score_seconds,
+            "compaction_seconds": self.compaction_seconds,
+            "pages_free": pages_free,
+            "pages_total": pages_total,
+        }
+        self.__init__()  # type: ignore[misc]
+        return figures
+
+
+class _Metrics:
+    """The Prometheus metrics, created once per process (engines are a label)."""
+
+    def __init__(self) -> None:
+        labels = ["engine"]
+        self.evicted = Counter("kvcompress:evicted_tokens",
+                               "KV tokens evicted (summed over layers and KV heads)",
+                               labels + ["phase"])
+        self.compressed = Counter("kvcompress:compressed_requests",
+                                  "Requests whose prompt cache was compressed", labels)
+        self.failed = Counter("kvcompress:failed_requests",
+                              "Requests ended with an error because their compression failed",
+                              labels)
+        self.kept_fraction = Histogram("kvcompress:request_kept_fraction",
+                                       "Share of a request's prompt cache kept by compression",
+                                       labels, buckets=KEPT_FRACTION_BUCKETS)
+        self.score_seconds = Histogram("kvcompress:scoring_seconds",
+                                       "Observation-window scoring time per engine step",
+                                       labels, buckets=SECONDS_BUCKETS)
+        self.compaction_seconds = Histogram("kvcompress:compaction_seconds",
+                                            "Planning + cache-move time per engine step",
+                                            labels, buckets=SECONDS_BUCKETS)
+        self.pages_free = Gauge("kvcompress:pages_free", "Free pages in the per-head page pool",
+                                labels, multiprocess_mode="mostrecent")
+        self.pages_total = Gauge("kvcompress:pages_total", "Pages in the per-head page pool",
+                                 labels, multiprocess_mode="mostrecent")
+
+
+_METRICS: _Metrics | None = None
+
+
+def prometheus_metrics() -> _Metrics:
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = _Metrics()
+    return _METRICS
+
+
+class KVCompressStatLogger(StatLoggerBase):
+    """vLLM stat logger plugin: exports each step's compression figures to Prometheus.
+    Records nothing for an engine without compression (no figures arrive)."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self.metrics = prometheus_metrics()
+        self.engine = str(engine_index)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        figures = getattr(scheduler_stats, STATS_FIELD, None) if scheduler_stats else None
+        if not figures:
+            return
+        metrics, engine = self.metrics, str(engine_idx)
+        metrics.evicted.labels(engine, "prompt").inc(figures["evicted_prompt_tokens"])
+        metrics.evicted.labels(engine, "decode").inc(figures["evicted_decode_tokens"])
+        metrics.compressed.labels(engine).inc(figures["compressed_requests"])
+        metrics.failed.labels(engine).inc(figures["failed_requests"])
+        for histogram, values in ((metrics.kept_fraction, figures["kept_fractions"]),
+                                  (metrics.score_seconds, figures["score_seconds"]),
+                                  (metrics.compaction_seconds, figures["compaction_seconds"])):
+            for value in values:
+                histogram.labels(engine).observe(value)
+        metrics.pages_free.labels(engine).set(figures["pages_free"])
+        metrics.pages_total.labels(engine).set(figures["pages_total"])
+
+    def log_engine_initialized(self) -> None:
+        pass
