@@ -82,6 +82,13 @@ def bad_requests(base: str, model: str) -> None:
 def test_load_and_abort_soak_leaves_the_server_clean(embedded_model, tmp_path):
     with running_server(embedded_model, tmp_path, *FLAGS) as (base, log_path):
         model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        # First two full-cache chats alone: both fit when admitted (2 x 784 prompt tokens of
+        # ~1700), neither once they have grown by 256, so one must be preempted.
+        with ThreadPoolExecutor(2) as pair:
+            assert list(pair.map(lambda n: one_client(base, model, n), [5, 11])) == [
+                "answered", "answered"]
+        preempted = requests.get(f"{base}/metrics", timeout=10).text
+        assert metric(preempted, "vllm:num_preemptions_total") > 0  # the pool is tight indeed
         with ThreadPoolExecutor(WORKERS) as pool:
             jobs = [pool.submit(one_client, base, model, number) for number in range(CLIENTS)]
             for _ in range(3):
@@ -98,7 +105,6 @@ def test_load_and_abort_soak_leaves_the_server_clean(embedded_model, tmp_path):
                 break
             assert time.monotonic() < deadline, (running, waiting, kv_usage(base))
             time.sleep(1)
-        assert metric(text, "vllm:num_preemptions_total") > 0  # the pool was tight indeed
         assert metric(text, "kvcompress:compressed_requests_total") > 0
         assert metric(text, "kvcompress:failed_requests_total") == 0
         assert metric(text, "kvcompress:pages_free") == metric(text, "kvcompress:pages_total")
