@@ -3,7 +3,8 @@ the compression step, bound to one vLLM model runner.
 
 It runs stages 2-7 of a step (``kvcompress.step``): ``begin_step`` applies the page deltas,
 ``build_attention_metadata`` prepares the batch the attention layers write and attend
-over, ``end_step`` plans, moves and returns the compaction reports. The attention
+over, ``end_step`` plans, moves and returns the worker's report (compactions, failed
+requests, timings). The attention
 metadata builder finds it through ``kvcompress.step.runtime_for``.
 """
 
@@ -111,7 +112,7 @@ class PagedKVRuntime:
         )
         for request_id in req_ids:
             if request_id in self.rejected_settings:
-                step.failures[request_id] = self.rejected_settings.pop(request_id)
+                step.fail([request_id], self.rejected_settings.pop(request_id))
         self.step = step
         return PagedAttentionMetadata(
             step=step,
