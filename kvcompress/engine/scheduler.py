@@ -14,8 +14,10 @@ from vllm.v1.request import RequestStatus
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.messages import Compaction, attach_page_deltas, worker_report
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
+from kvcompress.engine.request_settings import resolve
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
-from kvcompress.engine.vllm_layout import page_layout
+from kvcompress.engine.scoring_memory import ScoringGate
+from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
 from kvcompress.log import get_logger
 from kvcompress.paging import PageManager
 from kvcompress.paging.page_table import pages_for_lengths
@@ -23,11 +25,17 @@ from kvcompress.paging.page_table import pages_for_lengths
 logger = get_logger(__name__)
 
 
+if not hasattr(Scheduler, "_reserve_prefill_lookahead"):  # the chunk-size seam we override
+    raise ImportError("kvcompress: this vLLM's Scheduler lacks _reserve_prefill_lookahead; "
+                      "kvcompress supports vLLM 0.32.x")
+
+
 class KVCompressScheduler(Scheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, *args: Any,
                  **kwargs: Any) -> None:
         self.compression_config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
-        layout = page_layout(kv_cache_config, self.compression_config.page_size)
+        reserve = ScoringReserve.of(vllm_config)
+        layout = page_layout(kv_cache_config, self.compression_config.page_size, reserve)
         layout.check_holds_one_request(vllm_config.model_config.max_model_len)
         virtual_config = virtual_kv_cache_config(
             kv_cache_config,
@@ -40,6 +48,7 @@ class KVCompressScheduler(Scheduler):
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark
         )
         self.num_pages_freed_by_compression = 0
+        self.scoring_gate = ScoringGate(reserve.scored_tokens)
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
@@ -52,9 +61,23 @@ class KVCompressScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas."""
+        self.scoring_gate.prune(self.requests)
         scheduler_output = super().schedule(*args, **kwargs)
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         return scheduler_output
+
+    def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int,
+                                   num_new_tokens: int) -> int:
+        """vLLM's last say on a chunk's size before its slots are allocated (0: not this
+        step, no preemption): here a chunk also stops short of its observation window while
+        the window scores of other prompts fill their reserve (``scoring_memory``)."""
+        num_new_tokens = super()._reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_computed_tokens >= request.num_prompt_tokens:
+            return num_new_tokens  # decoding: no window to score
+        config = resolve(self.compression_config, request.sampling_params)
+        return self.scoring_gate.limit(request, config, num_computed_tokens, num_new_tokens)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
@@ -71,6 +94,7 @@ class KVCompressScheduler(Scheduler):
             self.figures.add_report(report)
             self.figures.failed_requests += len(failed)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self.scoring_gate.prune(self.requests)
         if failed:
             self._finish_with_error(failed, outputs)
         if self.check_pages_every_step:

@@ -14,7 +14,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
-from kvcompress.engine.vllm_layout import attention_layer_names, page_layout
+from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
@@ -44,7 +44,8 @@ class PagedKVRunnerMixin:
         kv_cache_allocation_context: AbstractContextManager | None = None,
     ) -> dict[str, torch.Tensor]:
         config = KVCompressionConfig.from_mapping(self.vllm_config.additional_config)
-        layout = page_layout(kv_cache_config, config.page_size)
+        layout = page_layout(kv_cache_config, config.page_size,
+                             ScoringReserve.of(self.vllm_config))
         layer_names = attention_layer_names(kv_cache_config)
         dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
         runtime = PagedKVRuntime(

@@ -37,13 +37,16 @@ class PageLayout:
         head_size: int,
         page_size: int,
         dtype_bytes: int,
+        reserved_bytes: int = 0,
     ) -> PageLayout:
-        """Fit as many pages as the bytes vanilla vLLM would give its KV cache."""
+        """Fit as many pages as the bytes vanilla vLLM would give its KV cache, less
+        ``reserved_bytes`` kept for other per-request buffers (window scores)."""
         page_bytes = 2 * page_size * head_size * dtype_bytes
-        total_pages = kv_cache_bytes // page_bytes
+        total_pages = max(0, kv_cache_bytes - reserved_bytes) // page_bytes
         if total_pages < num_layers * num_kv_heads:
             raise ValueError(
-                f"KV-cache memory ({kv_cache_bytes} bytes) holds {total_pages} pages of "
+                f"KV-cache memory ({kv_cache_bytes} bytes, {reserved_bytes} of them reserved "
+                f"for window scores) holds {total_pages} pages of "
                 f"{page_size} tokens, fewer than one page per (layer, KV head) "
                 f"({num_layers * num_kv_heads}); give the KV cache more memory or use a "
                 "smaller --kv-page-size"

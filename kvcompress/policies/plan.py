@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .budgets import layer_budgets
 from .methods.base import SelectionBlock
@@ -15,9 +16,12 @@ from .settings import PolicySettings
 from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
-# batches are split into blocks of similar-length requests to bound temporary memory (the int64
-# ranking keys take 8 bytes per element).
-MAX_BLOCK_ELEMENTS = 1 << 25
+# batches are split into blocks of similar-length requests, and a request larger than this alone
+# into blocks of layers, to bound temporary memory.
+MAX_BLOCK_ELEMENTS = 1 << 18
+# Peak temporary bytes per score of a padded block being planned (pooled fp32 copies, int64
+# ranking keys, top-k outputs): 33 measured on CPU, plus headroom. The engine reserves it.
+PLAN_BYTES_PER_SCORE = 40
 
 
 @dataclass(frozen=True)
@@ -195,14 +199,45 @@ def _plan_block(
     num_kv_heads: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One padded block of compressed requests (prompt_len > budget >= window): the method
-    selects from each prefix, every head also keeps the window.
+    """One padded block of compressed requests (prompt_len > budget >= window), planned in
+    slices of layers of at most MAX_BLOCK_ELEMENTS scores (selections treat layers apart).
 
     Returns counts [R, L, H] and kept positions [R, L, H, K] ascending, PAD_INDEX-padded.
     """
+    num_layers = len(per_layer[0])
+    layers_at_once = max(1, MAX_BLOCK_ELEMENTS // (len(lens) * num_kv_heads * max(lens)))
+    if layers_at_once >= num_layers:
+        return _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
+                            slice(0, num_layers))
+    parts = [
+        _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
+                     slice(first, first + layers_at_once))
+        for first in range(0, num_layers, layers_at_once)
+    ]
+    width = max(kept.shape[-1] for _, kept in parts)
+    kept = torch.cat(
+        [F.pad(kept, (0, width - kept.shape[-1]), value=PAD_INDEX) for _, kept in parts], dim=1
+    )
+    return torch.cat([counts for counts, _ in parts], dim=1), kept
+
+
+def _plan_layers(
+    settings: PolicySettings,
+    lens: list[int],
+    scores: list[torch.Tensor] | None,
+    per_layer: list[list[int]],
+    num_kv_heads: int,
+    device: torch.device,
+    layers: slice,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers`` of one block: the method selects from each prefix, every head also keeps
+    the window."""
     window = settings.window
     prefix = torch.tensor(lens, device=device) - window  # selectable positions are [0, prefix)
-    quota = torch.tensor(per_layer, device=device) - window  # [R, L] selected tokens per head
+    # [R, L'] selected tokens per head
+    quota = torch.tensor(per_layer, device=device)[:, layers] - window
+    if scores is not None:
+        scores = [score[layers] for score in scores]
     pooled = None if scores is None else _pooled_prefix_scores(settings, lens, scores, prefix)
     block = SelectionBlock(pooled, prefix, quota, num_kv_heads)
     selected = settings.compression_method.select(block, settings)

@@ -236,6 +236,20 @@ def test_large_batches_split_into_blocks_with_the_same_result(monkeypatch):
     assert torch.equal(whole.counts, split.counts) and torch.equal(whole.indices, split.indices)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layers_at_once", [1, 2])
+def test_a_request_larger_than_a_block_is_planned_in_layer_slices(monkeypatch, method,
+                                                                   layers_at_once):
+    lens = [90, 61]
+    scores = random_scores(lens, 5, 2, seed=6)
+    policy = PolicySettings(method, budget=24)
+    whole = plan_keep(policy, lens, scores, num_layers=5, num_kv_heads=2)
+    # One request's layer holds 2 * 90 scores: blocks of one request, `layers_at_once` layers.
+    monkeypatch.setattr(plan_module, "MAX_BLOCK_ELEMENTS", layers_at_once * 2 * 90)
+    split = plan_keep(policy, lens, scores, num_layers=5, num_kv_heads=2)
+    assert torch.equal(whole.counts, split.counts) and torch.equal(whole.indices, split.indices)
+
+
 def test_empty_batch():
     plan = plan_keep(PolicySettings("snapkv", budget=8), [], [], num_layers=2, num_kv_heads=3)
     assert plan.counts.shape == (0, 2, 3) and plan.indices.shape == (0, 2, 3, 0)

@@ -1,0 +1,97 @@
+"""Memory vLLM's profiling never sees: observation-window score accumulators, bounded and
+counted.
+
+A request whose prompt is scored holds a ``[layers, kv_heads, prompt_len]`` fp32
+accumulator from the step its observation window begins until its prompt is compacted
+(usually one step, two when the window straddles a chunk boundary). Summed over requests
+it could grow without bound (many long prompts finishing in one step), so:
+
+- the page pool gives up the bytes of ``scored_token_reserve`` prompt tokens of
+  accumulators plus a planning workspace (``reserved_bytes``), in every process alike;
+- the scheduler's ``ScoringGate`` lets a request's prefill chunk enter its window only
+  while the prompts being scored, its own included, fit that reserve; otherwise the chunk
+  stops short of the window and the request continues next step. One prompt of
+  ``max_model_len`` always fits, and so does a step of short prompts scored whole.
+
+No vLLM imports: the gate sees requests through the attributes it reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcompress.config import KVCompressionConfig
+from kvcompress.policies.plan import MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
+
+SCORE_BYTES = 4  # fp32 accumulators
+
+
+def scored_token_reserve(max_model_len: int, max_num_batched_tokens: int) -> int:
+    """Prompt tokens whose window scores may be held at once: one prompt at
+    ``max_model_len`` being chunked plus every prompt one step can schedule whole."""
+    return max_model_len + max_num_batched_tokens
+
+
+def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
+                   longest_prompt: int) -> int:
+    """Bytes taken from the KV-cache memory for ``scored_tokens`` prompt tokens of
+    accumulators over every (layer, KV head) row, plus the planning workspace: plans run in
+    padded blocks of at most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or
+    one layer of one request when that alone is larger."""
+    scores = scored_tokens * num_layers * num_kv_heads
+    largest_block = max(MAX_BLOCK_ELEMENTS, num_kv_heads * longest_prompt)
+    return scores * SCORE_BYTES + min(2 * scores, largest_block) * PLAN_BYTES_PER_SCORE
+
+
+def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:
+    """Whether a prompt of this length is compacted with observation-window scores."""
+    if not config.enabled or not config.policy.compression_method.needs_scores:
+        return False
+    return config.ratio is not None or prompt_len > (config.budget or 0)
+
+
+class ScoringGate:
+    """Keeps the prompt tokens being scored at once within ``reserve_tokens``.
+
+    ``limit`` is called for every request the scheduler is about to give a chunk; a
+    request enters the scored set when its chunk reaches its window and leaves it when its
+    prompt is complete, or it is preempted, finished or its chunk was not scheduled
+    (``prune``, once per step, before scheduling).
+    """
+
+    def __init__(self, reserve_tokens: int) -> None:
+        self.reserve_tokens = reserve_tokens
+        self.scoring: dict[str, tuple[Any, int, int]] = {}  # id -> (request, start, prompt_len)
+        self.tokens_in_flight = 0
+        self.peak_tokens = 0
+        self.deferred_chunks = 0  # chunks cut short of a window (for tests and logs)
+
+    def limit(self, request: Any, config: KVCompressionConfig, num_computed: int,
+              num_new: int) -> int:
+        """``num_new`` or fewer tokens: a chunk enters a window only when its prompt fits."""
+        request_id = request.request_id
+        prompt_len = request.num_prompt_tokens
+        if num_new <= 0 or request_id in self.scoring or num_computed >= prompt_len:
+            return num_new
+        if not scores_prompt(config, prompt_len):
+            return num_new
+        window_start = max(0, prompt_len - config.window)
+        if num_computed + num_new <= window_start:
+            return num_new  # this chunk stays before the window
+        if self.scoring and self.tokens_in_flight + prompt_len > self.reserve_tokens:
+            self.deferred_chunks += 1
+            return max(0, window_start - num_computed)
+        self.scoring[request_id] = (request, window_start, prompt_len)
+        self.tokens_in_flight += prompt_len
+        self.peak_tokens = max(self.peak_tokens, self.tokens_in_flight)
+        return num_new
+
+    def prune(self, live_requests: dict[str, Any]) -> None:
+        """Drop requests no longer mid-window: done with their prompt, gone, preempted
+        (their computed tokens restart at 0) or whose granted chunk was not scheduled."""
+        for request_id, (request, window_start, prompt_len) in list(self.scoring.items()):
+            computed = request.num_computed_tokens
+            if (live_requests.get(request_id) is not request or computed >= prompt_len
+                    or computed <= window_start):
+                del self.scoring[request_id]
+                self.tokens_in_flight -= prompt_len
