@@ -26,16 +26,24 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # ----------------------------------------------------------------------------- configurations
 @dataclass(frozen=True)
 class CompressionSpec:
-    """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio."""
+    """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio,
+    optionally with decode-time eviction (a decode policy and the generated tokens each KV
+    head keeps)."""
 
     method: str = "none"
     budget: int | None = None
     ratio: float | None = None
+    decode_policy: str | None = None
+    decode_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if (self.decode_policy is None) != (self.decode_budget is None):
+            raise ValueError("give a decode policy and a decode budget together")
+        if self.decode_budget is not None and self.decode_budget < 1:
+            raise ValueError(f"decode budget must be >= 1, got {self.decode_budget}")
         if self.method == "none":
-            if self.budget is not None or self.ratio is not None:
-                raise ValueError("vanilla takes no budget or ratio")
+            if self.budget is not None or self.ratio is not None or self.decode_policy:
+                raise ValueError("vanilla takes no budget, ratio or decode policy")
             return
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; allowed: none, {', '.join(METHODS)}")
@@ -54,9 +62,10 @@ class CompressionSpec:
     def label(self) -> str:
         if self.is_vanilla:
             return "vanilla"
+        decode = f"@{self.decode_policy}:{self.decode_budget}" if self.decode_policy else ""
         if self.budget is not None:
-            return f"{self.method}:{self.budget}"
-        return f"{self.method}:r={self.ratio:g}"
+            return f"{self.method}:{self.budget}{decode}"
+        return f"{self.method}:r={self.ratio:g}{decode}"
 
     @property
     def compression_factor(self) -> float | None:
@@ -74,14 +83,25 @@ class CompressionSpec:
             config["kv_budget"] = self.budget
         else:
             config["kv_compression_ratio"] = self.ratio
+        if self.decode_policy:
+            config["kv_decode_policy"] = self.decode_policy
+            config["kv_decode_budget"] = self.decode_budget
         return config
 
     @classmethod
     def parse(cls, text: str) -> CompressionSpec:
-        """``vanilla`` / ``none``, ``METHOD:BUDGET``, ``METHOD:r=RATIO`` or ``METHOD:budget=N``."""
+        """``vanilla`` / ``none``, ``METHOD:BUDGET``, ``METHOD:r=RATIO`` or ``METHOD:budget=N``,
+        optionally followed by ``@DECODE_POLICY:DECODE_BUDGET`` (``pyramidkv:256@h2o:256``)."""
         text = text.strip().lower()
         if text in ("none", "vanilla", "full"):
             return cls()
+        text, at, decode = text.partition("@")
+        if at:
+            policy, colon, decode_budget = decode.partition(":")
+            if not colon or not policy or not decode_budget.isdigit():
+                raise ValueError(f"bad decode setting {decode!r}: use @POLICY:BUDGET")
+            base = cls.parse(text)
+            return cls(base.method, base.budget, base.ratio, policy, int(decode_budget))
         method, sep, amount = text.partition(":")
         if not sep or not amount:
             raise ValueError(f"bad configuration {text!r}: use METHOD:BUDGET or METHOD:r=RATIO")

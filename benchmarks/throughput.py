@@ -8,9 +8,12 @@ made once, here), and runs in its own worker process, one after the other:
     python -m benchmarks.throughput --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
         --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
     python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
+    python -m benchmarks.throughput --long-generation   # 256 in / 1024 out, decode eviction
 
 Configurations: ``vanilla``, ``METHOD:BUDGET`` (tokens kept per layer and KV head) or
-``METHOD:r=RATIO`` (fraction of each prompt evicted: r=0.875 is 8x prompt compression).
+``METHOD:r=RATIO`` (fraction of each prompt evicted: r=0.875 is 8x prompt compression), either
+followed by ``@DECODE_POLICY:N`` to keep N generated tokens per KV head during decode
+(``pyramidkv:256@h2o:256``).
 ``ignore_eos`` makes every configuration generate exactly the same number of tokens.
 
 Memory-bound by design: the KV cache holds only a few uncompressed requests
@@ -53,6 +56,15 @@ from benchmarks.specs import (
 
 WORKER_MODULE = "benchmarks.throughput"  # workers: python -m WORKER_MODULE --worker ...
 DEFAULT_CONFIGS = "vanilla,pyramidkv:r=0.5,pyramidkv:r=0.75,pyramidkv:r=0.875"
+# --long-generation: short prompts, long outputs (reasoning, agents), where the cache grows
+# during decode. Prompts fit their budget whole; each KV head keeps 256 of the 1024 generated
+# tokens (4x decode-time compression); the KV memory holds 4 uncompressed requests.
+LONG_GENERATION = {
+    "configs": "vanilla,pyramidkv:256@window:256,pyramidkv:256@h2o:256,"
+               "pyramidkv:256@snapkv:256",
+    "num_prompts": 16, "input_len": 256, "output_len": 1024, "kv_cache_tokens": 4 * 1280,
+    "output_json": RESULTS_DIR / "throughput_long_generation.json",
+}
 RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running")
 
 
@@ -175,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated: vanilla, METHOD:BUDGET, METHOD:r=RATIO")
     workload = parser.add_argument_group("workload")
+    workload.add_argument("--long-generation", action="store_true",
+                          help="defaults for long outputs: "
+                          + ", ".join(f"{key}={value}" for key, value in LONG_GENERATION.items()
+                                      if key != "output_json")
+                          + " (flags given still win)")
     workload.add_argument("--num-prompts", type=int, default=24)
     workload.add_argument("--input-len", type=int, default=1024, help="synthetic prompt tokens")
     workload.add_argument("--output-len", type=int, default=128,
@@ -228,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker_main(argv[1:], run_job)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "--long-generation" in argv:
+        parser.set_defaults(**LONG_GENERATION)
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
         specs = parse_specs(args.configs)

@@ -20,6 +20,12 @@ from typing import Any
 
 from kvcompress.policies import COMPRESSION_METHODS, PolicySettings
 from kvcompress.policies import METHODS as POLICY_METHODS
+from kvcompress.policies.decode import (
+    DECODE_METHODS,
+    DECODE_POLICIES,
+    DecodeEviction,
+    get_decode_method,
+)
 from kvcompress.policies.settings import (
     DEFAULT_BETA,
     DEFAULT_POOLING,
@@ -37,7 +43,8 @@ METHODS = ("none", *POLICY_METHODS)
 # short chat turns (< 512 tokens) are not touched at all.
 DEFAULT_BUDGET = 512
 DEFAULT_PAGE_SIZE = 16
-DEFAULT_DECODE_MARGIN = 64  # trim the generation window only every ~64 new tokens
+DEFAULT_DECODE_POLICY = "window"
+DEFAULT_DECODE_INTERVAL = 64  # evict generated tokens only every ~64 new tokens
 PAGE_SIZE_RANGE = (4, 256)
 
 
@@ -109,16 +116,26 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         f">= 0; default {DEFAULT_SINK_TOKENS}.",
     ),
     FlagSpec(
-        "kv_decode_window", "--kv-decode-window", "decode_window", int,
-        "Bound the cache during long generations: each KV head keeps its compressed prompt "
-        "plus only the most recent N generated tokens (StreamingLLM-style window over the "
-        "output). Off by default: every generated token is kept.",
+        "kv_decode_policy", "--kv-decode-policy", "decode_policy", str,
+        "With --kv-decode-budget: which generated tokens each KV head keeps during long "
+        "generations; "
+        + "; ".join(f"'{method.name}' {method.summary}" for method in DECODE_METHODS)
+        + f". h2o and snapkv always keep the newest --kv-window generated tokens. Default "
+        f"{DEFAULT_DECODE_POLICY}.",
+        DECODE_POLICIES,
     ),
     FlagSpec(
-        "kv_decode_margin", "--kv-decode-margin", "decode_margin", int,
-        "With --kv-decode-window: trim once a head holds this many generated tokens more "
-        f"than the window, so the trimming cost is amortized. >= 1; default "
-        f"{DEFAULT_DECODE_MARGIN}.",
+        "kv_decode_budget", "--kv-decode-budget", "decode_budget", int,
+        "Bound the cache during long generations: generated tokens each KV head keeps, "
+        "besides its prompt part (which prompt compression governs and decode eviction never "
+        "touches). >= 1, and > --kv-window for h2o and snapkv. Off by default: every "
+        "generated token is kept.",
+    ),
+    FlagSpec(
+        "kv_decode_interval", "--kv-decode-interval", "decode_interval", int,
+        "With --kv-decode-budget: evict once a KV head holds this many generated tokens more "
+        "than the budget, i.e. at most every K decode steps (amortized cost). >= 1; default "
+        f"{DEFAULT_DECODE_INTERVAL}.",
     ),
     FlagSpec(
         "kv_page_size", "--kv-page-size", "page_size", int,
@@ -147,8 +164,9 @@ class KVCompressionConfig:
     pooling_kernel: int = DEFAULT_POOLING_KERNEL
     sink_tokens: int = DEFAULT_SINK_TOKENS
     page_size: int = DEFAULT_PAGE_SIZE
-    decode_window: int | None = None
-    decode_margin: int = DEFAULT_DECODE_MARGIN
+    decode_policy: str = DEFAULT_DECODE_POLICY
+    decode_budget: int | None = None
+    decode_interval: int = DEFAULT_DECODE_INTERVAL
 
     @property
     def enabled(self) -> bool:
@@ -160,6 +178,17 @@ class KVCompressionConfig:
         if not self.enabled:
             raise ValueError("kv_compression is 'none': there is no policy to plan with")
         return PolicySettings(**{name: getattr(self, name) for name in _POLICY_FIELDS})
+
+    @functools.cached_property
+    def decode_eviction(self) -> DecodeEviction | None:
+        """How this request evicts generated tokens; None when it keeps them all (no
+        --kv-decode-budget, or compression off)."""
+        if not self.enabled or self.decode_budget is None:
+            return None
+        return DecodeEviction(
+            get_decode_method(self.decode_policy), self.decode_budget, self.decode_interval,
+            recent=min(self.window, self.decode_budget),
+        )
 
     @classmethod
     def from_mapping(
@@ -230,14 +259,35 @@ class KVCompressionConfig:
             _fail("kv_pooling_kernel", f"got {self.pooling_kernel}; allowed: an odd integer >= 1")
         if self.sink_tokens < 0:
             _fail("kv_sink_tokens", f"got {self.sink_tokens}; allowed: an integer >= 0")
-        if self.decode_window is not None and self.decode_window < 1:
-            _fail("kv_decode_window", f"got {self.decode_window}; allowed: an integer >= 1")
-        if self.decode_margin < 1:
-            _fail("kv_decode_margin", f"got {self.decode_margin}; allowed: an integer >= 1")
+        self._validate_decode()
         low, high = PAGE_SIZE_RANGE
         size = self.page_size
         if not (low <= size <= high) or size & (size - 1):
             _fail("kv_page_size", f"got {size}; allowed: a power of two in [{low}, {high}]")
+
+    def _validate_decode(self) -> None:
+        if self.decode_policy not in DECODE_POLICIES:
+            _fail("kv_decode_policy",
+                  f"got {self.decode_policy!r}; allowed: {', '.join(DECODE_POLICIES)}")
+        if self.decode_interval < 1:
+            _fail("kv_decode_interval", f"got {self.decode_interval}; allowed: an integer >= 1")
+        scored = get_decode_method(self.decode_policy).needs_scores
+        if self.decode_budget is None:
+            if scored:
+                scored_names = " or ".join(m.name for m in DECODE_METHODS if m.needs_scores)
+                _fail("kv_decode_policy",
+                      f"got {self.decode_policy!r} without --kv-decode-budget; allowed: "
+                      f"--kv-decode-policy {scored_names} together with --kv-decode-budget N")
+            return
+        if self.decode_budget < 1:
+            _fail("kv_decode_budget", f"got {self.decode_budget}; allowed: an integer >= 1")
+        if scored and self.decode_budget <= self.window:
+            # The newest `window` generated tokens are always kept: a budget that holds only
+            # them leaves nothing to choose by score (that is --kv-decode-policy window).
+            _fail("kv_decode_budget",
+                  f"got {self.decode_budget} with --kv-decode-policy {self.decode_policy} and "
+                  f"--kv-window {self.window}; allowed: an integer > --kv-window (the newest "
+                  "window tokens are always kept, the rest are chosen by score)")
 
     def with_request_overrides(self, extra_args: Mapping[str, Any] | None) -> KVCompressionConfig:
         """This engine config with one request's ``kv_*`` overrides applied (validated).
@@ -274,8 +324,8 @@ class KVCompressionConfig:
             f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
             f"page_size={self.page_size}"
-            + (f" decode_window={self.decode_window}+{self.decode_margin}"
-               if self.decode_window else "")
+            + (f" decode={self.decode_policy}/{self.decode_budget}+{self.decode_interval}"
+               if self.decode_budget is not None else "")
         )
 
 

@@ -59,6 +59,15 @@ def test_other_plugins_keys_are_ignored_but_unknown_kv_keys_are_not():
         ({"kv_compression": "snapkv", "kv_sink_tokens": -1}, "--kv-sink-tokens", ">= 0"),
         ({"kv_compression": "snapkv", "kv_window": 0}, "--kv-window", ">= 1"),
         ({"kv_compression": "snapkv", "kv_budget": "lots"}, "--kv-budget", "integer"),
+        ({"kv_compression": "snapkv", "kv_decode_budget": 0}, "--kv-decode-budget", ">= 1"),
+        ({"kv_compression": "snapkv", "kv_decode_budget": 64, "kv_decode_interval": 0},
+         "--kv-decode-interval", ">= 1"),
+        ({"kv_compression": "snapkv", "kv_decode_policy": "lru", "kv_decode_budget": 64},
+         "--kv-decode-policy", "window, h2o, snapkv"),
+        ({"kv_compression": "snapkv", "kv_decode_policy": "h2o"}, "--kv-decode-policy",
+         "--kv-decode-budget"),
+        ({"kv_compression": "snapkv", "kv_decode_policy": "snapkv", "kv_decode_budget": 8},
+         "--kv-decode-budget", "> --kv-window"),
     ],
 )
 def test_invalid_values_name_the_flag_and_the_allowed_values(settings, flag, allowed):
@@ -124,11 +133,29 @@ def test_request_overrides_replace_the_amount_and_keep_the_rest():
         ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exclusive"),
         ({"kv_sink_tokens": -2}, "'kv_sink_tokens'"),
         ({"kv_buget": 10}, "kv_buget"),
+        ({"kv_decode_policy": "snapkv"}, "'kv_decode_policy'.*--kv-decode-budget"),
+        ({"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_window": 16},
+         "'kv_decode_budget'"),
+        ({"kv_decode_window": 64}, "kv_decode_window"),  # the flag it replaced
     ],
 )
 def test_bad_request_overrides_name_the_field(overrides, message):
     with pytest.raises(KVCompressionConfigError, match=message):
         ENGINE.with_request_overrides(overrides)
+
+
+def test_decode_eviction_is_off_by_default_and_resolved_per_request():
+    assert ENGINE.decode_eviction is None
+    assert "decode=" not in ENGINE.describe()
+    h2o = ENGINE.with_request_overrides({"kv_decode_policy": "h2o", "kv_decode_budget": 64})
+    rule = h2o.decode_eviction
+    assert (rule.method.name, rule.budget, rule.interval, rule.recent) == ("h2o", 64, 64, 8)
+    assert "decode=h2o/64+64" in h2o.describe()
+    # the window policy may keep fewer generated tokens than the observation window
+    window = ENGINE.with_request_overrides({"kv_decode_budget": 4, "kv_decode_interval": 2})
+    assert (window.decode_eviction.method.name, window.decode_eviction.recent) == ("window", 4)
+    off = window.with_request_overrides({"kv_compression": "none"})
+    assert off.decode_budget == 4 and off.decode_eviction is None  # compression off: kept
 
 
 def test_request_overrides_need_compression_on_the_engine():
@@ -140,7 +167,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
     given = {
         "kv_compression": "adakv", "kv_budget": 96, "kv_window": 16, "kv_pyramid_beta": 4,
         "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
-        "kv_decode_window": 128, "kv_decode_margin": 8,
+        "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:

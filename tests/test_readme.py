@@ -1,4 +1,5 @@
-"""The README's first lines are the two fresh-machine commands, and CI runs the second."""
+"""The README's first lines are the two fresh-machine commands, and CI runs the second; its
+flags table lists every flag of kvcompress.config.FLAG_SPECS."""
 
 from pathlib import Path
 
@@ -28,3 +29,20 @@ def test_serve_command_model_path_is_where_setup_puts_it():
 
     serve, _ = readme_commands()
     assert str(DEFAULT_MODEL_DIR) in serve
+
+
+def readme_flag_rows() -> list[str]:
+    """The first cell of every row of the README's flags table."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Flags", 1)[1].split("\n\n")[1]
+    return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+
+
+def test_flags_table_lists_every_flag_in_order_with_its_choices():
+    from kvcompress.config import FLAG_SPECS
+
+    rows = readme_flag_rows()
+    assert [row.strip("`").split()[0] for row in rows] == [spec.flag for spec in FLAG_SPECS]
+    for row, spec in zip(rows, FLAG_SPECS):
+        if spec.choices:
+            assert row == f"`{spec.flag} {{{','.join(spec.choices)}}}`", row

@@ -1,9 +1,12 @@
-"""The compression step: after a forward pass, compact requests whose prompt completed.
+"""The compression step: after a forward pass, compact requests whose prompt completed, and
+evict generated tokens of requests over their decode budget.
 
-For every such request the policy picks the tokens each (layer, KV head) keeps, the
-survivors are compacted into the head's first pages (only kept tokens above the new
-length move, into the holes below it), and the new per-row lengths are reported to the
-scheduler, which frees the trailing pages before the next step.
+For every request whose prompt completed the policy picks the tokens each (layer, KV head)
+keeps, the survivors are compacted into the head's first pages (only kept tokens above the
+new length move, into the holes below it). For every request whose generated part reached
+its decode budget plus interval, its decode policy picks the generated tokens each head
+keeps and they shift down in order. The new per-row lengths are reported to the scheduler,
+which frees the trailing pages before the next step.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import torch
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.messages import Compaction
-from kvcompress.engine.worker_moves import MoveBatch, plan_prompt_moves, plan_window_trim
+from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_prompt_moves
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.policies import KeepPlan, plan_keep
+from kvcompress.policies.decode import DecodeEviction
 from kvcompress.step import KVMover, StepBatch
 
 logger = get_logger(__name__)
@@ -97,46 +101,89 @@ def compact_completed_prompts(
     return compactions
 
 
-def trim_generation_windows(
+def evict_generated_tokens(
     state: WorkerKVState,
     step: StepBatch,
     pool: torch.Tensor,
     mover: KVMover,
     stats: CompactionStats | None = None,
 ) -> dict[str, Compaction]:
-    """--kv-decode-window: keep each head's prompt part plus its newest generated tokens.
+    """--kv-decode-budget: keep each head's prompt part plus ``budget`` of its generated
+    tokens once it holds ``budget + interval`` of them (amortized: at most every
+    ``interval`` decode steps).
 
-    Generated tokens sit after the prompt part in generation order, so trimming is an
-    order-preserving shift of the newest ``decode_window`` tokens down to the prompt part's
-    end; it runs once a head exceeds the window by the margin (amortized cost). Failures are
-    recorded in ``step.failures`` as for prompt compaction.
+    Generated tokens sit after the prompt part in generation order; the request's decode
+    policy picks the kept offsets per row (window: the newest; h2o / snapkv: the newest
+    ``recent`` plus the best-scored older ones) and they shift down in order. The decode
+    scores follow the tokens: h2o's kept tokens keep their mass (freed offsets restart at
+    zero), snapkv's scores are dropped (the next observation window starts afresh). A request
+    without usable scores (resumed after preemption: its recomputed outputs were never
+    scored) keeps its newest tokens. Failures are recorded in ``step.failures`` as for prompt
+    compaction.
     """
     compactions: dict[str, Compaction] = {}
+    # Kept offsets on the scores' device, for requests whose scores follow their tokens.
+    carried: dict[str, torch.Tensor] = {}
     moves = MoveBatch(state.layout.page_size)
     for index, request_id in enumerate(step.req_ids):
         request = state.requests[request_id]
-        config = request.config
-        if (config is None or not config.enabled or config.decode_window is None
-                or request.prompt_kept is None or request_id in step.failures):
+        eviction = request.config.decode_eviction if request.config is not None else None
+        if eviction is None or request.prompt_kept is None or request_id in step.failures:
             continue
         generated = request.lengths - request.prompt_kept
-        if generated.max() <= config.decode_window + config.decode_margin:
+        if not eviction.due(int(generated.max())):
             continue
         try:
-            row_moves, new_lengths = plan_window_trim(
-                request.lengths, request.prompt_kept, config.decode_window
+            maybe_fail("plan", [request.prompt_len])
+            kept, scored = _select_generated(eviction, request, generated, state.layout.num_rows)
+            # Planned on the host, next to the page tables: one transfer per request.
+            row_moves, new_lengths = plan_generated_keep(
+                request.lengths, request.prompt_kept, kept.to("cpu").numpy()
             )
         except Exception as error:
-            _record_failure(step, [request_id], "planning the decode-window trim", error)
+            _record_failure(step, [request_id], "planning the decode eviction", error)
             continue
         moves.add(request_id, request.table.pages, row_moves)
         compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths,
                                              kind="decode")
+        if scored and eviction.method.carries_scores:
+            carried[request_id] = kept
         if stats is not None:
             stats.tokens_moved += len(row_moves)
             stats.tokens_evicted += int((request.lengths - new_lengths).sum())
     _apply(state, step, compactions, moves, pool, mover)
+    for request_id in compactions:
+        request = state.requests[request_id]
+        kept = carried.get(request_id)
+        request.decode_scores = (None if kept is None or request.decode_scores is None
+                                 else _carry_scores(request.decode_scores, kept))
     return compactions
+
+
+def _select_generated(eviction: DecodeEviction, request: RequestKV, generated: np.ndarray,
+                      num_rows: int) -> tuple[torch.Tensor, bool]:
+    """Kept generated offsets ``[rows, budget]`` (on the scores' device), and whether scores
+    chose them (False: the newest were kept)."""
+    count = int(generated.max())
+    if int(generated.min()) != count:
+        # Every row gets every token and every eviction keeps `budget` in each: never uneven.
+        raise ValueError(f"rows hold different numbers of generated tokens "
+                         f"({int(generated.min())} to {count})")
+    scores = request.decode_scores
+    usable = (eviction.method.needs_scores and scores is not None
+              and scores.shape[-1] >= count)
+    rows_scores = scores.reshape(num_rows, -1)[:, :count] if usable else None
+    return eviction.keep(rows_scores, num_rows, count), usable
+
+
+def _carry_scores(scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``scores [L, H, C]`` rearranged like the tokens: kept offset ``kept[row, j]`` now sits
+    at ``j``; the offsets freed by the eviction restart at zero."""
+    layers, heads, _ = scores.shape
+    kept = kept.reshape(layers, heads, -1)
+    carried = torch.zeros_like(scores)
+    carried[:, :, : kept.shape[-1]] = scores.gather(-1, kept)
+    return carried
 
 
 def _apply(state: WorkerKVState, step: StepBatch, compactions: dict[str, Compaction],

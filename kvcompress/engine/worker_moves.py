@@ -2,15 +2,16 @@
 
 Planners work on one request's rows, on the host, in positions: ``plan_prompt_moves`` (after
 prefill: the policy's kept prompt tokens, plus the generated tail of a resumed request) and
-``plan_window_trim`` (``--kv-decode-window``: the newest generated tokens shifted down).
+``plan_generated_keep`` (``--kv-decode-budget``: the decode policy's kept generated tokens
+shifted down, in order).
 ``MoveBatch`` turns the moves of all requests of a step into pool slots and runs them in one
 call of the platform's mover (or request by request, to isolate a failure).
 
 Moves have parallel-move semantics: every token is read before any is written. A mover that
 copies in parallel (the Triton and CUDA kernels) honours that only when no destination is also
 a source; ``MoveBatch`` checks this on the host and tells the mover (``disjoint``), so lists
-that overlap (a trim by less than the window, a resumed request) take the gather-then-scatter
-path.
+that overlap (a decode eviction of fewer tokens than it keeps, a resumed request) take the
+gather-then-scatter path.
 """
 
 from __future__ import annotations
@@ -68,20 +69,27 @@ def plan_prompt_moves(
     return _row_moves(rows, sources[rows, dst], dst), new_lengths.numpy().astype(np.int64)
 
 
-def plan_window_trim(
-    lengths: np.ndarray, prompt_kept: np.ndarray, decode_window: int
+def plan_generated_keep(
+    lengths: np.ndarray, prompt_kept: np.ndarray, kept_offsets: np.ndarray
 ) -> tuple[RowMoves, np.ndarray]:
-    """Rows holding more than ``decode_window`` generated tokens (after their
-    ``prompt_kept`` prompt part) keep only the newest ``decode_window``, shifted down in
-    order to the prompt part's end. Returns the moves and the new per-row lengths."""
-    trimmed = lengths - prompt_kept > decode_window
-    rows = np.nonzero(trimmed)[0]
-    offsets = np.arange(decode_window)
-    src = (lengths[rows] - decode_window)[:, None] + offsets
-    dst = prompt_kept[rows][:, None] + offsets
-    row_of_move = np.repeat(rows, decode_window)
-    new_lengths = np.where(trimmed, prompt_kept + decode_window, lengths)
-    return RowMoves(row_of_move, src.reshape(-1), dst.reshape(-1)), new_lengths
+    """Each row keeps its ``prompt_kept`` prompt part and, of the generated tokens after it,
+    those at ``kept_offsets[row]`` (``[rows, K]``, strictly ascending offsets into the row's
+    generated part), shifted down in order to ``prompt_kept[row] + arange(K)``: generated
+    tokens stay in generation order, which the next eviction relies on. Only tokens that
+    change place move. Returns the moves and the new per-row lengths."""
+    kept = np.asarray(kept_offsets, dtype=np.int64)
+    generated = lengths - prompt_kept
+    if kept.ndim != 2 or kept.shape[0] != len(lengths):
+        raise ValueError(f"kept offsets must be [{len(lengths)}, K], got {list(kept.shape)}")
+    if kept.size and ((kept[:, 0] < 0).any() or (kept[:, -1] >= generated).any()
+                      or (np.diff(kept, axis=1) <= 0).any()):
+        raise ValueError("kept offsets must be strictly ascending within each row's "
+                         "generated part")
+    src = prompt_kept[:, None] + kept
+    dst = prompt_kept[:, None] + np.arange(kept.shape[1])
+    moving = src != dst
+    rows, _ = np.nonzero(moving)
+    return RowMoves(rows, src[moving], dst[moving]), prompt_kept + kept.shape[1]
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvcompress.engine.messages import WorkerReport, page_deltas
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
-    trim_generation_windows,
+    evict_generated_tokens,
     wants_compression,
 )
 from kvcompress.engine.worker_state import WorkerKVState
@@ -110,6 +110,7 @@ class PagedKVRuntime:
                 wants_compression(config, int(n)) for config, n in zip(configs, prompt_lens)
             ],
         )
+        self.state.prepare_decode_scoring(step)
         for request_id in req_ids:
             if request_id in self.rejected_settings:
                 step.fail([request_id], self.rejected_settings.pop(request_id))
@@ -125,8 +126,8 @@ class PagedKVRuntime:
 
     def end_step(self) -> WorkerReport:
         """After the forward: lengths advance, then completed prompts are compacted and
-        decode windows trimmed. The report also names the requests whose compression failed
-        in this step, which the scheduler ends with an error."""
+        generated parts over their decode budget evicted. The report also names the requests
+        whose compression failed in this step, which the scheduler ends with an error."""
         step, self.step = self.step, None
         if step is None:
             return WorkerReport()
@@ -138,7 +139,7 @@ class PagedKVRuntime:
         )
         # Later report wins: it holds the final lengths of a request handled by both.
         compactions.update(
-            trim_generation_windows(self.state, step, self.pool, self.kernel, self.stats)
+            evict_generated_tokens(self.state, step, self.pool, self.kernel, self.stats)
         )
         seconds = time.perf_counter() - started if compactions else 0.0
         self.stats.seconds += seconds

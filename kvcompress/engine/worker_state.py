@@ -1,9 +1,10 @@
 """Worker-side mirror of the page tables, and the batch of each step built from it.
 
 The worker holds, per request: the page table (identical to the scheduler's), how many
-tokens each (layer, KV head) row physically stores, and while its observation window is
-being processed, the window-score accumulator. ``prepare_step`` turns it into the step's
-``kvcompress.step.StepBatch``. No vLLM imports: testable alone.
+tokens each (layer, KV head) row physically stores, while its observation window is being
+processed, the window-score accumulator, and with h2o / snapkv decode eviction, the
+decode-score accumulator. ``prepare_step`` (then ``prepare_decode_scoring``) turns it into the
+step's ``kvcompress.step.StepBatch``. No vLLM imports: testable alone.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.scoring_memory import scores_prompt
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
-from kvcompress.step import StepBatch, WindowQueries
+from kvcompress.step import DecodeQueries, StepBatch, WindowQueries
 
 
 @dataclass
@@ -35,6 +37,9 @@ class RequestKV:
     # generation order (None until the prompt completes: then it is the prompt length or
     # what compaction kept).
     prompt_kept: np.ndarray | None = None
+    # [num_layers, num_kv_heads, decode budget + interval] fp32 scores of the generated
+    # tokens by offset (h2o / snapkv decode eviction), from the first scored decode step.
+    decode_scores: torch.Tensor | None = None
 
 
 class WorkerKVState:
@@ -44,6 +49,7 @@ class WorkerKVState:
         self.layout = layout
         self.device = device
         self.requests: dict[str, RequestKV] = {}
+        self.peak_scored_tokens = 0  # most prompt tokens holding window scores at once
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -115,6 +121,8 @@ class WorkerKVState:
                 continue
             if start < prompt_len <= stop:
                 completing.append(index)
+            if state.config is not None and not scores_prompt(state.config, prompt_len):
+                continue  # compacted without window scores (StreamingLLM)
             window_start = max(0, prompt_len - observation_windows[index])
             first = max(start, window_start)
             last = min(stop, prompt_len)
@@ -129,6 +137,10 @@ class WorkerKVState:
                                   state.window_scores, starts_in_step=window_start >= start)
                 )
 
+        if window_queries:  # the scheduler's ScoringGate bounds this (scoring_memory)
+            held = sum(state.prompt_len for state in self.requests.values()
+                       if state.window_scores is not None)
+            self.peak_scored_tokens = max(self.peak_scored_tokens, held)
         return StepBatch(
             layout=layout,
             req_ids=list(req_ids),
@@ -153,6 +165,40 @@ class WorkerKVState:
             if request.prompt_kept is None and batch.logical_after[index] >= request.prompt_len:
                 # Prompt complete and not compacted (yet): every prompt token is kept.
                 request.prompt_kept = np.full_like(request.lengths, request.prompt_len)
+
+    def prepare_decode_scoring(self, step: StepBatch) -> None:
+        """Fill ``step.decode_queries``: every request decoding one token whose decode policy
+        scores this step (h2o: every decode step; snapkv: those of the newest --kv-window
+        tokens before an eviction), with its accumulator, allocated on first use. One
+        host->device copy for all of them (their rows' prompt parts)."""
+        layout = self.layout
+        picked: list[tuple[int, RequestKV, int]] = []
+        for index, request_id in enumerate(step.req_ids):
+            request = self.requests[request_id]
+            eviction = request.config.decode_eviction if request.config is not None else None
+            new_tokens = step.host_lengths_after[index] - step.host_lengths_before[index]
+            # prompt_kept is set once the prompt is complete; a single new token after it is
+            # a decode step (a resumed request's recompute chunks are not scored).
+            if eviction is None or request.prompt_kept is None or new_tokens.max() != 1:
+                continue
+            generated_after = int((step.host_lengths_after[index] - request.prompt_kept).max())
+            if not eviction.scores_step(generated_after):
+                continue
+            if request.decode_scores is None:
+                request.decode_scores = self.to_device(torch.zeros(
+                    layout.num_layers, layout.num_kv_heads, eviction.capacity,
+                    dtype=torch.float32,
+                ))
+            picked.append((index, request, generated_after))
+        if not picked:
+            return
+        prompt_kept = self.to_device(torch.as_tensor(
+            np.stack([request.prompt_kept for _, request, _ in picked]).astype(np.int64)))
+        step.decode_queries = [
+            DecodeQueries(index, request.prompt_len, request.decode_scores, prompt_kept[number],
+                          generated_after)
+            for number, (index, request, generated_after) in enumerate(picked)
+        ]
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor -> the runner's device (the only host->device path of a step)."""

@@ -7,6 +7,8 @@
 - scores:    observation-window scores per KV head (GQA-aware), pooling, H2O attention mass.
 - selection: keep masks (top-k per head, Ada-KV shared allocation, sinks + recent) and indices.
 - plan:      ``plan_keep(settings, ...)``, the engine's entry point, returning a ``KeepPlan``.
+- decode:    decode-time eviction of generated tokens (``--kv-decode-policy``): one module per
+             method, ``DecodeEviction`` (a request's resolved settings), ``get_decode_method``.
 """
 
 from .budgets import distribute_exactly, layer_budgets, resolve_budget

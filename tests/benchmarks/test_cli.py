@@ -15,7 +15,8 @@ import pytest
 from benchmarks import attention_analysis
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ("throughput", "quality", "attention_analysis", "compression_cost", "kernels")
+MODULES = ("throughput", "quality", "attention_analysis", "compression_cost", "kernels",
+           "decode_fidelity")
 
 
 def run_python(code: str) -> str:

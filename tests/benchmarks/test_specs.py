@@ -16,13 +16,17 @@ from kvcompress.policies import METHODS
         ("pyramidkv:128", CompressionSpec("pyramidkv", budget=128)),
         ("snapkv:budget=64", CompressionSpec("snapkv", budget=64)),
         ("AdaKV:r=0.875", CompressionSpec("adakv", ratio=0.875)),
+        ("pyramidkv:256@h2o:64", CompressionSpec("pyramidkv", 256, None, "h2o", 64)),
+        ("snapkv:r=0.5@window:32", CompressionSpec("snapkv", None, 0.5, "window", 32)),
     ],
 )
 def test_spec_parse(text, expected):
     assert CompressionSpec.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["h2o:128", "snapkv", "snapkv:r=1.5", "snapkv:0", "snapkv:x=3"])
+@pytest.mark.parametrize("text", ["h2o:128", "snapkv", "snapkv:r=1.5", "snapkv:0", "snapkv:x=3",
+                                  "snapkv:64@h2o", "snapkv:64@h2o:x", "vanilla@h2o:64",
+                                  "snapkv:64@h2o:0"])
 def test_spec_parse_rejects(text):
     with pytest.raises(ValueError):
         CompressionSpec.parse(text)
@@ -43,6 +47,12 @@ def test_spec_labels_and_additional_config():
     assert budget.compression_factor is None
     assert CompressionSpec().additional_config({"kv_window": 16}) == {}
     assert CompressionSpec().label == "vanilla"
+    decode = CompressionSpec("pyramidkv", budget=256, decode_policy="h2o", decode_budget=64)
+    assert decode.label == "pyramidkv:256@h2o:64"
+    assert CompressionSpec.parse(decode.label) == decode
+    assert decode.additional_config() == {
+        "kv_compression": "pyramidkv", "kv_budget": 256, "kv_decode_policy": "h2o",
+        "kv_decode_budget": 64}
 
 
 def test_parse_specs_rejects_duplicates():

@@ -175,10 +175,19 @@ def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
     assert peaks["pyramidkv"] > peaks["vanilla"], peaks
 
 
+# Decode eviction for some of the soak's requests (3 and 5 are coprime: every method meets
+# every decode policy).
+DECODE_MIX = [
+    {"kv_decode_policy": "h2o", "kv_decode_budget": 48, "kv_decode_interval": 16},
+    {},
+    {"kv_decode_policy": "snapkv", "kv_decode_budget": 48, "kv_decode_interval": 16},
+]
+
+
 def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_llama):
-    """Soak: staggered arrivals with mixed methods, aborts mid-prefill and mid-decode, a
-    pool small enough that compressed requests get preempted and recomputed. Page
-    invariants are checked by the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
+    """Soak: staggered arrivals with mixed methods and decode policies, aborts mid-prefill and
+    mid-decode, a pool small enough that compressed requests get preempted and recomputed.
+    Page invariants are checked by the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
     rng = np.random.default_rng(7)
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96},
@@ -193,9 +202,10 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
             if pending:
                 request_id = pending.pop(0)
                 method = ["snapkv", "pyramidkv", "streamingllm", "adakv", "none"][step % 5]
+                decode = DECODE_MIX[step % len(DECODE_MIX)]
                 harness.add(request_id, prompts[request_id],
                             greedy(int(rng.integers(100, 400)),
-                                   extra_args={"kv_compression": method}))
+                                   extra_args={"kv_compression": method, **decode}))
             if step % 13 == 5:
                 live = [rid for rid in prompts if rid not in pending
                         and rid not in harness.finished and rid not in aborted]
@@ -216,31 +226,148 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
         harness.shutdown()
 
 
-def test_decode_window_bounds_the_cache_of_long_generations(tiny_llama):
-    budget, window, margin = 48, 32, 8
+def worker_decode_state(harness, name):
+    """The worker's view of a live request: per-row lengths, prompt part, decode scores."""
+    internal = harness.internal_id(name)
+
+    def read(worker):
+        request = worker.model_runner.paged_runtime.state.requests[internal]
+        scores = request.decode_scores
+        return (request.lengths.copy(), request.prompt_kept,
+                None if scores is None else tuple(scores.shape))
+
+    return harness.on_workers(read)[0]
+
+
+def run_checking_generated_parts(harness, names, num_tokens):
+    """Step to the end; after every step each live request's rows agree between scheduler and
+    worker (page invariants are checked by the scheduler, KVCOMPRESS_CHECK_PAGES=1). Returns,
+    per request and step since its prefill: (generated tokens each head holds, generated
+    tokens in the cache without eviction, shape of its decode scores or None)."""
+    history = {name: [] for name in names}
+    manager = harness.page_manager
+    while harness.engine.has_unfinished_requests():
+        harness.step()
+        for name in names:
+            if name in harness.finished or not harness.outputs.get(name):
+                continue
+            lengths, prompt_kept, scores = worker_decode_state(harness, name)
+            assert (manager.physical_lengths(harness.internal_id(name)) == lengths).all(), name
+            part = lengths - prompt_kept
+            assert part.min() == part.max(), name  # every head holds the same generated part
+            # the newest sampled token is not in the cache yet
+            history[name].append((int(part.max()), len(harness.outputs[name]) - 1, scores))
+    assert all(len(harness.outputs[name]) == num_tokens for name in names)
+    assert manager.num_free == manager.total_pages
+    return history
+
+
+@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv"])
+def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
+    budget, interval, window, tokens = 24, 8, 8, 120
     harness = EngineHarness(
         tiny_llama,
-        {"kv_compression": "snapkv", "kv_budget": budget, "kv_decode_window": window,
-         "kv_decode_margin": margin},
+        {"kv_compression": "snapkv", "kv_budget": 48, "kv_window": window,
+         "kv_decode_policy": policy, "kv_decode_budget": budget,
+         "kv_decode_interval": interval},
         kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
     )
     try:
-        harness.add("long", random_prompts([200], seed=9)["p0"], greedy(300))
-        harness.add("short", random_prompts([30], seed=10)["p0"], greedy(300))
-        manager = harness.page_manager
-        peaks = {"long": 0, "short": 0}
+        # a compressed prompt (200 -> 48 per head) and one kept whole (30 < 48)
+        harness.add("long", random_prompts([200], seed=9)["p0"], greedy(tokens))
+        harness.add("short", random_prompts([30], seed=10)["p0"], greedy(tokens))
+        history = run_checking_generated_parts(harness, ["long", "short"], tokens)
+        for name, steps in history.items():
+            for held, in_cache, scores in steps:
+                # up to budget + interval - 1 generated tokens; the step that brings a head to
+                # budget + interval cuts it back to the budget
+                want = in_cache if in_cache < budget + interval else (
+                    budget + (in_cache - budget) % interval)
+                assert held == want, (name, held, in_cache)
+                if policy == "h2o":  # scored from the first decode step on, carried over
+                    assert scores == (None if in_cache == 0 else (4, 2, budget + interval))
+                elif policy == "snapkv":  # scored by the newest `window` tokens, then reset
+                    scoring = held > budget + interval - window
+                    assert scores == ((4, 2, budget + interval) if scoring else None), held
+                else:
+                    assert scores is None
+            assert steps[-1][1] == tokens - 2
+            assert max(held for held, _, _ in steps) == budget + interval - 1
+    finally:
+        harness.shutdown()
+
+
+def test_per_request_decode_policies_share_a_batch(tiny_llama):
+    tokens = 100
+    harness = EngineHarness(
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 48},
+        kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
+    )
+    requests = {
+        "h2o": {"kv_decode_policy": "h2o", "kv_decode_budget": 24, "kv_decode_interval": 8},
+        "window": {"kv_decode_budget": 16, "kv_decode_interval": 4},
+        "full": {},  # no decode budget: keeps every generated token
+    }
+    try:
+        for offset, (name, overrides) in enumerate(requests.items()):
+            harness.add(name, random_prompts([150], seed=20 + offset)["p0"],
+                        greedy(tokens, extra_args=dict(overrides)))
+        history = run_checking_generated_parts(harness, list(requests), tokens)
+        held = {name: [step[0] for step in steps] for name, steps in history.items()}
+        scored = {name: [step[2] is not None for step in steps]
+                  for name, steps in history.items()}
+        assert max(held["h2o"]) == 24 + 8 - 1 and any(scored["h2o"])
+        assert max(held["window"]) == 16 + 4 - 1 and not any(scored["window"])
+        assert all(step[0] == step[1] for step in history["full"]) and not any(scored["full"])
+        assert held["full"][-1] == tokens - 2
+    finally:
+        harness.shutdown()
+
+
+def generated_part(worker, request_id):
+    """Generated tokens each head of a request holds on the worker; None before its prompt
+    is complete or while it waits to resume."""
+    request = worker.model_runner.paged_runtime.state.requests.get(request_id)
+    if request is None or request.prompt_kept is None:
+        return None
+    return request.lengths - request.prompt_kept
+
+
+def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
+    """Chats that fit when admitted but not once grown: the last admitted are preempted and
+    recomputed. A decode-budgeted one comes back with its whole generated tail (never scored),
+    which the step that recomputes it cuts to the newest budget."""
+    budget, interval, tokens = 16, 8, 150
+    harness = EngineHarness(
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000},
+        kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
+    )
+    decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,
+              "kv_decode_interval": interval}
+    prompts = random_prompts([250] * 6, seed=11)
+    budgeted = list(prompts)[3:]  # admitted last: preempted first
+    try:
+        for name, prompt in prompts.items():
+            harness.add(name, prompt,
+                        greedy(tokens, extra_args=decode if name in budgeted else {}))
+        outputs_when_preempted = {}
         while harness.engine.has_unfinished_requests():
             harness.step()
-            for name in peaks:
+            for name in budgeted:
                 if name in harness.finished:
                     continue
-                lengths = manager.physical_lengths(harness.internal_id(name))
-                peaks[name] = max(peaks[name], int(lengths.max()))
-        assert len(harness.outputs["long"]) == len(harness.outputs["short"]) == 300
-        # prompt part (budget, or the whole 30-token prompt) + window + margin, never more
-        assert budget + window < peaks["long"] <= budget + window + margin
-        assert 30 + window < peaks["short"] <= 30 + window + margin
-        assert manager.num_free == manager.total_pages
+                request = harness.scheduler.requests[harness.internal_id(name)]
+                if request.num_preemptions and name not in outputs_when_preempted:
+                    outputs_when_preempted[name] = len(harness.outputs[name])
+                held = harness.on_workers(
+                    lambda worker, rid=request.request_id: generated_part(worker, rid))[0]
+                if held is not None:  # None: waiting to resume, or not prefilled yet
+                    assert held.max() < budget + interval, (name, held.max())
+        # some request was preempted with more generated tokens than it may hold
+        assert max(outputs_when_preempted.values(), default=0) > budget + interval, (
+            "the pool was meant to preempt a budgeted request late in its generation")
+        assert all(len(harness.outputs[name]) == tokens for name in prompts)
+        assert harness.page_manager.num_free == harness.page_manager.total_pages
     finally:
         harness.shutdown()
 

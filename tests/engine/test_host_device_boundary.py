@@ -1,7 +1,8 @@
 """The host/device boundary of a step, checked on CPU with an emulated device (a GPU's rules:
 device tensors cannot become numpy or index host tensors, and reading them on the host is a
-synchronisation): the plan is made where the window scores are and comes to the host once;
-preparing and finishing a step read nothing back from the device."""
+synchronisation): the plan is made where the window scores are and comes to the host once,
+so does a decode eviction's choice; preparing and finishing a step read nothing back from the
+device."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_compaction
-from kvcompress.engine.worker_compaction import compact_completed_prompts
+from kvcompress.engine.worker_compaction import compact_completed_prompts, evict_generated_tokens
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import KeepPlan, plan_keep
@@ -67,3 +68,37 @@ def test_preparing_and_finishing_a_step_read_nothing_back_from_the_device(emulat
     # the emulation does count host reads of device tensors
     int(case.step.lengths_before.max())
     assert DeviceTensor.syncs == 1
+
+
+def test_decode_scoring_is_prepared_without_reading_the_device(emulated_device):
+    case = build_case(GPU_PAGE_FORMAT, [[30, 17, 25, 40], [20] * 4], [1, 1], num_layers=2,
+                      num_kv_heads=2, group=2, head_size=32, page_size=16,
+                      dtype=torch.float32, prompt_lens=[10, 10])
+    config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4,
+         "kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_decode_interval": 8})
+    for request in case.state.requests.values():
+        request.config = config
+        request.prompt_kept = request.lengths - 5
+    case.state.prepare_decode_scoring(case.step)
+    assert [decode.batch_index for decode in case.step.decode_queries] == [0, 1]
+    for decode in case.step.decode_queries:
+        assert is_on_device(decode.scores) and is_on_device(decode.prompt_kept)
+    assert DeviceTensor.syncs == 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_a_decode_eviction_chooses_on_the_device_and_brings_the_choice_over_once(policy):
+    config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 200, "kv_window": 4,
+         "kv_decode_policy": policy, "kv_decode_budget": 10, "kv_decode_interval": 5})
+    case, request = labelled_case(lengths=134, prompt_len=120, settings=config)
+    request.decode_scores = on_device(
+        torch.rand(2, 2, 15, generator=torch.Generator().manual_seed(0)))
+    DeviceTensor.syncs = 0
+    compactions = evict_generated_tokens(case.state, case.step, case.pool, CPU_PAGE_FORMAT)
+    assert compactions["req0"].physical_lengths.tolist() == [130] * 4
+    assert DeviceTensor.syncs == 1
+    assert not is_on_device(torch.as_tensor(request.lengths))
+    if policy == "h2o":
+        assert is_on_device(request.decode_scores)  # carried on the device

@@ -13,8 +13,8 @@ from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.engine.worker_moves import (
     MoveBatch,
     RowMoves,
+    plan_generated_keep,
     plan_prompt_moves,
-    plan_window_trim,
 )
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout
@@ -108,13 +108,25 @@ def prompt_cases(draw, resumed: bool):
 
 
 @st.composite
-def trim_cases(draw):
+def decode_eviction_cases(draw):
+    """Rows with their own prompt parts and a generated part each; every row keeps ``budget``
+    generated offsets: the newest (window) or any ascending choice (h2o, snapkv)."""
     rows = draw(st.integers(1, 5))
-    window = draw(st.integers(1, 40))
+    budget = draw(st.integers(1, 40))
     prompt_kept = np.array([draw(st.integers(0, 40)) for _ in range(rows)])
-    generated = np.array([draw(st.integers(0, 90)) for _ in range(rows)])
+    generated = budget + draw(st.integers(0, 50))
+    if draw(st.booleans()):
+        kept = [list(range(generated - budget, generated))] * rows
+    else:
+        kept = [sorted(draw(st.permutations(range(generated)))[:budget]) for _ in range(rows)]
     page_size = draw(st.sampled_from([4, 8, 16]))
-    return prompt_kept, generated, window, page_size, draw(st.integers(0, 2**31))
+    return prompt_kept, generated, np.array(kept), page_size, draw(st.integers(0, 2**31))
+
+
+def newest(lengths, prompt_kept, budget):
+    """The window policy's choice: each row's newest ``budget`` generated offsets."""
+    generated = lengths - prompt_kept
+    return generated[:, None] - budget + np.arange(budget)
 
 
 def prompt_plan(prompt_len, tail, kept):
@@ -150,31 +162,48 @@ def test_prompt_compaction_keeps_the_planned_tokens_with_every_mover(case):
 
 
 @settings(max_examples=80, deadline=None)
-@given(case=trim_cases())
-def test_window_trim_keeps_the_prompt_part_and_the_newest_tokens_with_every_mover(case):
-    prompt_kept, generated, window, page_size, seed = case
+@given(case=decode_eviction_cases())
+def test_decode_eviction_keeps_the_prompt_part_and_the_chosen_tokens_in_order(case):
+    prompt_kept, generated, kept, page_size, seed = case
     lengths = prompt_kept + generated
-    moves, new_lengths = plan_window_trim(lengths, prompt_kept, window)
+    moves, new_lengths = plan_generated_keep(lengths, prompt_kept, kept)
     pages, total = random_pages(lengths, page_size, np.random.default_rng(seed))
     for name, mover in movers().items():
         before, pool = run(moves, pages, total, page_size, mover)
         for row in range(len(lengths)):
-            length, prompt = int(lengths[row]), int(prompt_kept[row])
-            newest = list(range(max(prompt, length - window), length))
-            want = original(before, pages, row, list(range(prompt)) + newest)
+            prompt = int(prompt_kept[row])
+            chosen = [prompt + int(offset) for offset in kept[row]]
+            want = original(before, pages, row, list(range(prompt)) + chosen)
             assert new_lengths[row] == len(want)
             assert row_tokens(pool, pages, row, len(want)) == want, name
 
 
-def test_hole_filling_takes_the_fast_path_and_overlapping_trims_do_not():
+@pytest.mark.parametrize(
+    "kept",
+    [[[0, 1, 5]], [[2, 1, 3]], [[1, 1, 2]], [[-1, 2, 3]], [[1, 2, 6]], [[1, 2]] * 2],
+    ids=["ok", "unsorted", "repeated", "negative", "beyond", "rows"],
+)
+def test_decode_eviction_refuses_offsets_it_cannot_honour(kept):
+    lengths, prompt_kept = np.array([16]), np.array([10])
+    if kept == [[0, 1, 5]]:
+        moves, new_lengths = plan_generated_keep(lengths, prompt_kept, np.array(kept))
+        assert new_lengths.tolist() == [13]
+        # 10 and 11 stay put: only the token at offset 5 moves
+        assert (moves.src_positions.tolist(), moves.dst_positions.tolist()) == ([15], [12])
+        return
+    with pytest.raises(ValueError, match="kept offsets"):
+        plan_generated_keep(lengths, prompt_kept, np.array(kept))
+
+
+def test_hole_filling_takes_the_fast_path_and_overlapping_evictions_do_not():
     lengths, moves, _ = prompt_plan(40, 0, [[0, 5, 9, 30, 39], list(range(20, 40))])
     pages, total = random_pages(lengths, 8, np.random.default_rng(0))
     racy = RacyMover()
     run(moves, pages, total, 8, racy)
     assert racy.fast_calls == 1
-    # window 128, margin 64: a head 63 tokens over shifts its newest 128 down by 63
+    # budget 128, interval 64: a head 63 tokens over shifts its newest 128 down by 63
     lengths, prompt_kept = np.array([10 + 128 + 63]), np.array([10])
-    moves, _ = plan_window_trim(lengths, prompt_kept, 128)
+    moves, _ = plan_generated_keep(lengths, prompt_kept, newest(lengths, prompt_kept, 128))
     pages, total = random_pages(lengths, 16, np.random.default_rng(1))
     racy = RacyMover()
     run(moves, pages, total, 16, racy)
@@ -182,9 +211,9 @@ def test_hole_filling_takes_the_fast_path_and_overlapping_trims_do_not():
 
 
 def test_an_overlapping_list_on_the_fast_path_would_corrupt_the_cache():
-    """Why the check matters: the in-place path on an overlapping trim loses tokens."""
+    """Why the check matters: the in-place path on an overlapping eviction loses tokens."""
     lengths, prompt_kept = np.array([10 + 128 + 63]), np.array([10])
-    moves, _ = plan_window_trim(lengths, prompt_kept, 128)
+    moves, _ = plan_generated_keep(lengths, prompt_kept, newest(lengths, prompt_kept, 128))
     pages, total = random_pages(lengths, 16, np.random.default_rng(1))
     pool = labelled_pool(total, 16)
     before = pool.clone()
@@ -208,13 +237,17 @@ def test_page_formats_gather_before_scattering(page_format):
 
 
 @pytest.mark.skipif(not has_triton(), reason="triton is not installed")
-@pytest.mark.parametrize("overlapping", [False, True], ids=["hole_filling", "trim"])
+@pytest.mark.parametrize("overlapping", [False, True], ids=["hole_filling", "decode"])
 def test_triton_mover_under_the_interpreter(monkeypatch, overlapping):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if overlapping:
-        lengths, prompt_kept = np.array([10 + 40 + 7, 12]), np.array([10, 12])
-        moves, new_lengths = plan_window_trim(lengths, prompt_kept, 40)
-        expected_rows = [list(range(10)) + list(range(17, 57)), list(range(12))]
+        # row 0: the newest 40 of 47 generated tokens; row 1: 40 of 45 chosen by score
+        lengths, prompt_kept = np.array([10 + 47, 12 + 45]), np.array([10, 12])
+        scored = [offset for offset in range(45) if offset not in (0, 2, 4, 6, 30)]
+        kept = np.array([list(range(7, 47)), scored])
+        moves, new_lengths = plan_generated_keep(lengths, prompt_kept, kept)
+        expected_rows = [list(range(10)) + list(range(17, 57)),
+                         list(range(12)) + [12 + offset for offset in scored]]
     else:
         lengths, moves, new_lengths = prompt_plan(40, 0, [[1, 2, 30, 39], list(range(25, 40))])
         expected_rows = None

@@ -1,0 +1,128 @@
+"""What a decode-time eviction method is, and the resolved settings one request evicts with.
+
+During generation each (layer, KV head) row holds its prompt part (what prompt compression
+kept, never touched here) and then its generated tokens in generation order. Generated tokens
+are addressed by their *offset* in that part (0 = the oldest still held). A decode method picks
+which offsets survive an eviction; the engine moves them, in order, to the start of the part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..selection import top_quota_positions
+from ..validation import check_choice, check_int
+
+# When a method's scores are collected (see DecodeMethod.score_collection).
+ScoreCollection = Literal["none", "every_step", "last_window"]
+SCORE_COLLECTIONS: tuple[ScoreCollection, ...] = ("none", "every_step", "last_window")
+
+# (scores [rows, generated] fp32 or None, rows, generated, budget, recent) -> kept offsets
+# [rows, budget], ascending, each row's newest ``recent`` offsets among them.
+SelectGenerated = Callable[[torch.Tensor | None, int, int, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodeMethod:
+    """One decode-time eviction method (``--kv-decode-policy``).
+
+    name: what users pass.
+    summary: one line that completes "'<name>' ..." in the --kv-decode-policy help.
+    score_collection: which decode steps score the generated tokens: "none" (no scores),
+        "every_step" (every decode step adds its attention; the mass of kept tokens is carried
+        over an eviction, H2O) or "last_window" (only the decode steps of the newest ``recent``
+        tokens before an eviction; reset after it, SnapKV's observation window).
+    select: the selection, see SelectGenerated. Given ``scores=None`` (a method without
+        scores, or a request with none collected yet, e.g. resumed after preemption) it keeps
+        the newest ``budget`` offsets.
+    """
+
+    name: str
+    summary: str
+    score_collection: ScoreCollection
+    select: SelectGenerated
+
+    def __post_init__(self) -> None:
+        check_choice("score_collection", self.score_collection, SCORE_COLLECTIONS)
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.score_collection != "none"
+
+    @property
+    def carries_scores(self) -> bool:
+        """Whether the kept tokens keep their scores over an eviction (else reset)."""
+        return self.score_collection == "every_step"
+
+
+@dataclass(frozen=True)
+class DecodeEviction:
+    """How one request evicts generated tokens: its method, ``budget`` (generated tokens each
+    KV head keeps), ``interval`` (how many more a head may hold before an eviction) and
+    ``recent`` (newest generated tokens always kept, ``<= budget``). ValueError on
+    construction naming the argument."""
+
+    method: DecodeMethod
+    budget: int
+    interval: int
+    recent: int
+
+    def __post_init__(self) -> None:
+        check_int("decode budget", self.budget, 1)
+        check_int("decode interval", self.interval, 1)
+        check_int("recent", self.recent, 0, self.budget)
+
+    @property
+    def capacity(self) -> int:
+        """Generated tokens a head holds when an eviction runs (``budget + interval``): the
+        width of the score accumulator, indexed by generated offset."""
+        return self.budget + self.interval
+
+    def due(self, generated: int) -> bool:
+        """Whether a head holding ``generated`` tokens after a step evicts now."""
+        return generated >= self.capacity
+
+    def scores_step(self, generated_after: int) -> bool:
+        """Whether a decode step that leaves ``generated_after`` tokens is scored."""
+        if generated_after > self.capacity or not self.method.needs_scores:
+            return False
+        if self.method.score_collection == "last_window":
+            return generated_after > self.capacity - self.recent
+        return True
+
+    def keep(self, scores: torch.Tensor | None, num_rows: int, generated: int) -> torch.Tensor:
+        """Kept offsets ``[num_rows, budget]``, ascending, of rows holding ``generated >=
+        budget`` tokens; ``scores`` ``[num_rows, generated]`` or None (keep the newest)."""
+        check_int("generated", generated, self.budget)
+        if scores is not None and tuple(scores.shape) != (num_rows, generated):
+            raise ValueError(f"decode scores must be [{num_rows}, {generated}], "
+                             f"got {list(scores.shape)}")
+        kept = self.method.select(scores, num_rows, generated, self.budget, self.recent)
+        if tuple(kept.shape) != (num_rows, self.budget):
+            raise ValueError(f"decode method {self.method.name!r} kept {list(kept.shape)} "
+                             f"offsets, expected [{num_rows}, {self.budget}]")
+        return kept
+
+
+def newest_offsets(num_rows: int, generated: int, budget: int,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """The newest ``budget`` of ``generated`` offsets, in every row: ``[num_rows, budget]``."""
+    return torch.arange(generated - budget, generated, device=device).expand(num_rows, -1)
+
+
+def recent_and_top_offsets(scores: torch.Tensor | None, num_rows: int, generated: int,
+                           budget: int, recent: int) -> torch.Tensor:
+    """Each row's newest ``recent`` offsets plus the ``budget - recent`` highest-scored older
+    ones (ties: the older offset), ascending: ``[rows, budget]``. Without scores: the newest
+    ``budget``."""
+    if scores is None:
+        return newest_offsets(num_rows, generated, budget)
+    older = generated - recent
+    quota = torch.tensor(budget - recent, device=scores.device)
+    top = top_quota_positions(scores[:, :older], quota)  # best first
+    newest = torch.arange(older, generated, device=scores.device).expand(scores.shape[0], -1)
+    return torch.cat([top, newest], dim=-1).sort(dim=-1).values
