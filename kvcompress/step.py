@@ -11,21 +11,25 @@ hand-offs on its own step messages, see ``kvcompress.engine.messages``):
    on the SchedulerOutput; the worker's mirror applies them (``WorkerKVState``).
 3. write (worker, attention backend, per layer): each new token's K/V goes to its own slot
    in every head's row (``StepBatch.slot_mapping``; ``PlatformKernel.write``).
-4. attend + window scores (per layer): attention over each head's own pages
+4. attend + scores (per layer): attention over each head's own pages
    (``PlatformKernel.attend``); on a request's last prefill chunk the observation-window
    queries also add their probabilities into the request's score accumulator
-   (``PlatformKernel.accumulate_window_scores``).
+   (``PlatformKernel.accumulate_window_scores``); a decoding request whose decode policy
+   scores this step adds its query's probabilities over its generated tokens into its
+   decode-score accumulator (``StepBatch.decode_queries``, torch path on every platform).
 5. plan (worker, after the forward): the request's policy (``kvcompress.policies``) picks the
-   tokens each (layer, KV head) keeps.
-6. moves: kept tokens above the new length fill the holes below it
-   (``PlatformKernel.move``); nothing is freed yet.
+   tokens each (layer, KV head) keeps: of the prompt when it completes, of the generated
+   part once it outgrows the decode budget.
+6. moves: kept tokens above the new length fill the holes below it (prompt), or kept
+   generated tokens shift down in order (decode) (``PlatformKernel.move``); nothing is freed
+   yet.
 7. report (worker -> scheduler): the new per-row lengths ride on the ModelRunnerOutput.
 8. free (scheduler): trailing pages return to the free pool before the next step plans.
 
 This module is the leaf both sides import: it holds what one forward pass needs
-(``StepBatch``, ``WindowQueries``, ``PagedAttentionMetadata``), the platform kernel's
-declared interface (``PlatformKernel``), and the lookup by which vLLM's attention
-metadata builder finds the runtime of its engine. No vLLM imports.
+(``StepBatch``, ``WindowQueries``, ``DecodeQueries``, ``PagedAttentionMetadata``), the
+platform kernel's declared interface (``PlatformKernel``), and the lookup by which vLLM's
+attention metadata builder finds the runtime of its engine. No vLLM imports.
 """
 
 from __future__ import annotations
@@ -54,6 +58,23 @@ class WindowQueries:
 
 
 @dataclass
+class DecodeQueries:
+    """A request decoding one token in this step whose decode policy scores it: the query's
+    attention over the request's generated tokens is added to ``scores``."""
+
+    batch_index: int
+    prompt_len: int
+    # The request's accumulator, [L, H, decode budget + interval] fp32 on the device, indexed
+    # by generated offset (position - prompt_kept of the row).
+    scores: torch.Tensor
+    # [rows] int64 on the device: each row's prompt part, so its first generated position.
+    prompt_kept: torch.Tensor
+    # Host: generated tokens of the longest row once this step's token is in (<= the
+    # accumulator's width): how many offsets this step scores.
+    num_generated: int
+
+
+@dataclass
 class StepBatch:
     """Everything the attention backend needs for one forward pass, in batch order."""
 
@@ -70,9 +91,10 @@ class StepBatch:
     host_lengths_before: np.ndarray
     host_lengths_after: np.ndarray
     window_queries: list[WindowQueries] = field(default_factory=list)
+    decode_queries: list[DecodeQueries] = field(default_factory=list)
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
-    # Time the attention backend spent scoring observation windows in this step.
+    # Time the attention backend spent scoring (observation windows, decode queries).
     score_seconds: float = 0.0
     # Requests whose compression failed in this step (request id -> reason): they are not
     # compacted, and the scheduler ends them with an error.
@@ -122,13 +144,20 @@ class PlatformKernel(KVMover, Protocol):
         ...
 
     def attend(self, args: Any, layer: int, query: torch.Tensor, pool: torch.Tensor,
-               output: torch.Tensor, scale: float) -> None: ...
+               output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
+               sinks: torch.Tensor | None = None) -> None:
+        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``:
+        logit soft-capping, attention-sink logits in the denominator); None: plain softmax."""
+        ...
 
     def accumulate_window_scores(self, args: Any, layer: int, query: torch.Tensor,
                                  key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
-                                 scale: float, group_reduce: str) -> None:
-        """Add ``layer``'s observation-window probabilities into each window's accumulator
-        (``step.window_queries``); ``key`` is the step's own ``[T, H, D]`` keys."""
+                                 scale: float, group_reduce: str, *,
+                                 soft_cap: float | None = None,
+                                 sinks: torch.Tensor | None = None) -> None:
+        """Add ``layer``'s observation-window probabilities (under the layer's softmax) into
+        each window's accumulator (``step.window_queries``); ``key`` is the step's own
+        ``[T, H, D]`` keys."""
         ...
 
 

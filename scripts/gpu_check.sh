@@ -50,6 +50,7 @@ tests=(
   tests/kernels
   tests/attention/test_gpu_kernel.py
   tests/attention/test_gpu_kernel_on_cuda.py
+  tests/attention/test_decode_scores.py
   tests/engine/test_worker_pipeline.py
   tests/engine/test_worker_moves.py
   tests/engine/test_worker_compaction.py

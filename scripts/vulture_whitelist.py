@@ -22,6 +22,7 @@ _.get_supported_head_sizes
 _.supported_kv_cache_layouts
 _.get_name
 _.supports_attn_type
+_.supports_sink
 _.get_impl_cls
 _.get_builder_cls
 _.build
@@ -61,3 +62,7 @@ _._field_type
 # transformers model attributes cleared before saving the converted model (models.py).
 _.hf_quantizer
 _._name_or_path
+
+# Read by the engine tests: how often the scheduler's ScoringGate held a chunk short of its
+# observation window (engine/scoring_memory.py).
+_.deferred_chunks

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded model, a tiny random Llama, engine harness settings."""
+"""Shared fixtures: the embedded model, tiny random Llama / Qwen2 / Qwen3 / Gemma 2 / gpt-oss
+models, engine harness settings."""
 
 from __future__ import annotations
 
@@ -39,6 +40,99 @@ def tiny_llama(tmp_path_factory, embedded_model) -> str:
     )
     torch.manual_seed(1234)
     model = LlamaForCausalLM(config).to(torch.float32)
+    return _save_with_embedded_tokenizer(model, path, embedded_model)
+
+
+# What the tiny models below share with tiny_llama: the embedded model's vocabulary, 4 layers,
+# GQA 4:2 with head dim 32. Nothing is downloaded: each is built from its config here.
+TINY_SHAPE = dict(
+    vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+    tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, embedded_model) -> str:
+    """A tiny random Qwen2: q/k/v projections with biases (random, not the zeros of a fresh
+    model, so they matter)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1235)
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE)).to(torch.float32)
+    _randomize(model, ("q_proj.bias", "k_proj.bias", "v_proj.bias"), center=0.0)
+    return _save_with_embedded_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen2"),
+                                         embedded_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, embedded_model) -> str:
+    """A tiny random Qwen3: RMS norms on q and k per head (random gains, not the ones of a
+    fresh model)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(1236)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_SHAPE)).to(torch.float32)
+    _randomize(model, ("q_norm.weight", "k_norm.weight"), center=1.0)
+    return _save_with_embedded_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3"),
+                                         embedded_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory, embedded_model) -> str:
+    """A tiny random Gemma 2 with every layer full attention (no sliding window) and its
+    attention logits soft-capped at 5. Large logits (scale 8^-0.5) make the cap matter, and
+    gains of ~4 on the sublayer outputs keep the (tied, scaled) input embedding from
+    dominating, which would make the model repeat its last token. Without the cap, HF's
+    greedy continuations of this model differ at nearly every token."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        **TINY_SHAPE, query_pre_attn_scalar=8, attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, layer_types=["full_attention"] * 4,
+    )
+    torch.manual_seed(1237)
+    model = Gemma2ForCausalLM(config).to(torch.float32)
+    # Gemma's norms scale by (1 + weight).
+    _randomize(model, ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
+               center=3.0)
+    return _save_with_embedded_tokenizer(model, tmp_path_factory.mktemp("tiny-gemma2"),
+                                         embedded_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory, embedded_model) -> str:
+    """A tiny random gpt-oss (4 experts, 2 per token) with its attention sinks (random, spread
+    0.5: without them the greedy continuations differ) and no sliding window on any layer.
+    Untied embeddings: vLLM's gpt-oss has its own lm_head and would leave it unloaded."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        **(TINY_SHAPE | dict(tie_word_embeddings=False)), num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=None, layer_types=["full_attention"] * 4,
+    )
+    torch.manual_seed(1238)
+    model = GptOssForCausalLM(config).to(torch.float32)
+    _randomize(model, ("sinks",), center=0.0)
+    return _save_with_embedded_tokenizer(model, tmp_path_factory.mktemp("tiny-gpt-oss"),
+                                         embedded_model)
+
+
+def _randomize(model, name_endings: tuple[str, ...], center: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(name_endings):
+                parameter.normal_(center, 0.5)
+
+
+def _save_with_embedded_tokenizer(model, path: Path, embedded_model: str) -> str:
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         source = Path(embedded_model) / name

@@ -91,8 +91,10 @@ def build_case(
                      old_values)
 
 
-def dense_attention(case: PagedCase, layer: int, scale: float) -> torch.Tensor:
-    """Loop reference: each query head against its KV head's dense history + new tokens."""
+def dense_attention(case: PagedCase, layer: int, scale: float, soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Loop reference: each query head against its KV head's dense history + new tokens, with
+    the model's softmax: logits soft-capped, a sink logit per query head in the denominator."""
     heads = case.layout.num_kv_heads
     group = case.query.shape[1] // heads
     out = torch.zeros(case.query.shape, dtype=torch.float64)
@@ -109,7 +111,47 @@ def dense_attention(case: PagedCase, layer: int, scale: float) -> torch.Tensor:
                 for g in range(group):
                     q = case.query[first + i, head * group + g].double()
                     logits = keys[: before + i + 1] @ q * scale
-                    out[first + i, head * group + g] = torch.softmax(logits, 0) @ values[
-                        : before + i + 1
-                    ]
+                    if soft_cap:
+                        logits = soft_cap * torch.tanh(logits / soft_cap)
+                    sink = -torch.inf if sinks is None else float(sinks[head * group + g])
+                    probs = torch.softmax(torch.cat([logits, logits.new_tensor([sink])]), 0)
+                    out[first + i, head * group + g] = probs[:-1] @ values[: before + i + 1]
     return out
+
+
+# The model softmaxes the attention tests run: Gemma-2-style soft-capping, gpt-oss-style sinks
+# (one logit per query head), both. A cap of 1 and sinks of spread 2 change every row.
+MODEL_SOFTMAXES = ["soft_cap", "sinks", "both"]
+
+
+def model_softmax(kind: str, num_query_heads: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Keywords for the kernels; sinks in the model's dtype, as vLLM hands the parameter."""
+    sinks = 2 * torch.randn(num_query_heads, generator=torch.Generator().manual_seed(7))
+    return {
+        "soft_cap": dict(soft_cap=1.0),
+        "sinks": dict(sinks=sinks.to(dtype)),
+        "both": dict(soft_cap=1.0, sinks=sinks.to(dtype)),
+    }[kind]
+
+
+def dense_window_probs(case: PagedCase, layer: int, scale: float, soft_cap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities ``[H, G, W, prompt]`` (float64) of the one request of ``case`` (its whole
+    prompt in the step, no earlier chunk) for its observation-window queries, written out:
+    soft-capped logits, masked future, the sink appended to the softmax and dropped after."""
+    window = case.step.window_queries[0]
+    heads = case.layout.num_kv_heads
+    group = case.query.shape[1] // heads
+    keys = case.new_keys[:, case.step.layer_rows(layer)].double()  # [S, H, D]
+    prompt = keys.shape[0]
+    queries = case.query[window.first_query : window.first_query + window.num_queries].double()
+    grouped = queries.view(window.num_queries, heads, group, -1)
+    logits = torch.einsum("whgd,shd->hgws", grouped, keys) * scale
+    if soft_cap:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    positions = window.first_query + torch.arange(window.num_queries)
+    logits = logits.masked_fill(torch.arange(prompt)[None, :] > positions[:, None], -torch.inf)
+    sink = torch.full((heads, group, window.num_queries, 1), -torch.inf, dtype=torch.float64)
+    if sinks is not None:
+        sink = sinks.double().view(heads, group, 1, 1).expand_as(sink)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]

@@ -4,7 +4,9 @@ Selected by the kvcompress workers, in their own process only: the CPU worker re
 CPU_ATTN registry entry to it, the CUDA worker the CUSTOM entry
 (``vllm_hooks.attention_backend_override``). The backend is thin: metadata comes from the
 worker's paged-KV runtime (found through ``kvcompress.step.runtime_for``), the arithmetic
-from the platform kernel (``kvcompress.step.PlatformKernel``).
+from the platform kernel (``kvcompress.step.PlatformKernel``). A layer that soft-caps its
+logits or has attention sinks passes them to ``attend_layer``, which hands them to the kernel
+and to every score.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class KVCompressAttentionBackend(AttentionBackend):
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        # vLLM's backend selection on CUDA asks before building a model with attention sinks.
+        return True
 
     @staticmethod
     def get_impl_cls() -> type[KVCompressAttentionImpl]:
@@ -110,8 +117,6 @@ class KVCompressAttentionImpl(AttentionImpl):
         unsupported = {
             "ALiBi": alibi_slopes is not None,
             "sliding-window attention": sliding_window is not None,
-            "logits soft-capping": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
@@ -129,6 +134,10 @@ class KVCompressAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.sliding_window = None
         self.kv_sharing_target_layer_name = None
+        # vLLM spells "no soft-cap" None or 0. The sinks stay the model's parameter (its
+        # values are loaded after this), one logit per query head.
+        self.logits_soft_cap = logits_soft_cap or None
+        self.sinks = sinks
 
     def forward(
         self,
@@ -148,4 +157,4 @@ class KVCompressAttentionImpl(AttentionImpl):
             return output.fill_(0)  # warm-up / profiling without a KV cache
         layer_index = attn_metadata.layer_index[layer.layer_name]
         return attend_layer(attn_metadata, layer_index, query, key, value, kv_cache, output,
-                            self.scale)
+                            self.scale, soft_cap=self.logits_soft_cap, sinks=self.sinks)

@@ -4,6 +4,10 @@ vLLM's CPU kernel reads one block table per sequence. Treating every (request, K
 pair as its own sequence with one KV head and G query heads lets it read our per-head
 page tables unchanged: the pool viewed as ``[pages, 1, 2 * page_size, head_size]`` is
 exactly its KV-cache layout (K transposed per page for the vec/vec16 ISAs, V row-major).
+
+The kernel also applies the model's logit soft-cap and attention sinks. It takes one sink
+per query head of a sequence, the same for every sequence, while ours differ per KV head, so
+a layer with sinks runs one call per KV head (over that head's sequences).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ class CpuStepArgs:
     """The step's batch re-indexed as one sequence per (KV head, request), head-major."""
 
     query_start_loc: torch.Tensor  # [H * R + 1] int32
+    request_start_loc: torch.Tensor  # [R + 1] int32: one KV head's sequences
     seq_lens: torch.Tensor  # [L, H * R] int32
     block_tables: torch.Tensor  # [L, H * R, max_pages] int32
-    scheduler_metadata: dict[int, torch.Tensor] = field(default_factory=dict)
+    # By (layer, KV head), or (layer, None) for the call over every head's sequences.
+    scheduler_metadata: dict[tuple[int, int | None], torch.Tensor] = field(
+        default_factory=dict)
 
 
 class CpuPagedKernel:
@@ -62,6 +69,7 @@ class CpuPagedKernel:
         ).to(torch.int32)
         return CpuStepArgs(
             query_start_loc=query_start_loc,
+            request_start_loc=starts,
             seq_lens=seq_lens.to(torch.int32).contiguous(),
             block_tables=block_tables.to(torch.int32).contiguous(),
         )
@@ -77,38 +85,66 @@ class CpuPagedKernel:
         )
 
     def attend(self, args: CpuStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
-               output: torch.Tensor, scale: float) -> None:
+               output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
+               sinks: torch.Tensor | None = None) -> None:
+        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``)."""
         num_tokens, num_q_heads, head_size = query.shape
         heads = self.layout.num_kv_heads
         group = num_q_heads // heads
         per_sequence = query.view(num_tokens, heads, group, head_size).transpose(0, 1)
         per_sequence = per_sequence.reshape(heads * num_tokens, group, head_size)
-        metadata = args.scheduler_metadata.get(layer)
-        if metadata is None:
-            metadata = args.scheduler_metadata[layer] = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=args.seq_lens.shape[1], num_heads=group, num_kv_heads=1,
-                head_dim=head_size, seq_lens=args.seq_lens[layer], dtype=self.dtype,
-                query_start_loc=args.query_start_loc, causal=True, sliding_window_size=-1,
-                isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            )
         result = torch.empty_like(per_sequence)
-        key_cache, value_cache = self._caches(pool)
-        ops.cpu_attention_with_kv_cache(
-            query=per_sequence, key_cache=key_cache, value_cache=value_cache, output=result,
-            query_start_loc=args.query_start_loc, seq_lens=args.seq_lens[layer], scale=scale,
-            causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=args.block_tables[layer], softcap=0,
-            scheduler_metadata=metadata, s_aux=None,
-        )
+        if sinks is None:
+            self._attend_sequences(args, layer, None, per_sequence, result, pool, scale,
+                                   soft_cap, None)
+        else:
+            head_sinks = _sinks_for_cpu_kernel(sinks).view(heads, group)
+            for head in range(heads):
+                rows = slice(head * num_tokens, (head + 1) * num_tokens)
+                self._attend_sequences(args, layer, head, per_sequence[rows], result[rows], pool,
+                                       scale, soft_cap, head_sinks[head])
         output.view(num_tokens, heads, group, head_size).copy_(
             result.view(heads, num_tokens, group, head_size).transpose(0, 1)
         )
 
+    def _attend_sequences(self, args: CpuStepArgs, layer: int, head: int | None,
+                          query: torch.Tensor, result: torch.Tensor, pool: torch.Tensor,
+                          scale: float, soft_cap: float | None,
+                          sinks: torch.Tensor | None) -> None:
+        """One call of vLLM's kernel over the sequences of KV head ``head`` (``query [R * T',
+        G, D]``), or of every head (``head`` None, ``query [H * T', G, D]``)."""
+        if head is None:
+            query_start_loc = args.query_start_loc
+            sequences = slice(None)
+        else:
+            num_reqs = args.request_start_loc.numel() - 1
+            query_start_loc = args.request_start_loc
+            sequences = slice(head * num_reqs, (head + 1) * num_reqs)
+        seq_lens = args.seq_lens[layer, sequences]
+        metadata = args.scheduler_metadata.get((layer, head))
+        if metadata is None:
+            metadata = args.scheduler_metadata[layer, head] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=seq_lens.numel(), num_heads=query.shape[1], num_kv_heads=1,
+                head_dim=query.shape[2], seq_lens=seq_lens, dtype=self.dtype,
+                query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
+                isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            )
+        key_cache, value_cache = self._caches(pool)
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=result,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale,
+            causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=args.block_tables[layer, sequences], softcap=soft_cap or 0,
+            scheduler_metadata=metadata, s_aux=sinks,
+        )
+
     def accumulate_window_scores(self, args: CpuStepArgs, layer: int, query: torch.Tensor,
                                  key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
-                                 scale: float, group_reduce: str) -> None:
+                                 scale: float, group_reduce: str, *,
+                                 soft_cap: float | None = None,
+                                 sinks: torch.Tensor | None = None) -> None:
         accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
-                                 group_reduce, key=key)
+                                 group_reduce, key=key, soft_cap=soft_cap, sinks=sinks)
 
     def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
              *, disjoint: bool = False) -> None:
@@ -118,3 +154,10 @@ class CpuPagedKernel:
     def _caches(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_pages, _, page_size, head_size = pool.shape
         return pool.view(num_pages, 1, 2 * page_size, head_size).chunk(2, dim=2)
+
+
+def _sinks_for_cpu_kernel(sinks: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU kernel reads sinks in bf16 or fp32 (as vLLM's own CPU backend hands them)."""
+    if sinks.dtype in (torch.bfloat16, torch.float32):
+        return sinks
+    return sinks.float()

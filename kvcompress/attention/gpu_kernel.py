@@ -107,12 +107,14 @@ class TritonPagedKernel:
                  use_triton=self.use_triton)
 
     def attend(self, args: TritonStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
-               output: torch.Tensor, scale: float) -> None:
+               output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
+               sinks: torch.Tensor | None = None) -> None:
+        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``)."""
         rows = self._rows(layer)
         paged_attention(
             query, pool, args.page_tables[:, rows], args.kv_lens[:, rows],
-            args.query_start_loc, scale, output.view(query.shape),
-            max_query_len=args.max_query_len, max_kv_len=args.max_kv_len[layer],
+            args.query_start_loc, scale, output.view(query.shape), soft_cap=soft_cap,
+            sinks=sinks, max_query_len=args.max_query_len, max_kv_len=args.max_kv_len[layer],
             use_triton=self.use_triton,
         )
 
@@ -126,6 +128,9 @@ class TritonPagedKernel:
         step: StepBatch,
         scale: float,
         group_reduce: str = "mean",
+        *,
+        soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Add this layer's window probabilities into each window's accumulator, as
         :func:`kvcompress.attention.window_scores.accumulate_window_scores` does, in one
@@ -137,7 +142,7 @@ class TritonPagedKernel:
             return
         if group_reduce not in ("mean", "sum"):
             accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
-                                     group_reduce, key=key)
+                                     group_reduce, key=key, soft_cap=soft_cap, sinks=sinks)
             return
         rows = self._rows(layer)
         num_keys = [keys[layer] for keys in windows.num_keys]
@@ -148,8 +153,8 @@ class TritonPagedKernel:
         window_scores(
             query.index_select(0, windows.rows), pool, windows.page_tables[:, rows],
             windows.kv_lens[:, rows], windows.query_start_loc, windows.window_start, scale,
-            scores, max_window_len=windows.max_window_len, max_kv_len=max(num_keys),
-            use_triton=self.use_triton,
+            scores, soft_cap=soft_cap, sinks=sinks, max_window_len=windows.max_window_len,
+            max_kv_len=max(num_keys), use_triton=self.use_triton,
         )
         if group_reduce == "mean":
             scores /= query.shape[1] // self.layout.num_kv_heads
@@ -162,8 +167,8 @@ class TritonPagedKernel:
              *, disjoint: bool = False) -> None:
         """Copy K and V of ``src_slots`` to ``dst_slots``. The native CUDA kernel, else the
         Triton one, copy in parallel and in place: only for lists the caller knows are
-        disjoint (hole filling). Overlapping lists (a decode-window trim by less than the
-        window, a resumed request) gather every source first, then scatter."""
+        disjoint (hole filling). Overlapping lists (a decode eviction of fewer tokens than
+        it keeps, a resumed request) gather every source first, then scatter."""
         if src_slots.numel() == 0:
             return
         if not disjoint:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from kvcompress.attention.decode_scores import accumulate_decode_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
@@ -19,34 +21,63 @@ logger = get_logger(__name__)
 
 def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
-                 output: torch.Tensor, scale: float) -> torch.Tensor:
+                 output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Stages 3-4 of a step (``kvcompress.step``) for one layer: write the step's K/V
-    ``[T, H, D]`` into every head's row, attend (``query [T, Hq, D]`` into ``output``), and
-    add the observation-window probabilities of requests finishing their prompt (if that
-    fails, those requests are marked failed and the layer goes on). Tensors may be padded
-    beyond ``metadata.num_actual_tokens``; returns ``output``."""
+    ``[T, H, D]`` into every head's row, attend (``query [T, Hq, D]`` into ``output``), add
+    the observation-window probabilities of requests finishing their prompt and the decode
+    scores of decoding requests whose decode policy scores this step (if that fails, those
+    requests are marked failed and the layer goes on). Tensors may be padded beyond
+    ``metadata.num_actual_tokens``; returns ``output``. ``soft_cap`` / ``sinks [Hq]``: the
+    layer's softmax, used by attention and every score alike."""
     step, kernel = metadata.step, metadata.kernel
     num_tokens = metadata.num_actual_tokens
     query, output = query[:num_tokens], output[:num_tokens]
     key, value = key[:num_tokens], value[:num_tokens]
     kernel.write(pool, key, value, step.slot_mapping[:, step.layer_rows(layer_index)])
-    kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale)
+    softmax = {"soft_cap": soft_cap, "sinks": sinks}
+    kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale, **softmax)
     if step.window_queries:
         started = time.perf_counter()
         try:
             maybe_fail("score", [window.prompt_len for window in step.window_queries])
             kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
-                                            pool, step, scale, metadata.group_reduce)
+                                            pool, step, scale, metadata.group_reduce, **softmax)
         except Exception:
             logger.exception("kvcompress: scoring the observation windows failed; "
                              "scoring them one by one")
-            _score_one_by_one(metadata, layer_index, query, key, pool, scale)
+            _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
+        step.score_seconds += time.perf_counter() - started
+    if step.decode_queries:
+        started = time.perf_counter()
+        _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
         step.score_seconds += time.perf_counter() - started
     return output
 
 
+def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
+                          query: torch.Tensor, pool: torch.Tensor, scale: float,
+                          softmax: dict[str, Any]) -> None:
+    """Each decoding request alone (torch path): one that fails loses only itself, and stops
+    being scored in the later layers of this step."""
+    step = metadata.step
+    healthy = []
+    for decode in step.decode_queries:
+        try:
+            maybe_fail("score", [decode.prompt_len])
+            accumulate_decode_scores(query, pool, metadata.kernel.page_format, step, decode,
+                                     layer_index, scale, metadata.group_reduce, **softmax)
+            healthy.append(decode)
+        except Exception as error:
+            request_id = step.req_ids[decode.batch_index]
+            logger.exception("kvcompress: decode scoring failed for request %s", request_id)
+            step.fail([request_id], f"decode scoring failed: {error!r}")
+    step.decode_queries = healthy
+
+
 def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
-                      key: torch.Tensor, pool: torch.Tensor, scale: float) -> None:
+                      key: torch.Tensor, pool: torch.Tensor, scale: float,
+                      softmax: dict[str, Any]) -> None:
     """After a batched scoring failure: each window alone, on the torch path, so that only
     the windows that fail lose their request. This layer's share of a window's scores is
     recomputed from zero, which is exact only when the whole window is in this step; a
@@ -62,7 +93,7 @@ def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query:
             maybe_fail("score", [window.prompt_len])
             accumulate_window_scores(query, pool, metadata.kernel.page_format,
                                      replace(step, window_queries=[window]), layer_index,
-                                     scale, metadata.group_reduce, key=key)
+                                     scale, metadata.group_reduce, key=key, **softmax)
             healthy.append(window)
         except Exception as error:
             step.fail([request_id], f"window scoring failed: {error!r}")

@@ -4,13 +4,16 @@ On a request's last prefill chunk(s) the queries of its observation window (the 
 prompt positions) score every earlier prompt key: fp32 softmax probabilities, reduced
 over the query heads of each KV head, summed over the window queries, added into the
 request's ``[layers, kv_heads, prompt_len]`` accumulator. Only those W queries are
-scored, never the whole chunk.
+scored, never the whole chunk. The probabilities are the model's own
+(``kvcompress.kernels.logits.attention_probs``): soft-capped logits, and with attention
+sinks the sink's share is missing, so a query's probabilities over real keys sum to < 1.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcompress.kernels.logits import attention_probs
 from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies.scores import aggregate_window_probs
 from kvcompress.step import StepBatch
@@ -25,12 +28,17 @@ def accumulate_window_scores(
     scale: float,
     group_reduce: str = "mean",
     key: torch.Tensor | None = None,
+    *,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """``query [T, Hq, D]`` (and optionally ``key [T, H, D]``) are this step's, for
     ``layer``; given ``key``, a prompt entirely in this step is scored without reading
-    the pool."""
+    the pool. ``soft_cap`` and ``sinks [Hq]``: the layer's softmax, as the model has it."""
     rows = step.layer_rows(layer)
     num_kv_heads = step.layout.num_kv_heads
+    # [H, G, 1]: one sink per query head, against logits [H, G, w, S].
+    sink_logits = None if sinks is None else sinks.view(num_kv_heads, -1, 1)
     for window in step.window_queries:
         index = window.batch_index
         start = step.query_start_loc[index]
@@ -53,5 +61,5 @@ def accumulate_window_scores(
         key_pos = torch.arange(num_keys, device=query_pos.device)
         future = key_pos[None, None, :] > query_pos[:, :, None]  # [H, w, S]
         logits.masked_fill_(future[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = attention_probs(logits, soft_cap, sink_logits)
         window.scores[layer, :, :num_keys] += aggregate_window_probs(probs, group_reduce)

@@ -9,6 +9,7 @@ Importing this package never imports or compiles Triton code; kernels are built 
 
 from ._triton_support import has_triton, has_triton_gpu, triton_interpret_enabled
 from .hole_filling import HoleFillingPlan, plan_hole_filling_moves, positions_to_slots
+from .logits import attention_lse, attention_probs, soft_cap_logits
 from .move_kv import move_kv, move_kv_ref, move_kv_triton
 from .paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
 from .window_scores import window_scores, window_scores_ref, window_scores_triton
@@ -16,6 +17,8 @@ from .write_kv import write_kv, write_kv_ref, write_kv_triton
 
 __all__ = [
     "HoleFillingPlan",
+    "attention_lse",
+    "attention_probs",
     "has_triton",
     "has_triton_gpu",
     "move_kv",
@@ -26,6 +29,7 @@ __all__ = [
     "paged_attention_triton",
     "plan_hole_filling_moves",
     "positions_to_slots",
+    "soft_cap_logits",
     "triton_interpret_enabled",
     "window_scores",
     "window_scores_ref",

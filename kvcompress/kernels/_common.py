@@ -83,3 +83,24 @@ def gather_head_tokens(
 def slots_to_page_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split flat slots (page * page_size + offset) into (page, offset)."""
     return torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
+
+
+def check_sinks(sinks: torch.Tensor | None, num_query_heads: int) -> None:
+    """Attention sinks are one logit per query head: ``[H_q]``, floating point."""
+    if sinks is None:
+        return
+    if tuple(sinks.shape) != (num_query_heads,) or not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be a float tensor [{num_query_heads}], got {sinks.dtype} "
+            f"{tuple(sinks.shape)}"
+        )
+
+
+def sinks_per_row(sinks: torch.Tensor | None, num_kv_heads: int, rows_per_query_head: int
+                  ) -> torch.Tensor | None:
+    """``sinks [H_q]`` laid out like score rows ``[H_kv, GROUP * n]`` (group-major, as the
+    references order them: row ``g * n + i`` is query head ``h * GROUP + g``, token i)."""
+    if sinks is None:
+        return None
+    grouped = sinks.view(num_kv_heads, -1, 1)
+    return grouped.expand(-1, -1, rows_per_query_head).reshape(num_kv_heads, -1)

@@ -4,7 +4,9 @@ Grid ``(query block, kv head, kv split)``. A program owns BLOCK_Q query tokens o
 all GROUP query heads that share one KV head: its tile has BLOCK_M = BLOCK_Q * GROUP rows (row m is
 query token m // GROUP, query head m % GROUP of the group), so every K/V page is read once for the
 whole GQA group. Keys are gathered token by token through the head's page table, so any tile width
-works with any page size. Online softmax in fp32 (base-2 exponent, scale folded in).
+works with any page size. Online softmax in fp32 (base-2 exponent, scale folded in), optionally
+soft-capped (HAS_SOFT_CAP) and with a sink logit per query head (HAS_SINKS): the sink starts the
+running max and sum of split 0, so it joins the denominator once and adds nothing to the output.
 """
 
 import triton
@@ -15,7 +17,9 @@ from ._triton_support import load_kernel_module
 _helpers = load_kernel_module("_triton_helpers")
 row_sum = _helpers.row_sum
 row_max = _helpers.row_max
+soft_cap = _helpers.soft_cap
 
+LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)  # must be a constexpr instance, not an annotation
 
 
@@ -50,6 +54,8 @@ def paged_attention_kernel(
     partial_acc_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    sinks_ptr,
+    soft_cap_log2,
     scale_log2,
     num_requests,
     num_query_tokens,
@@ -76,6 +82,8 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -125,6 +133,11 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
+    if HAS_SINKS:
+        # exp2(sink - m) == 1 at m == sink. Only split 0 carries it, so the merge counts it once.
+        sink = tl.load(sinks_ptr + q_head, mask=row_valid, other=0.0) * LOG2E
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
 
     for start in range(scan_begin, scan_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
@@ -146,6 +159,8 @@ def paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:
+            s = soft_cap(s, soft_cap_log2)
         visible = (keys[None, :] <= row_limit[:, None]) & key_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, 1))

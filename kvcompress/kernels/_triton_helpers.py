@@ -25,3 +25,26 @@ def row_sum(x, AXIS: tl.constexpr):
 @triton.jit
 def row_max(x, AXIS: tl.constexpr):
     return tl.reduce(x, AXIS, MAX_COMBINE)
+
+
+MINUS_TWO_LOG2E = tl.constexpr(-2.8853900817779268)  # exp(-2|z|) == exp2(|z| * MINUS_TWO_LOG2E)
+TANH_SERIES_BELOW = tl.constexpr(0.2)
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)`` (logit soft-capping), scores and cap in the same units.
+
+    Triton has no portable tanh. Away from 0 it comes from one exp2 of a non-positive
+    argument (no overflow at any score); near 0, where ``1 - exp(-2|z|)`` would cancel, from
+    its Taylor series (error below 1e-7 relative for |z| < 0.2).
+    """
+    z = scores / cap
+    # tensor * constexpr, never constexpr * tensor (that would wrap the tensor in a constexpr).
+    decay = tl.exp2(tl.abs(z) * MINUS_TWO_LOG2E)
+    magnitude = (1.0 - decay) / (1.0 + decay)
+    z2 = z * z
+    series = z * (1.0 + z2 * (-0.3333333333333333 + z2 * (0.13333333333333333
+                                                          + z2 * -0.05396825396825397)))
+    tanh = tl.where(tl.abs(z) < TANH_SERIES_BELOW, series, tl.where(z < 0, -magnitude, magnitude))
+    return tanh * cap

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 from types import ModuleType
 
 import torch
 
 _TRUE_STRINGS = ("1", "true", "on", "yes")
+LOG2E = math.log2(math.e)
 _kernel_modules: dict[tuple[str, bool], ModuleType] = {}
 
 
@@ -116,3 +118,15 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     """``tl.dot`` input precision: exact fp32 for fp32 models (tf32 would cost ~1e-3 relative
     error), the backend default (None) for 16-bit inputs."""
     return "ieee" if dtype == torch.float32 else None
+
+
+def triton_softmax_args(soft_cap: float | None, sinks: torch.Tensor | None,
+                        like: torch.Tensor) -> tuple[tuple[torch.Tensor, float], dict[str, bool]]:
+    """The model-softmax launch arguments shared by the attention and window-score kernels:
+    ``(sinks pointer, soft cap in base-2 logit units)`` and their constexpr switches. The
+    kernels work in base-2 logits (``score * log2(e)``); ``cap * tanh(x / cap)`` scales the
+    same way, so the cap is converted once here. Without sinks ``like`` is a dummy pointer."""
+    sinks_arg = like if sinks is None else sinks.to(like.device, torch.float32).contiguous()
+    soft_cap_log2 = float(soft_cap) * LOG2E if soft_cap else 0.0
+    flags = {"HAS_SOFT_CAP": bool(soft_cap), "HAS_SINKS": sinks is not None}
+    return (sinks_arg, soft_cap_log2), flags

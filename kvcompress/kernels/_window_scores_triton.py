@@ -7,6 +7,8 @@ Two passes, both gathering keys through the per-head page tables:
    over the window rows (BLOCK_Q tokens x GROUP heads per step), sums their probabilities per key
    and adds the column sums into ``scores[r, h, tile]``. Each program owns its tile: no atomics,
    deterministic.
+Scores are soft-capped before the softmax when HAS_SOFT_CAP; a sink logit per query head
+(HAS_SINKS) starts pass 1's running max and sum, so it is in the LSE that pass 2 divides by.
 """
 
 import triton
@@ -17,6 +19,7 @@ from ._triton_support import load_kernel_module
 _helpers = load_kernel_module("_triton_helpers")
 row_sum = _helpers.row_sum
 row_max = _helpers.row_max
+soft_cap = _helpers.soft_cap
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)  # must be a constexpr instance, not an annotation
@@ -31,6 +34,8 @@ def window_lse_kernel(
     query_start_loc_ptr,
     window_start_ptr,
     lse_ptr,
+    sinks_ptr,
+    soft_cap_log2,
     scale_log2,
     stride_q_tok,
     stride_q_head,
@@ -52,6 +57,8 @@ def window_lse_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,6 +91,10 @@ def window_lse_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink joins the denominator: exp2(sink - m) == 1 at m == sink.
+        m_i = tl.load(sinks_ptr + q_head, mask=row_valid, other=0.0) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     for start in range(0, scan_len, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_valid = keys < scan_len
@@ -97,6 +108,8 @@ def window_lse_kernel(
         if DOT_FP32:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:
+            s = soft_cap(s, soft_cap_log2)
         s = tl.where((keys[None, :] <= row_limit[:, None]) & key_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -117,6 +130,7 @@ def window_scores_kernel(
     window_start_ptr,
     lse_ptr,
     scores_ptr,
+    soft_cap_log2,
     scale_log2,
     max_positions,
     stride_q_tok,
@@ -141,6 +155,7 @@ def window_scores_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,6 +204,8 @@ def window_scores_kernel(
             lse_ptr + token * stride_lse_tok + q_head * stride_lse_head, mask=row_valid, other=0.0
         ) * LOG2E
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:
+            s = soft_cap(s, soft_cap_log2)
         visible = (keys[None, :] <= (context_len + q_pos)[:, None]) & key_valid[None, :]
         visible = visible & row_valid[:, None]
         probs = tl.where(visible, tl.exp2(s - lse_log2[:, None]), 0.0)

@@ -13,6 +13,9 @@ Semantics shared by the torch reference and the Triton kernel:
 * fp32 softmax/accumulation, result written into ``out: [T, H_q, D]`` (query dtype). Optional
   ``lse_out: float32[T, H_q]`` receives the natural-log log-sum-exp of the scaled scores (usable by
   :func:`kvcompress.kernels.window_scores` to skip its statistics pass).
+* The model's softmax (:mod:`kvcompress.kernels.logits`): ``soft_cap`` (float, None or 0 for none)
+  caps every scaled score to ``soft_cap * tanh(score / soft_cap)``; ``sinks: [H_q]`` (any float
+  dtype) adds one logit per query head to the softmax denominator only. The LSE includes the sink.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 
 import torch
 
-from ._common import check_paged_inputs, gather_head_tokens
+from ._common import check_paged_inputs, check_sinks, gather_head_tokens, sinks_per_row
 from ._triton_support import (
     can_run_triton,
     check_triton_device,
@@ -30,7 +33,9 @@ from ._triton_support import (
     dot_precision,
     load_kernel_module,
     next_power_of_2,
+    triton_softmax_args,
 )
+from .logits import attention_lse, attention_probs
 
 # Split-K: aim for this many programs per SM, never give a split fewer tokens than this.
 _TARGET_PROGRAMS_PER_SM = 4
@@ -50,6 +55,8 @@ def paged_attention(
     out: torch.Tensor,
     *,
     lse_out: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
@@ -64,11 +71,12 @@ def paged_attention(
     if use_triton:
         return paged_attention_triton(
             query, pool, page_tables, kv_lens, query_start_loc, scale, out,
-            lse_out=lse_out, max_query_len=max_query_len, max_kv_len=max_kv_len,
-            num_splits=num_splits,
+            lse_out=lse_out, soft_cap=soft_cap, sinks=sinks, max_query_len=max_query_len,
+            max_kv_len=max_kv_len, num_splits=num_splits,
         )
     return paged_attention_ref(
-        query, pool, page_tables, kv_lens, query_start_loc, scale, out, lse_out=lse_out
+        query, pool, page_tables, kv_lens, query_start_loc, scale, out, lse_out=lse_out,
+        soft_cap=soft_cap, sinks=sinks,
     )
 
 
@@ -85,6 +93,8 @@ def paged_attention_ref(
     out: torch.Tensor,
     *,
     lse_out: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
 ) -> torch.Tensor:
@@ -98,6 +108,8 @@ def paged_attention_ref(
     num_requests, num_kv_heads, _ = check_paged_inputs(
         query, pool, page_tables, kv_lens, query_start_loc
     )
+    check_sinks(sinks, query.shape[1])
+    softmax = dict(soft_cap=soft_cap, sinks=sinks)
     starts = query_start_loc.tolist()
     lens_cpu = kv_lens.to("cpu", torch.long)
     head_size = pool.shape[3]
@@ -113,6 +125,7 @@ def paged_attention_ref(
             _attend_rows(
                 query, pool, page_tables, lens_cpu, scale, out, lse_out, chunk, tokens,
                 query_positions=torch.zeros_like(tokens), query_lens=torch.ones(len(chunk)),
+                **softmax,
             )
 
     for r in range(num_requests):
@@ -126,7 +139,7 @@ def paged_attention_ref(
             _attend_rows(
                 query, pool, page_tables, lens_cpu, scale, out, lse_out, [r],
                 starts[r] + positions, query_positions=positions,
-                query_lens=torch.tensor([query_len]),
+                query_lens=torch.tensor([query_len]), **softmax,
             )
     return out
 
@@ -143,6 +156,8 @@ def _attend_rows(
     tokens: torch.Tensor,
     query_positions: torch.Tensor,
     query_lens: torch.Tensor,
+    soft_cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     """Attention for ``tokens: [B, n]`` (global query rows) of ``requests`` (B of them)."""
     num_requests = len(requests)
@@ -175,18 +190,15 @@ def _attend_rows(
     visible = visible.to(scores.device)
     scores = scores.masked_fill(~visible, float("-inf"))
 
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    probs = torch.exp(scores - row_max)
-    row_sum = probs.sum(dim=-1, keepdim=True)
-    safe_sum = torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
-    result = torch.matmul(probs, values) / safe_sum  # [B, H_kv, G * n, D]
+    row_sinks = sinks_per_row(sinks, num_kv_heads, num_tokens)
+    probs = attention_probs(scores, soft_cap, row_sinks).nan_to_num_(0.0)  # no key seen: 0
+    result = torch.matmul(probs, values)  # [B, H_kv, G * n, D]
 
     result = result.view(num_requests, num_kv_heads, group, num_tokens, head_size)
     result = result.permute(0, 3, 1, 2, 4).reshape(-1, num_query_heads, head_size)
     out[flat_tokens] = result.to(out.dtype)
     if lse_out is not None:
-        lse = torch.where(row_sum == 0, float("-inf"), torch.log(safe_sum) + row_max).squeeze(-1)
+        lse = attention_lse(scores, soft_cap, row_sinks)
         lse = lse.view(num_requests, num_kv_heads, group, num_tokens).permute(0, 3, 1, 2)
         lse_out[flat_tokens] = lse.reshape(-1, num_query_heads).to(lse_out.dtype)
 
@@ -204,6 +216,8 @@ def paged_attention_triton(
     out: torch.Tensor,
     *,
     lse_out: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
@@ -223,6 +237,7 @@ def paged_attention_triton(
         query, pool, page_tables, kv_lens, query_start_loc
     )
     check_triton_device(query, pool, page_tables, kv_lens, query_start_loc, out)
+    check_sinks(sinks, query.shape[1])
     if query.dtype != pool.dtype:
         raise TypeError(f"query dtype {query.dtype} != pool dtype {pool.dtype}")
     if query.stride(-1) != 1 or out.stride(-1) != 1 or page_tables.stride(-1) != 1:
@@ -274,10 +289,11 @@ def paged_attention_triton(
     else:
         partial_acc = partial_max = partial_sum = out  # unused
 
+    softmax_args, softmax_flags = triton_softmax_args(soft_cap, sinks, query)
     kernels = load_kernel_module("_paged_attention_triton")
     kernels.paged_attention_kernel[(grid_q_blocks, num_kv_heads, num_splits)](
         query, pool, page_tables, kv_lens, query_start_loc,
-        out, lse_arg, partial_acc, partial_max, partial_sum,
+        out, lse_arg, partial_acc, partial_max, partial_sum, *softmax_args,
         float(scale) * math.log2(math.e),
         num_requests, num_tokens, num_query_heads,
         query.stride(0), query.stride(1),
@@ -295,6 +311,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         STORE_LSE=store_lse and num_splits == 1,
+        **softmax_flags,
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps or (4 if block_m <= 64 else 8),

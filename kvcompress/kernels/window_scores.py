@@ -18,6 +18,10 @@ K/V *after* the new tokens were written, typically on the last prefill chunk) an
   (divide by GROUP for the mean).
 * ``softmax_lse: float32[T, H_q]`` optional natural-log log-sum-exp of the scaled scores of every
   row, e.g. ``lse_out`` of :func:`paged_attention` on the same batch; saves the statistics pass.
+* ``soft_cap`` / ``sinks [H_q]``: the model's softmax, as in :func:`paged_attention`
+  (:mod:`kvcompress.kernels.logits`): probabilities of soft-capped scores, and with sinks each
+  row's probabilities over real keys sum to less than 1 (the sink takes the rest). A given
+  ``softmax_lse`` must come from the same softmax.
 
 H2O-style decode accumulation: call it on a decode batch with ``window_start = 0`` (the window is
 the decode token itself), ideally with the attention's ``lse_out``.
@@ -29,7 +33,7 @@ import math
 
 import torch
 
-from ._common import check_paged_inputs, gather_head_tokens
+from ._common import check_paged_inputs, check_sinks, gather_head_tokens, sinks_per_row
 from ._triton_support import (
     can_run_triton,
     check_triton_device,
@@ -37,7 +41,9 @@ from ._triton_support import (
     dot_precision,
     load_kernel_module,
     next_power_of_2,
+    triton_softmax_args,
 )
+from .logits import attention_probs
 
 _REF_BLOCK_ELEMENTS = 1 << 25
 
@@ -53,6 +59,8 @@ def window_scores(
     scores_out: torch.Tensor,
     *,
     softmax_lse: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_window_len: int | None = None,
     max_kv_len: int | None = None,
     use_triton: bool | None = None,
@@ -63,10 +71,12 @@ def window_scores(
     if use_triton:
         return window_scores_triton(
             query, pool, page_tables, kv_lens, query_start_loc, window_start, scale, scores_out,
-            softmax_lse=softmax_lse, max_window_len=max_window_len, max_kv_len=max_kv_len,
+            softmax_lse=softmax_lse, soft_cap=soft_cap, sinks=sinks,
+            max_window_len=max_window_len, max_kv_len=max_kv_len,
         )
     return window_scores_ref(
-        query, pool, page_tables, kv_lens, query_start_loc, window_start, scale, scores_out
+        query, pool, page_tables, kv_lens, query_start_loc, window_start, scale, scores_out,
+        soft_cap=soft_cap, sinks=sinks,
     )
 
 
@@ -108,6 +118,8 @@ def window_scores_ref(
     scores_out: torch.Tensor,
     *,
     softmax_lse: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_window_len: int | None = None,
     max_kv_len: int | None = None,
 ) -> torch.Tensor:
@@ -119,6 +131,7 @@ def window_scores_ref(
     num_requests, num_kv_heads, group = _check(
         query, pool, page_tables, kv_lens, query_start_loc, window_start, scores_out
     )
+    check_sinks(sinks, query.shape[1])
     starts = query_start_loc.tolist()
     windows = window_start.tolist()
     lens_cpu = kv_lens.to("cpu", torch.long)
@@ -145,7 +158,8 @@ def window_scores_ref(
             limits = limits[:, None, :].expand(-1, group, -1).reshape(num_kv_heads, group * n)
             visible = torch.arange(max_len)[None, None, :] <= limits[:, :, None]
             scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows seeing nothing: 0
+            row_sinks = sinks_per_row(sinks, num_kv_heads, n)
+            probs = attention_probs(scores, soft_cap, row_sinks).nan_to_num_(0.0)  # nothing seen
             scores_out[r, :, :max_len] += probs.sum(dim=1)
     return scores_out
 
@@ -161,6 +175,8 @@ def window_scores_triton(
     scores_out: torch.Tensor,
     *,
     softmax_lse: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_window_len: int | None = None,
     max_kv_len: int | None = None,
     block_n: int | None = None,
@@ -174,6 +190,7 @@ def window_scores_triton(
         query, pool, page_tables, kv_lens, query_start_loc, window_start, scores_out
     )
     check_triton_device(query, pool, page_tables, kv_lens, query_start_loc, window_start)
+    check_sinks(sinks, query.shape[1])
     if query.dtype != pool.dtype:
         raise TypeError(f"query dtype {query.dtype} != pool dtype {pool.dtype}")
     num_tokens, num_query_heads, head_size = query.shape
@@ -190,6 +207,7 @@ def window_scores_triton(
     block_n = block_n or 64
     head_dim_pad = next_power_of_2(head_size)
     scale_log2 = float(scale) * math.log2(math.e)
+    (sinks_arg, soft_cap_log2), softmax_flags = triton_softmax_args(soft_cap, sinks, query)
     common = dict(
         GROUP=group,
         HEAD_DIM=head_size,
@@ -200,6 +218,7 @@ def window_scores_triton(
         BLOCK_N=block_n,
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
+        HAS_SOFT_CAP=softmax_flags["HAS_SOFT_CAP"],
         num_warps=4,
     )
     kernels = load_kernel_module("_window_scores_triton")
@@ -210,12 +229,13 @@ def window_scores_triton(
         window_blocks = -(-max_window_len // block_q)
         kernels.window_lse_kernel[(num_requests, num_kv_heads, window_blocks)](
             query, pool, page_tables, kv_lens, query_start_loc, window_start, softmax_lse,
-            scale_log2,
+            sinks_arg, soft_cap_log2, scale_log2,
             query.stride(0), query.stride(1),
             pool.stride(0), pool.stride(1), pool.stride(2),
             page_tables.stride(0), page_tables.stride(1),
             kv_lens.stride(0), kv_lens.stride(1),
             softmax_lse.stride(0), softmax_lse.stride(1),
+            HAS_SINKS=softmax_flags["HAS_SINKS"],
             **common,
         )
     elif softmax_lse.shape != (num_tokens, num_query_heads) or softmax_lse.dtype != torch.float32:
@@ -225,7 +245,7 @@ def window_scores_triton(
     grid_positions = min(max_positions, max_kv_len) if max_kv_len is not None else max_positions
     kernels.window_scores_kernel[(num_requests, num_kv_heads, -(-grid_positions // block_n))](
         query, pool, page_tables, kv_lens, query_start_loc, window_start, softmax_lse, scores_out,
-        scale_log2, max_positions,
+        soft_cap_log2, scale_log2, max_positions,
         query.stride(0), query.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2),
         page_tables.stride(0), page_tables.stride(1),

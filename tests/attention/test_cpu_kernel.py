@@ -9,7 +9,13 @@ from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import aggregate_window_probs
-from tests.paged_cases import build_case, dense_attention
+from tests.paged_cases import (
+    MODEL_SOFTMAXES,
+    build_case,
+    dense_attention,
+    dense_window_probs,
+    model_softmax,
+)
 
 LAYOUTS = {
     # unequal head lengths (a compressed request), decode, chunked prefill on context
@@ -39,6 +45,58 @@ def test_cpu_kernel_matches_dense_reference(page_size, head_size, group, dtype, 
         expected = dense_attention(case, layer, scale)
         tolerance = 2e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(output.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_cpu_kernel_applies_the_model_softmax(kind, dtype, layout_name):
+    """vLLM's kernel soft-caps and takes sinks; sinks differ per KV head, so one call per head
+    (fp16 sinks go in as fp32, as vLLM's own CPU backend passes them)."""
+    lengths, num_new = LAYOUTS[layout_name]
+    case = build_case(CPU_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
+                      group=3, head_size=64, page_size=16, dtype=dtype)
+    softmax = model_softmax(kind, case.query.shape[1], dtype)
+    kernel = CpuPagedKernel(case.layout, dtype)
+    args = kernel.prepare(case.step)
+    scale = 64**-0.5
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    for layer in range(2):
+        rows = case.step.layer_rows(layer)
+        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
+                     case.step.slot_mapping[:, rows])
+        output = torch.empty_like(case.query)
+        kernel.attend(args, layer, case.query, case.pool, output, scale, **softmax)
+        expected = dense_attention(case, layer, scale, **softmax)
+        assert (expected - dense_attention(case, layer, scale)).abs().max() > 0.05
+        torch.testing.assert_close(output.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("keys_from", ["step", "pool"])
+@pytest.mark.parametrize("group_reduce", ["mean", "max", "sum"])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_window_scores_use_the_model_softmax(kind, group_reduce, keys_from):
+    """Soft-capped logits; with sinks each query's mass on the prompt is below 1."""
+    heads, group, head_size, window = 2, 3, 32, 5
+    case = build_case(CPU_PAGE_FORMAT, [[0] * 2], [40], num_layers=1, num_kv_heads=heads,
+                      group=group, head_size=head_size, page_size=16, dtype=torch.float32,
+                      prompt_lens=[40], window=window, wants_compression=[True])
+    softmax = model_softmax(kind, heads * group)
+    kernel = CpuPagedKernel(case.layout, torch.float32)
+    kernel.write(case.pool, case.new_keys, case.new_values, case.step.slot_mapping)
+    if keys_from == "step":
+        kernel.accumulate_window_scores(kernel.prepare(case.step), 0, case.query,
+                                        case.new_keys, case.pool, case.step, 0.3, group_reduce,
+                                        **softmax)
+    else:
+        accumulate_window_scores(case.query, case.pool, CPU_PAGE_FORMAT, case.step, 0, 0.3,
+                                 group_reduce, **softmax)
+    probs = dense_window_probs(case, 0, 0.3, **softmax)
+    expected = aggregate_window_probs(probs, group_reduce).float()
+    torch.testing.assert_close(case.step.window_queries[0].scores[0], expected, atol=1e-5,
+                               rtol=1e-5)
+    if "sinks" in softmax and group_reduce == "sum":
+        assert float(expected.sum()) < window * heads * group - 1
 
 
 def test_kernel_write_matches_page_format_read():

@@ -17,7 +17,7 @@ from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.worker_compaction import compact_completed_prompts
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
-from tests.paged_cases import build_case, dense_attention
+from tests.paged_cases import MODEL_SOFTMAXES, build_case, dense_attention, model_softmax
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -54,6 +54,24 @@ def test_write_and_attend_match_dense_reference(dtype):
         kernel.attend(args, layer, case.query, case.pool, output, scale)
         tolerance = TOLERANCE[dtype]
         torch.testing.assert_close(output.double(), dense_attention(case, layer, scale),
+                                   atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_attend_applies_the_model_softmax(kind, dtype):
+    case = _case(*MIXED, dtype=dtype)
+    softmax = model_softmax(kind, case.query.shape[1], dtype)
+    kernel = TritonPagedKernel(case.layout, dtype, use_triton=True)
+    args = kernel.prepare(case.step)
+    scale = HEAD_SIZE**-0.5
+    _write_all_layers(kernel, case)
+    for layer in range(LAYERS):
+        output = torch.full_like(case.query, float("nan"))
+        kernel.attend(args, layer, case.query, case.pool, output, scale, **softmax)
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(output.double(),
+                                   dense_attention(case, layer, scale, **softmax),
                                    atol=tolerance, rtol=tolerance)
 
 
@@ -115,6 +133,34 @@ def test_window_scores_match_the_torch_path(group_reduce):
         keys = case.new_keys[:, case.step.layer_rows(layer)]
         kernel.accumulate_window_scores(args, layer, case.query, keys, case.pool, case.step,
                                         scale, group_reduce)
+    for window, want in zip(case.step.window_queries, expected):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(window.scores, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_window_scores_with_the_model_softmax_match_the_torch_path(kind, group_reduce):
+    """The Triton window scores ("mean") and the torch fallback ("max") both take the model's
+    softmax, and give what the torch path gives with it."""
+    lengths, num_new, prompt_lens = [[10] * 4, [0] * 4], [6, 27], [16, 30]
+    case = _case(lengths, num_new, group=3, prompt_lens=prompt_lens, window=4,
+                 wants_compression=[True, True])
+    softmax = model_softmax(kind, case.query.shape[1])
+    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True)
+    args = kernel.prepare(case.step)
+    _write_all_layers(kernel, case)
+    scale = HEAD_SIZE**-0.5
+    for layer in range(LAYERS):
+        accumulate_window_scores(case.query, case.pool, GPU_PAGE_FORMAT, case.step, layer,
+                                 scale, group_reduce, **softmax)
+    expected = [window.scores.clone() for window in case.step.window_queries]
+    for window in case.step.window_queries:
+        window.scores.zero_()
+    for layer in range(LAYERS):
+        keys = case.new_keys[:, case.step.layer_rows(layer)]
+        kernel.accumulate_window_scores(args, layer, case.query, keys, case.pool, case.step,
+                                        scale, group_reduce, **softmax)
     for window, want in zip(case.step.window_queries, expected):
         assert want.abs().sum() > 0
         torch.testing.assert_close(window.scores, want, atol=1e-5, rtol=1e-5)

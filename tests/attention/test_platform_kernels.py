@@ -1,4 +1,5 @@
-"""Both platform kernels implement the step contract's PlatformKernel, with its signatures."""
+"""Both platform kernels implement the step contract's PlatformKernel, with its exact
+signatures (the layer's softmax, ``soft_cap`` and ``sinks``, as keyword-only arguments)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def test_kernel_implements_the_protocol(kernel, page_format):
     assert kernel.page_format == page_format
     for name in METHODS:
         assert parameters(getattr(kernel, name)) == parameters(getattr(PlatformKernel, name)), name
+    for name in ("attend", "accumulate_window_scores"):
+        extra = inspect.signature(getattr(kernel, name)).parameters
+        assert [extra[key].kind for key in ("soft_cap", "sinks")] == [
+            inspect.Parameter.KEYWORD_ONLY] * 2, name
 
 
 def test_a_bare_page_format_is_a_mover_but_not_a_kernel():

@@ -109,8 +109,20 @@ def head_keys_values(case: PagedCase, r: int, h: int) -> tuple[torch.Tensor, tor
     return kv[:, 0], kv[:, 1]
 
 
-def dense_attention(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive per-request, per-query-head attention in float64: (out [T, H_q, D], lse [T, H_q])."""
+def model_logits(scores: torch.Tensor, hq: int, soft_cap: float | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
+    """Scaled float64 scores of query head ``hq`` as the model softmaxes them: soft-capped, and
+    the sink logit appended last (``-inf`` without sinks, so it weighs nothing)."""
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    sink = float("-inf") if sinks is None else float(sinks[hq])
+    return torch.cat([scores, torch.tensor([sink], dtype=scores.dtype)])
+
+
+def dense_attention(case: PagedCase, soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive per-request, per-query-head attention in float64: (out [T, H_q, D], lse [T, H_q]).
+    ``soft_cap`` / ``sinks [H_q]``: the model's softmax (the LSE includes the sink)."""
     num_tokens, num_query_heads, head_size = case.query.shape
     num_kv_heads = case.page_tables.shape[1]
     group = num_query_heads // num_kv_heads
@@ -126,14 +138,18 @@ def dense_attention(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
                 limit = int(case.kv_lens[r, h]) - query_len + i
                 q = query[t, hq].double()
                 scores = (keys[: limit + 1] @ q) * case.scale
-                probs = torch.softmax(scores, dim=0)
+                with_sink = model_logits(scores, hq, soft_cap, sinks)
+                probs = torch.softmax(with_sink, dim=0)[:-1]
                 out[t, hq] = probs @ values[: limit + 1]
-                lse[t, hq] = torch.logsumexp(scores, dim=0)
+                lse[t, hq] = torch.logsumexp(with_sink, dim=0)
     return out, lse
 
 
-def dense_window_scores(case: PagedCase, window_start: list[int], max_len: int) -> torch.Tensor:
-    """Naive observation-window scores: float64 [R, H_kv, max_len], summed over rows and group."""
+def dense_window_scores(case: PagedCase, window_start: list[int], max_len: int,
+                        soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Naive observation-window scores: float64 [R, H_kv, max_len], summed over rows and group,
+    with the model's softmax (``soft_cap``, ``sinks [H_q]``)."""
     num_query_heads = case.query.shape[1]
     num_kv_heads = case.page_tables.shape[1]
     group = num_query_heads // num_kv_heads
@@ -148,6 +164,22 @@ def dense_window_scores(case: PagedCase, window_start: list[int], max_len: int) 
             ):
                 limit = int(case.kv_lens[r, h]) - query_len + i
                 q = query[starts[r] + i, hq].double()
-                probs = torch.softmax((keys[: limit + 1] @ q) * case.scale, dim=0)
-                scores[r, h, : limit + 1] += probs
+                logits = (keys[: limit + 1] @ q) * case.scale
+                with_sink = model_logits(logits, hq, soft_cap, sinks)
+                scores[r, h, : limit + 1] += torch.softmax(with_sink, dim=0)[:-1]
     return scores
+
+
+def model_softmax(kind: str, num_query_heads: int) -> dict:
+    """Kernel keywords for the model softmaxes under test: Gemma-2-style soft-capping, gpt-oss-
+    style sinks, or both. A cap of 1 on scaled scores of spread ~1 and sinks of spread 2 change
+    every row, so a kernel that ignores either fails its comparison."""
+    sinks = 2 * torch.randn(num_query_heads, generator=torch.Generator().manual_seed(7))
+    return {
+        "soft_cap": dict(soft_cap=1.0),
+        "sinks": dict(sinks=sinks),
+        "both": dict(soft_cap=1.0, sinks=sinks),
+    }[kind]
+
+
+MODEL_SOFTMAXES = ["soft_cap", "sinks", "both"]

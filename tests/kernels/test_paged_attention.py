@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvcompress.kernels import paged_attention, paged_attention_ref, paged_attention_triton
-from tests.kernels.kernel_cases import TOLERANCES, PagedCase, dense_attention, make_case
+from tests.kernels.kernel_cases import (
+    MODEL_SOFTMAXES,
+    TOLERANCES,
+    PagedCase,
+    dense_attention,
+    make_case,
+    model_softmax,
+)
 
 # (query_lens, per-head context lengths before the new tokens) with 2 KV heads: decode rows,
 # prefill chunks on prior context, a fresh prefill (context 0), unequal head lengths and a
@@ -77,6 +84,48 @@ def test_triton_split_k(device, scenario, split_args, dtype):
     torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_reference_matches_dense_with_model_softmax(kind, group, dtype):
+    case = make_case(*MIXED, group=group, head_size=64, page_size=8, dtype=dtype)
+    softmax = model_softmax(kind, case.query.shape[1])
+    expected, expected_lse = dense_attention(case, **softmax)
+    plain, _ = dense_attention(case)
+    assert (expected - plain).abs().max() > 0.05, "the model softmax should change the output"
+    out, lse = run_attention(case, paged_attention_ref, **softmax)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_triton_matches_reference_with_model_softmax(device, kind, num_splits, dtype):
+    """Split-K too: the sink joins the denominator once, whichever split holds which keys."""
+    case = make_case(*MIXED, group=3, head_size=64, page_size=8, dtype=dtype).to(device)
+    softmax = model_softmax(kind, case.query.shape[1])
+    expected, expected_lse = run_attention(case, paged_attention_ref, **softmax)
+    out, lse = run_attention(case, paged_attention_triton, num_splits=num_splits, **softmax)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_a_large_soft_cap_changes_nothing_and_large_scores_stay_finite(device):
+    """tanh in the kernel takes one exp2 of a non-positive argument: no overflow at any score."""
+    case = make_case(*DECODE, group=2, head_size=64, page_size=16).to(device)
+    expected, _ = run_attention(case, paged_attention_ref)
+    out, _ = run_attention(case, paged_attention_triton, soft_cap=1e4)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    case.scale = 1e3  # scores of ~1e3: capped at 2, never inf or NaN
+    expected, _ = run_attention(case, paged_attention_ref, soft_cap=2.0)
+    out, _ = run_attention(case, paged_attention_triton, soft_cap=2.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
 @pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("kernel", [paged_attention_ref, paged_attention_triton])
 def test_strided_views_as_the_engine_passes_them(device, kernel):
@@ -129,4 +178,9 @@ def test_rejects_bad_shapes():
         paged_attention_ref(
             case.query, case.pool, case.page_tables, case.kv_lens[:, :1], case.query_start_loc,
             case.scale, out,
+        )
+    with pytest.raises(ValueError, match="sinks"):  # one per query head, not per KV head
+        paged_attention_ref(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            case.scale, out, sinks=torch.zeros(case.page_tables.shape[1] + 1),
         )

@@ -68,6 +68,34 @@ def test_paged_attention_compiles(
 
 
 @pytest.mark.parametrize(
+    "query_lens, num_splits",
+    [([1, 1], 4), ([9, 1], 1)],  # split-K decode + combine; prefill tile
+)
+def test_paged_attention_with_soft_cap_and_sinks_compiles(monkeypatch, query_lens, num_splits):
+    case = make_case(query_lens, [[30, 20]] * len(query_lens), group=4, head_size=128,
+                     page_size=16, dtype=torch.bfloat16, poison=False)
+    with capture_launches(monkeypatch) as launches:
+        paged_attention_triton(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            case.scale, torch.empty_like(case.query), lse_out=torch.empty(case.query.shape[:2]),
+            soft_cap=50.0, sinks=torch.zeros(8, dtype=torch.bfloat16), num_splits=num_splits,
+        )
+    compile_all(launches)
+
+
+def test_window_scores_with_soft_cap_and_sinks_compile(monkeypatch):
+    case = make_case([9, 5], [[30, 20]] * 2, group=4, head_size=128, page_size=16,
+                     dtype=torch.bfloat16, poison=False)
+    with capture_launches(monkeypatch) as launches:
+        window_scores_triton(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            torch.zeros(2, dtype=torch.int32), case.scale, torch.zeros(2, 2, 64),
+            soft_cap=50.0, sinks=torch.zeros(8),
+        )
+    compile_all(launches)
+
+
+@pytest.mark.parametrize(
     "query_lens, group, head_size, dtype",
     [([9, 5], 4, 128, torch.bfloat16), ([1, 1], 8, 64, torch.float16)],
 )

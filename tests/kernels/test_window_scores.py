@@ -13,7 +13,13 @@ from kvcompress.kernels import (
     window_scores_ref,
     window_scores_triton,
 )
-from tests.kernels.kernel_cases import PagedCase, dense_window_scores, make_case
+from tests.kernels.kernel_cases import (
+    MODEL_SOFTMAXES,
+    PagedCase,
+    dense_window_scores,
+    make_case,
+    model_softmax,
+)
 
 # Last prefill chunks (with prior context, unequal heads), a request without window rows in this
 # chunk (window_start == query_len) and a decode row (H2O-style).
@@ -79,6 +85,55 @@ def test_triton_with_attention_lse_and_hints(device, dtype):
         case, window_scores_triton, WINDOW_START, max_len,
         softmax_lse=lse, max_window_len=10, max_kv_len=max_len,
     )
+    torch.testing.assert_close(scores, expected, **SCORE_TOLERANCE)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_reference_matches_dense_with_model_softmax(kind, group):
+    case = make_case(*SCENARIO, group=group, head_size=64, page_size=8)
+    softmax = model_softmax(kind, case.query.shape[1])
+    max_len = int(case.kv_lens.max()) + 5
+    expected = dense_window_scores(case, WINDOW_START, max_len, **softmax)
+    assert (expected - dense_window_scores(case, WINDOW_START, max_len)).abs().max() > 0.05
+    scores = run_scores(case, window_scores_ref, WINDOW_START, max_len, **softmax)
+    torch.testing.assert_close(scores.double(), expected, **SCORE_TOLERANCE)
+    # With sinks the real keys get less than each row's whole mass: the sink takes the rest.
+    rows = sum(q - w for q, w in zip(case.query_lens, WINDOW_START, strict=True))
+    full_mass = rows * group * case.page_tables.shape[1]
+    if "sinks" in softmax:
+        assert float(scores.sum()) < full_mass - 1
+    else:
+        assert abs(float(scores.sum()) - full_mass) < 1e-3
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_triton_matches_reference_with_model_softmax(device, kind, dtype):
+    case = make_case(*SCENARIO, group=3, head_size=64, page_size=8, dtype=dtype).to(device)
+    softmax = model_softmax(kind, case.query.shape[1])
+    max_len = int(case.kv_lens.max()) + 5
+    expected = run_scores(case, window_scores_ref, WINDOW_START, max_len, **softmax)
+    scores = run_scores(case, window_scores_triton, WINDOW_START, max_len, **softmax)
+    torch.testing.assert_close(scores, expected, **SCORE_TOLERANCE)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_triton_with_the_lse_of_attention_under_the_same_softmax(device, kind):
+    """Paged attention's LSE includes the sink and the cap: it replaces the statistics pass."""
+    case = make_case(*SCENARIO, group=3, head_size=64, page_size=16).to(device)
+    softmax = model_softmax(kind, case.query.shape[1])
+    max_len = int(case.kv_lens.max())
+    lse = torch.empty(case.query.shape[:2], device=device)
+    paged_attention_ref(
+        case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc, case.scale,
+        torch.empty_like(case.query), lse_out=lse, **softmax,
+    )
+    expected = run_scores(case, window_scores_ref, WINDOW_START, max_len, **softmax)
+    scores = run_scores(case, window_scores_triton, WINDOW_START, max_len, softmax_lse=lse,
+                        **softmax)
     torch.testing.assert_close(scores, expected, **SCORE_TOLERANCE)
 
 
