@@ -61,3 +61,62 @@ def accumulate_decode_scores(
     generated = positions < lengths_after[:, None]  # [H, width]
     mass = per_key.gather(-1, positions.clamp(max=num_keys - 1))
     decode.scores[layer, :, :width] += torch.where(generated, mass, 0.0)
+
+
+# Keys gathered at once by the batched path ([requests, kv_heads, keys, head_size] elements);
+# larger batches are scored in chunks of requests.
+MAX_GATHERED_ELEMENTS = 1 << 24
+
+
+def accumulate_decode_scores_batch(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    page_format: PageFormat,
+    step: StepBatch,
+    decodes: list[DecodeQueries],
+    layer: int,
+    scale: float,
+    group_reduce: str = "mean",
+    *,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """``accumulate_decode_scores`` for every request of ``decodes`` together: one gather,
+    one matmul and one softmax per chunk of requests (padded to the longest row), instead of
+    a Python loop of small operations per request and layer. Writes the accumulators only
+    after every chunk is computed, so a failure leaves them all as they were."""
+    rows = step.layer_rows(layer)
+    num_kv_heads = step.layout.num_kv_heads
+    head_size = query.shape[-1]
+    sink_logits = None if sinks is None else sinks.view(num_kv_heads, -1)
+    lengths_after = step.host_lengths_after[[decode.batch_index for decode in decodes]][:, rows]
+    chunk = max(1, MAX_GATHERED_ELEMENTS // max(1, num_kv_heads * head_size
+                                               * int(lengths_after.max())))
+    updates = []
+    for first in range(0, len(decodes), chunk):
+        part = decodes[first : first + chunk]
+        num_keys = int(lengths_after[first : first + chunk].max())
+        index = torch.tensor([decode.batch_index for decode in part],
+                             device=step.page_tables.device)
+        tables = step.page_tables[index][:, rows]  # [n, H, pages]
+        keys, _ = page_format.gather_rows(pool, tables, num_keys)  # [n, H, S, D]
+        tokens = torch.tensor([step.query_start_loc[decode.batch_index] for decode in part],
+                              device=query.device)
+        grouped = query[tokens].float().view(len(part), num_kv_heads, -1, head_size)
+        logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scale  # [n, H, G, S]
+        row_lengths = step.lengths_before[index][:, rows] + 1  # [n, H]
+        key_pos = torch.arange(num_keys, device=logits.device)
+        beyond = key_pos >= row_lengths[..., None]  # [n, H, S]
+        logits.masked_fill_(beyond[:, :, None, :], float("-inf"))
+        probs = attention_probs(logits, soft_cap, sink_logits)
+        per_key = aggregate_window_probs(probs[:, :, :, None, :], group_reduce)  # [n, H, S]
+        width = max(decode.num_generated for decode in part)
+        prompt_kept = torch.stack([decode.prompt_kept[rows] for decode in part])  # [n, H]
+        positions = prompt_kept[..., None] + torch.arange(width, device=logits.device)
+        generated = positions < row_lengths[..., None]
+        mass = torch.where(generated, per_key.gather(-1, positions.clamp(max=num_keys - 1)),
+                           0.0)
+        updates += [(decode, mass[number, :, : decode.num_generated])
+                    for number, decode in enumerate(part)]
+    for decode, mass in updates:
+        decode.scores[layer, :, : decode.num_generated] += mass

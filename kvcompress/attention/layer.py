@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 
-from kvcompress.attention.decode_scores import accumulate_decode_scores
+from kvcompress.attention.decode_scores import (
+    accumulate_decode_scores,
+    accumulate_decode_scores_batch,
+)
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
@@ -58,15 +61,23 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
 def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
                           query: torch.Tensor, pool: torch.Tensor, scale: float,
                           softmax: dict[str, Any]) -> None:
-    """Each decoding request alone (torch path): one that fails loses only itself, and stops
-    being scored in the later layers of this step."""
+    """All decoding requests at once; if that fails, each alone (torch path): one that fails
+    loses only itself, and stops being scored in the later layers of this step."""
     step = metadata.step
+    page_format = metadata.kernel.page_format
+    try:
+        maybe_fail("score", [decode.prompt_len for decode in step.decode_queries])
+        accumulate_decode_scores_batch(query, pool, page_format, step, step.decode_queries,
+                                       layer_index, scale, metadata.group_reduce, **softmax)
+        return
+    except Exception:
+        logger.exception("kvcompress: decode scoring failed; scoring requests one by one")
     healthy = []
     for decode in step.decode_queries:
         try:
             maybe_fail("score", [decode.prompt_len])
-            accumulate_decode_scores(query, pool, metadata.kernel.page_format, step, decode,
-                                     layer_index, scale, metadata.group_reduce, **softmax)
+            accumulate_decode_scores(query, pool, page_format, step, decode, layer_index, scale,
+                                     metadata.group_reduce, **softmax)
             healthy.append(decode)
         except Exception as error:
             request_id = step.req_ids[decode.batch_index]

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.attention.decode_scores import accumulate_decode_scores
+from kvcompress.attention import decode_scores
+from kvcompress.attention.decode_scores import (
+    accumulate_decode_scores,
+    accumulate_decode_scores_batch,
+)
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
@@ -114,6 +118,33 @@ def test_decode_scores_match_dense_probabilities_over_the_generated_part(page_fo
         if decode.batch_index == 0:
             want += earlier.double()
         torch.testing.assert_close(decode.scores.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT])
+@pytest.mark.parametrize("max_gathered", [1, 1 << 24])
+def test_batched_decode_scores_match_one_request_at_a_time(monkeypatch, page_format,
+                                                           max_gathered):
+    """All requests in one gather (or in chunks of one: ``max_gathered``), rows padded to the
+    longest, give each request the scores it gets alone."""
+    monkeypatch.setattr(decode_scores, "MAX_GATHERED_ELEMENTS", max_gathered)
+    alone, batched = (decode_case(page_format, seed=6) for _ in range(2))
+    softmax = model_softmax("both", HEADS * GROUP)
+    for case in (alone, batched):
+        case.state.prepare_decode_scoring(case.step)
+    for layer in range(LAYERS):
+        for case in (alone, batched):
+            rows = case.step.layer_rows(layer)
+            page_format.write_tokens(case.pool, case.new_keys[:, rows].reshape(-1, HEAD_SIZE),
+                                     case.new_values[:, rows].reshape(-1, HEAD_SIZE),
+                                     case.step.slot_mapping[:, rows].reshape(-1))
+        for decode in alone.step.decode_queries:
+            accumulate_decode_scores(alone.query, alone.pool, page_format, alone.step, decode,
+                                     layer, SCALE, "max", **softmax)
+        accumulate_decode_scores_batch(batched.query, batched.pool, page_format, batched.step,
+                                       batched.step.decode_queries, layer, SCALE, "max",
+                                       **softmax)
+    for one, other in zip(alone.step.decode_queries, batched.step.decode_queries):
+        torch.testing.assert_close(other.scores, one.scores, atol=1e-6, rtol=1e-5)
 
 
 def run_layers(case, **softmax):
