@@ -8,8 +8,10 @@ are, and the part over the generated positions ``[prompt_kept[row], length_after
 added into the request's accumulator at generated offsets ``0 ..``. The accumulator's width is
 the decode budget plus interval, so its memory is bounded whatever the generation length.
 
-This is a second pass over each scored request's keys per layer (gathered from the pool), on
-top of the platform kernel's attention: the price of not having a fused kernel.
+This is a second pass over the scored requests' keys per layer (gathered from the pool), on
+top of the platform kernel's attention: the price of not having a fused kernel. The engine
+scores a layer's requests together (``accumulate_decode_scores_batch``, padded to the longest
+row); ``accumulate_decode_scores`` scores one request, to isolate a failure.
 """
 
 from __future__ import annotations
