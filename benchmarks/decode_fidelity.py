@@ -58,8 +58,10 @@ def chat_prompts(tokenizer: Any, num: int, output_len: int) -> list[dict[str, An
         topic = TOPICS[index % len(TOPICS)]
         messages = [{"role": "user", "content": f"Write a long, detailed essay about {topic}, "
                      "with an introduction, several sections and a conclusion."}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append({"prompt_token_ids": list(ids), "max_tokens": output_len})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prompts.append({"prompt_token_ids": ids, "max_tokens": output_len})
     return prompts
 
 
@@ -145,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                            args.output_len)
     dtype = resolve_dtype(args.dtype, device)
     longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
-    settings = EngineSettings(  # room for every request at once: fidelity, not memory
+    # Room for every request at once (fidelity, not memory), plus 1024 tokens' worth for
+    # kvcompress's window-score reserve, which small pools would otherwise feel.
+    kv_tokens = (len(prompts) + 1) * longest + 1024
+    settings = EngineSettings(
         model=model, dtype=dtype, max_model_len=longest, max_num_seqs=len(prompts),
         max_num_batched_tokens=max(2048, longest),
-        kv_cache_memory_bytes=(len(prompts) + 1) * longest * kv_bytes_per_token(model, dtype),
+        kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, dtype),
     )
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir("decode_fidelity")

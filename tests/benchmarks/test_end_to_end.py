@@ -69,6 +69,25 @@ def test_quality_end_to_end(tmp_path, embedded_model):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
+    out = tmp_path / "fidelity.json"
+    # 80 tokens: the window policy (budget 8, interval 64) evicts once, h2o (budget 40) never
+    run_script([
+        "-m", "benchmarks.decode_fidelity", "--model", embedded_model, "--num-prompts", "2",
+        "--output-len", "80", "--configs", "pyramidkv:100000@window:8,pyramidkv:100000@h2o:40",
+        "--output-json", str(out), "--no-progress",
+    ])
+    report = json.loads(out.read_text())
+    rows = {row["label"]: row for row in report["configs"]}
+    assert list(rows) == ["vanilla", "pyramidkv:100000@window:8", "pyramidkv:100000@h2o:40"]
+    assert all(row["ok"] for row in rows.values())
+    assert rows["vanilla"]["prefix@80"] == rows["vanilla"]["match@80"] == 1.0
+    # nothing evicted in 80 tokens: the full cache's output exactly
+    assert rows["pyramidkv:100000@h2o:40"]["prefix@80"] == 1.0
+    window = rows["pyramidkv:100000@window:8"]
+    assert 0.0 <= window["prefix@80"] <= window["match@80"] <= 1.0
+
+
 def test_attention_analysis_end_to_end(tmp_path, embedded_model):
     out, png = tmp_path / "attention.json", tmp_path / "attention.png"
     run_script([
