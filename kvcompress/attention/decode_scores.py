@@ -41,28 +41,8 @@ def accumulate_decode_scores(
     request's token at row ``query_start_loc[batch_index]``); the pool already holds this
     step's keys. ``soft_cap`` / ``sinks [Hq]``: the layer's softmax. The accumulator is
     written once, at the end, so a failure leaves it as it was."""
-    index = decode.batch_index
-    rows = step.layer_rows(layer)
-    num_kv_heads = step.layout.num_kv_heads
-    token = step.query_start_loc[index]
-    # Host copy for the shape: no device->host copy in a step.
-    num_keys = int(step.host_lengths_after[index, rows].max())
-    keys, _ = page_format.gather_rows(pool, step.page_tables[index, rows], num_keys)  # [H, S, D]
-    grouped = query[token].float().view(num_kv_heads, -1, query.shape[-1])  # [H, G, D]
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scale  # [H, G, S]
-    lengths_after = step.lengths_before[index, rows] + 1  # [H]
-    key_pos = torch.arange(num_keys, device=logits.device)
-    beyond = key_pos[None, :] >= lengths_after[:, None]  # [H, S]: past the row's own length
-    logits.masked_fill_(beyond[:, None, :], float("-inf"))
-    # The model's softmax: soft-capped logits, sink logits [Hq] -> [H, G] in the denominator.
-    probs = attention_probs(logits, soft_cap,
-                            None if sinks is None else sinks.view(num_kv_heads, -1))
-    per_key = aggregate_window_probs(probs[:, :, None, :], group_reduce)  # [H, S]
-    width = decode.num_generated
-    positions = decode.prompt_kept[rows, None] + torch.arange(width, device=logits.device)
-    generated = positions < lengths_after[:, None]  # [H, width]
-    mass = per_key.gather(-1, positions.clamp(max=num_keys - 1))
-    decode.scores[layer, :, :width] += torch.where(generated, mass, 0.0)
+    accumulate_decode_scores_batch(query, pool, page_format, step, [decode], layer, scale,
+                                   group_reduce, soft_cap=soft_cap, sinks=sinks)
 
 
 # Keys gathered at once by the batched path ([requests, kv_heads, keys, head_size] elements);
