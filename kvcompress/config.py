@@ -46,6 +46,9 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_DECODE_POLICY = "window"
 DEFAULT_DECODE_INTERVAL = 64  # evict generated tokens only every ~64 new tokens
 PAGE_SIZE_RANGE = (4, 256)
+# Decode growth reserved per running request when admitting a prefill: most answers are
+# shorter, and a longer one that outgrows it is preempted (the cheapest to recompute first).
+DEFAULT_ADMISSION_LOOKAHEAD = 512
 
 
 class KVCompressionConfigError(ValueError):
@@ -143,11 +146,19 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
         f"default {DEFAULT_PAGE_SIZE}.",
     ),
+    FlagSpec(
+        "kv_admission_lookahead", "--kv-admission-lookahead", "admission_lookahead", int,
+        "Admission without preemption thrash: a prompt starts its prefill only when its "
+        "uncompressed pages fit beside the running requests' pages plus their growth over "
+        "their next N generated tokens (fewer when their max_tokens or decode budget ends "
+        "sooner). 0 admits whenever the pages are free now, as vLLM does. >= 0; default "
+        f"{DEFAULT_ADMISSION_LOOKAHEAD}.",
+    ),
 )
 CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
 # Settings a single request may override (``SamplingParams.extra_args`` offline,
-# ``vllm_xargs`` over HTTP). The page size shapes the shared pool: engine-wide only.
-REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size"}
+# ``vllm_xargs`` over HTTP). The page size and admission shape the shared pool: engine-wide.
+REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead"}
 _SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 
 
@@ -167,10 +178,15 @@ class KVCompressionConfig:
     decode_policy: str = DEFAULT_DECODE_POLICY
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
+    admission_lookahead: int = DEFAULT_ADMISSION_LOOKAHEAD
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    def compresses(self, prompt_len: int) -> bool:
+        """Whether a prompt of this length is compacted after its prefill."""
+        return self.enabled and (self.ratio is not None or prompt_len > (self.budget or 0))
 
     @functools.cached_property
     def policy(self) -> PolicySettings:
@@ -260,6 +276,9 @@ class KVCompressionConfig:
         if self.sink_tokens < 0:
             _fail("kv_sink_tokens", f"got {self.sink_tokens}; allowed: an integer >= 0")
         self._validate_decode()
+        if self.admission_lookahead < 0:
+            _fail("kv_admission_lookahead",
+                  f"got {self.admission_lookahead}; allowed: an integer >= 0")
         low, high = PAGE_SIZE_RANGE
         size = self.page_size
         if not (low <= size <= high) or size & (size - 1):

@@ -28,6 +28,7 @@ class StepFigures:
     evicted_decode_tokens: int = 0
     compressed_requests: int = 0
     failed_requests: int = 0
+    preempted_tokens: int = 0  # computed tokens of preempted requests (to be redone)
     kept_fractions: list[float] = field(default_factory=list)
     score_seconds: list[float] = field(default_factory=list)
     compaction_seconds: list[float] = field(default_factory=list)
@@ -56,6 +57,7 @@ class StepFigures:
             "evicted_decode_tokens": self.evicted_decode_tokens,
             "compressed_requests": self.compressed_requests,
             "failed_requests": self.failed_requests,
+            "preempted_tokens": self.preempted_tokens,
             "kept_fractions": self.kept_fractions,
             "score_seconds": self.score_seconds,
             "compaction_seconds": self.compaction_seconds,
@@ -79,6 +81,9 @@ class _Metrics:
         self.failed = Counter("kvcompress:failed_requests",
                               "Requests ended with an error because their compression failed",
                               labels)
+        self.preempted = Counter("kvcompress:preempted_tokens",
+                                  "Computed tokens dropped by preemptions, to be recomputed "
+                                  "(uncompressed) when their requests resume", labels)
         self.kept_fraction = Histogram("kvcompress:request_kept_fraction",
                                        "Share of a request's prompt cache kept by compression",
                                        labels, buckets=KEPT_FRACTION_BUCKETS)
@@ -122,6 +127,7 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.evicted.labels(engine, "decode").inc(figures["evicted_decode_tokens"])
         metrics.compressed.labels(engine).inc(figures["compressed_requests"])
         metrics.failed.labels(engine).inc(figures["failed_requests"])
+        metrics.preempted.labels(engine).inc(figures["preempted_tokens"])
         for histogram, values in ((metrics.kept_fraction, figures["kept_fractions"]),
                                   (metrics.score_seconds, figures["score_seconds"]),
                                   (metrics.compaction_seconds, figures["compaction_seconds"])):

@@ -6,12 +6,14 @@ import os
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import RequestStatus
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import Compaction, attach_page_deltas, worker_report
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.request_settings import resolve
@@ -25,9 +27,11 @@ from kvcompress.paging.page_table import pages_for_lengths
 logger = get_logger(__name__)
 
 
-if not hasattr(Scheduler, "_reserve_prefill_lookahead"):  # the chunk-size seam we override
-    raise ImportError("kvcompress: this vLLM's Scheduler lacks _reserve_prefill_lookahead; "
-                      "kvcompress supports vLLM 0.32.x")
+# The private seams we override: a chunk's last size check, and preemption (to count it).
+for _seam in ("_reserve_prefill_lookahead", "_preempt_request"):
+    if not hasattr(Scheduler, _seam):
+        raise ImportError(f"kvcompress: this vLLM's Scheduler lacks {_seam}; "
+                          "kvcompress supports vLLM 0.32.x")
 
 
 class KVCompressScheduler(Scheduler):
@@ -44,8 +48,16 @@ class KVCompressScheduler(Scheduler):
         )
         super().__init__(vllm_config, virtual_config, *args, **kwargs)
         self.page_manager = PageManager(layout)
+        self.admission = AdmissionPlanner(
+            self.page_manager, self.compression_config,
+            max_model_len=vllm_config.model_config.max_model_len,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            lookahead=self.compression_config.admission_lookahead,
+            running=lambda: self.running,
+        )
         self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
-            self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark
+            self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark,
+            self.admission,
         )
         self.num_pages_freed_by_compression = 0
         self.scoring_gate = ScoringGate(reserve.scored_tokens)
@@ -62,9 +74,25 @@ class KVCompressScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas."""
         self.scoring_gate.prune(self.requests)
+        self.admission.prune(self.requests)
+        self._order_running_by_recompute_cost()
         scheduler_output = super().schedule(*args, **kwargs)
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         return scheduler_output
+
+    def _order_running_by_recompute_cost(self) -> None:
+        """vLLM preempts the last running request (first-come-first-served): make it the
+        cheapest to recompute. Decoding requests come first, then prompts still in
+        prefill; each group by computed tokens, most first. The order is stable, so it
+        only changes when the costs do."""
+        if self.policy != SchedulingPolicy.FCFS:
+            return  # priority scheduling picks its own victim
+        self.running.sort(key=lambda r: (r.num_computed_tokens < r.num_prompt_tokens,
+                                         -r.num_computed_tokens))
+
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self.figures.preempted_tokens += request.num_computed_tokens
+        super()._preempt_request(request, *args, **kwargs)
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int,
                                    num_new_tokens: int) -> int:

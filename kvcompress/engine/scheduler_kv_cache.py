@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
+from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.log import get_logger
 from kvcompress.paging import PageManager
 
@@ -46,10 +47,12 @@ def virtual_kv_cache_config(
 class PagedKVCacheManager:
     """Wraps a vLLM KVCacheManager; everything not overridden here goes to it."""
 
-    def __init__(self, inner: KVCacheManager, pages: PageManager, watermark: float) -> None:
+    def __init__(self, inner: KVCacheManager, pages: PageManager, watermark: float,
+                 admission: AdmissionPlanner) -> None:
         self.inner = inner
         self.pages = pages
         self.watermark_pages = int(watermark * pages.total_pages)
+        self.admission = admission
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -76,11 +79,10 @@ class PagedKVCacheManager:
         logical_len = min(
             computed + num_new_tokens + num_lookahead_tokens, self.inner.max_model_len
         )
-        reserve = 0
-        if has_scheduled_reqs and request.status in (
+        admitting = has_scheduled_reqs and request.status in (
             RequestStatus.WAITING, RequestStatus.PREEMPTED
-        ):
-            reserve = self.watermark_pages
+        )
+        reserve = self.watermark_pages if admitting else 0
         request_id = request.request_id
         if full_sequence_must_fit:
             full_len = min(request.num_tokens, self.inner.max_model_len)
@@ -88,6 +90,8 @@ class PagedKVCacheManager:
                 return None
         if self.pages.pages_needed(request_id, logical_len) + reserve > self.pages.num_free:
             return None
+        if admitting and not self.admission.admits(request, reserve):
+            return None  # fits now, but not beside the running requests' growth
         blocks = self.inner.allocate_slots(
             request,
             num_new_tokens,

@@ -45,9 +45,7 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
 
 def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:
     """Whether a prompt of this length is compacted with observation-window scores."""
-    if not config.enabled or not config.policy.compression_method.needs_scores:
-        return False
-    return config.ratio is not None or prompt_len > (config.budget or 0)
+    return config.compresses(prompt_len) and config.policy.compression_method.needs_scores
 
 
 class ScoringGate:

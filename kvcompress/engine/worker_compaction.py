@@ -43,9 +43,7 @@ class CompactionStats:
 
 def wants_compression(config: KVCompressionConfig, prompt_len: int) -> bool:
     """Whether a prompt of this length will be compacted (so its window is scored)."""
-    if not config.enabled:
-        return False
-    return config.ratio is not None or prompt_len > (config.budget or 0)
+    return config.compresses(prompt_len)
 
 
 def compact_completed_prompts(

@@ -175,6 +175,31 @@ def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
     assert peaks["pyramidkv"] > peaks["vanilla"], peaks
 
 
+def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
+    """Compressed prompts whose pages are free when they arrive, but not once the running
+    requests have grown: vLLM's rule (lookahead 0) admits them and preempts, the default
+    waits until their growth fits and preempts nothing, with as many requests at once."""
+    prompts = random_prompts([600] * 12, seed=9)
+    memory = 14 * 128 * BYTES_PER_TOKEN
+    figures = {}
+    for lookahead in (0, None):
+        compression = {"kv_compression": "pyramidkv", "kv_budget": 64}
+        if lookahead is not None:
+            compression["kv_admission_lookahead"] = lookahead
+        harness = EngineHarness(tiny_llama, compression, kv_cache_memory_bytes=memory, **TINY)
+        try:
+            outputs = harness.generate(prompts, greedy(200))
+            assert all(len(tokens) == 200 for tokens in outputs.values())
+            assert harness.page_manager.num_free == harness.page_manager.total_pages
+            figures[lookahead] = (harness.stats.preemptions,
+                                  max(sample.running for sample in harness.stats.samples))
+        finally:
+            harness.shutdown()
+    assert figures[0][0] > 0, figures  # the pool is tight indeed
+    assert figures[None][0] == 0, figures
+    assert figures[None][1] >= 3, figures
+
+
 # Decode eviction for some of the soak's requests (3 and 5 are coprime: every method meets
 # every decode policy).
 DECODE_MIX = [
@@ -186,11 +211,12 @@ DECODE_MIX = [
 
 def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_llama):
     """Soak: staggered arrivals with mixed methods and decode policies, aborts mid-prefill and
-    mid-decode, a pool small enough that compressed requests get preempted and recomputed.
-    Page invariants are checked by the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
+    mid-decode, a pool small enough that compressed requests get preempted and recomputed
+    (admitted as vLLM does, without reserving their growth). Page invariants are checked by
+    the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
     rng = np.random.default_rng(7)
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96},
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96, "kv_admission_lookahead": 0},
         kv_cache_memory_bytes=12 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     try:
@@ -334,12 +360,14 @@ def generated_part(worker, request_id):
 
 
 def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
-    """Chats that fit when admitted but not once grown: the last admitted are preempted and
-    recomputed. A decode-budgeted one comes back with its whole generated tail (never scored),
-    which the step that recomputes it cuts to the newest budget."""
+    """Chats that fit when admitted but not once grown (admitted without reserving their
+    growth): the last admitted are preempted and recomputed. A decode-budgeted one comes back
+    with its whole generated tail (never scored), which the step that recomputes it cuts to
+    the newest budget."""
     budget, interval, tokens = 16, 8, 150
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000},
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
+                     "kv_admission_lookahead": 0},
         kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,

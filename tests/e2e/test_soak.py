@@ -23,9 +23,11 @@ WORKERS = 6  # requests in flight at once
 # window-score reserve, see kvcompress/engine/scoring_memory.py). Half the chats keep their whole
 # cache (~700-token prompts, 256 new tokens): two of them fit when admitted but not once they
 # have grown, so they preempt each other, while compressed chats (~1000-token prompts, 32 new
-# tokens, budget 64) squeeze in beside them.
+# tokens, budget 64) squeeze in beside them. Admitted as vLLM does (no growth reserved), or
+# the second would wait instead.
 FLAGS = ("--kv-compression", "pyramidkv", "--kv-budget", "64", "--kv-cache-memory-bytes",
-         "92M", "--max-model-len", "1500", "--max-num-seqs", "8")
+         "92M", "--max-model-len", "1500", "--max-num-seqs", "8",
+         "--kv-admission-lookahead", "0")
 FULL_CACHE_TOKENS, COMPRESSED_TOKENS = 256, 32
 
 

@@ -82,6 +82,15 @@ class DecodeEviction:
         width of the score accumulator, indexed by generated offset."""
         return self.budget + self.interval
 
+    def headroom(self, generated: int) -> int:
+        """Tokens a head holding ``generated`` generated tokens may still add before its
+        cache stops growing: evictions bring it back to ``budget`` every ``interval``
+        tokens, so it never holds more than ``capacity``."""
+        held = generated
+        if generated >= self.capacity:
+            held = self.budget + (generated - self.budget) % self.interval
+        return self.capacity - held
+
     def due(self, generated: int) -> bool:
         """Whether a head holding ``generated`` tokens after a step evicts now."""
         return generated >= self.capacity

@@ -1,0 +1,203 @@
+"""Admission by future page peak (kvcompress.engine.admission), without vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.admission import AdmissionPlanner, Trajectory, growth_pages, peak_pages
+from kvcompress.paging import PageLayout, PageManager
+from kvcompress.policies.decode import DecodeEviction, get_decode_method
+
+PAGE = 4
+PYRAMID = KVCompressionConfig.from_mapping(
+    {"kv_compression": "pyramidkv", "kv_budget": 16, "kv_window": 4, "kv_page_size": PAGE})
+
+
+def simulated_peak(trajectories: list[Trajectory], page_size: int) -> int:
+    """The peak, step by step: the definition peak_pages computes in closed form."""
+    last = max(t.prefill_steps + t.remaining_steps for t in trajectories)
+    peak = 0
+    for step in range(last + 1):
+        total = 0
+        for t in trajectories:
+            if step > t.prefill_steps + t.remaining_steps:
+                continue  # ended
+            if step <= t.prefill_steps:
+                total += t.held_pages
+                continue
+            grown = min(step - t.prefill_steps, t.growth_tokens)
+            total += int((-(-(t.kept_lengths + grown) // page_size)).sum())
+        peak = max(peak, total)
+    return peak
+
+
+@st.composite
+def trajectories(draw) -> list[Trajectory]:
+    rows = draw(st.integers(1, 4))
+    result = []
+    for _ in range(draw(st.integers(1, 5))):
+        lengths = np.array(draw(st.lists(st.integers(0, 30), min_size=rows, max_size=rows)))
+        pages = int((-(-lengths // PAGE)).sum())
+        result.append(Trajectory(
+            held_pages=pages + draw(st.integers(0, 20)),
+            prefill_steps=draw(st.integers(0, 3)),
+            kept_lengths=lengths,
+            growth_tokens=draw(st.integers(0, 25)),
+            remaining_steps=draw(st.integers(0, 25)),
+        ))
+    return result
+
+
+@settings(max_examples=300, deadline=None)
+@given(trajectories())
+def test_peak_matches_a_step_by_step_simulation(cases):
+    assert peak_pages(cases, PAGE) == simulated_peak(cases, PAGE)
+
+
+def test_growth_pages_counts_rows_by_free_slots_in_their_last_page():
+    pages, free_below = growth_pages(np.array([0, 3, 4, 5]), PAGE)
+    assert pages == 0 + 1 + 1 + 2
+    # free slots: 0 (empty row), 1, 0, 3 -> rows with fewer than r free slots
+    assert free_below.tolist() == [0, 2, 3, 3, 4]
+
+
+def test_a_request_that_ends_first_makes_room_for_the_growth_of_another():
+    row = np.array([8])
+    short = Trajectory(2, 0, row, growth_tokens=4, remaining_steps=4)
+    long = Trajectory(2, 0, row, growth_tokens=40, remaining_steps=40)
+    # together: 2 + 2 -> both grow one page by step 1; short ends at step 4;
+    # long reaches 48 tokens = 12 pages
+    assert peak_pages([short, long], PAGE) == 12
+    assert peak_pages([short], PAGE) == 3
+
+
+def test_headroom_of_a_decode_budget_follows_its_evictions():
+    eviction = DecodeEviction(get_decode_method("window"), budget=10, interval=4, recent=4)
+    assert eviction.headroom(0) == 14
+    assert eviction.headroom(13) == 1
+    assert eviction.headroom(14) == 4  # evicted back to 10
+    assert eviction.headroom(17) == 1
+    assert eviction.headroom(18) == 4
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    sampling_params: object = field(default_factory=lambda: SimpleNamespace(extra_args=None))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+def planner(total_pages: int, running: list[FakeRequest], lookahead: int = 512,
+            config: KVCompressionConfig = PYRAMID) -> AdmissionPlanner:
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE,
+                        dtype_bytes=2, total_pages=total_pages)
+    return AdmissionPlanner(PageManager(layout), config, max_model_len=4096,
+                            max_num_batched_tokens=64, lookahead=lookahead,
+                            running=lambda: running)
+
+
+def decoding(plan: AdmissionPlanner, name: str, prompt: int, generated: int,
+             max_tokens: int) -> FakeRequest:
+    """A running request whose prompt was compacted to its layer budgets."""
+    request = FakeRequest(name, prompt, max_tokens, num_computed_tokens=prompt + generated,
+                          num_output_tokens=generated + 1)
+    pages = plan.pages
+    assert pages.allocate(name, request.num_computed_tokens)
+    kept = plan.trajectory(FakeRequest(name + "?", prompt, max_tokens)).kept_lengths
+    pages.release_after_compression(name, request.num_computed_tokens, kept + generated)
+    return request
+
+
+def pool_with(total_pages: int, lookahead: int = 512, **decoding_request: int):
+    """A planner over a pool of ``total_pages`` where one request "a" is decoding."""
+    running: list[FakeRequest] = []
+    plan = planner(total_pages, running, lookahead)
+    running.append(decoding(plan, "a", **decoding_request))
+    return plan, running[0]
+
+
+def test_a_prompt_that_fits_now_waits_when_the_running_ones_could_not_grow():
+    plan, first = pool_with(1000, prompt=64, generated=0, max_tokens=40)
+    new = FakeRequest("b", 64, max_tokens=40)
+    held = plan.trajectory(new).held_pages
+    assert held == 4 * 64 // PAGE  # 4 rows of the whole prompt, uncompressed
+    # a pool with room for b's prefill now, but not for both once a and b have grown 40
+    tight = plan.pages.owned_pages("a") + held + 8
+    peak = peak_pages([plan.trajectory(first), plan.trajectory(new)], PAGE)
+    assert peak > tight
+    decode = {"prompt": 64, "generated": 0, "max_tokens": 40}
+    assert not pool_with(tight, **decode)[0].admits(new)
+    assert pool_with(peak, **decode)[0].admits(new)
+    # with no lookahead the planner admits whatever is free now (vLLM's rule)
+    assert pool_with(tight, lookahead=0, **decode)[0].admits(new)
+
+
+def test_admission_counts_growth_only_up_to_the_lookahead_and_max_tokens():
+    running: list[FakeRequest] = []
+    plan = planner(total_pages=10_000, running=running)
+    request = decoding(plan, "a", prompt=64, generated=3, max_tokens=1000)
+    assert plan.trajectory(request).growth_tokens == 512
+    assert planner(10_000, [], lookahead=7).trajectory(
+        FakeRequest("c", 64, max_tokens=1000)).growth_tokens == 7
+    assert plan.trajectory(FakeRequest("b", 64, max_tokens=5)).growth_tokens == 5
+
+
+def test_a_decode_budget_bounds_the_growth_reserved():
+    config = PYRAMID.with_request_overrides(
+        {"kv_decode_budget": 20, "kv_decode_interval": 10})
+    budgeted = FakeRequest("a", 64, max_tokens=1000,
+                           sampling_params=SimpleNamespace(extra_args={
+                               "kv_decode_budget": 20, "kv_decode_interval": 10}))
+    assert config.decode_eviction is not None
+    plan = planner(10_000, [])
+    assert plan.trajectory(budgeted).growth_tokens == 30
+
+
+def test_an_uncompressed_request_keeps_its_whole_prompt():
+    plan = planner(10_000, [], config=KVCompressionConfig.from_mapping(
+        {"kv_compression": "pyramidkv", "kv_budget": 128, "kv_page_size": PAGE}))
+    trajectory = plan.trajectory(FakeRequest("a", 64, max_tokens=8))
+    assert trajectory.kept_lengths.tolist() == [64] * 4
+    assert trajectory.held_pages == 4 * 16 and trajectory.prefill_steps == 1
+
+
+def test_the_peak_decides_admission_exactly():
+    decode = {"prompt": 64, "generated": 5, "max_tokens": 30}
+    plan, first = pool_with(10_000, **decode)
+    new = FakeRequest("b", 64, max_tokens=30)
+    peak = peak_pages([plan.trajectory(first), plan.trajectory(new)], PAGE)
+    assert pool_with(peak, **decode)[0].admits(new)
+    assert not pool_with(peak - 1, **decode)[0].admits(new)
+    assert not pool_with(peak + 3, **decode)[0].admits(new, reserve_pages=4)
+
+
+def test_running_requests_are_ordered_so_the_cheapest_to_recompute_is_preempted():
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    from kvcompress.engine.scheduler import KVCompressScheduler
+
+    def request(name, prompt, computed):
+        return SimpleNamespace(name=name, num_prompt_tokens=prompt, num_computed_tokens=computed)
+
+    running = [request("old", 100, 180), request("prefill", 900, 512),
+               request("young", 100, 110), request("oldest", 100, 200)]
+    scheduler = SimpleNamespace(policy=SchedulingPolicy.FCFS, running=running)
+    KVCompressScheduler._order_running_by_recompute_cost(scheduler)
+    # decoding first, most computed first; the prompt still in prefill last (victim first)
+    assert [r.name for r in scheduler.running] == ["oldest", "old", "young", "prefill"]
+    scheduler = SimpleNamespace(policy=SchedulingPolicy.PRIORITY, running=list(running))
+    KVCompressScheduler._order_running_by_recompute_cost(scheduler)
+    assert scheduler.running == running
