@@ -107,7 +107,8 @@ class PagedKVRuntime:
             prompt_lens,
             observation_windows=[config.window for config in configs],
             wants_compression=[
-                wants_compression(config, int(n)) for config, n in zip(configs, prompt_lens)
+                wants_compression(config, int(n)) and not self._ends_this_step(request_id)
+                for request_id, config, n in zip(req_ids, configs, prompt_lens)
             ],
         )
         self.state.prepare_decode_scoring(step)
@@ -123,6 +124,16 @@ class PagedKVRuntime:
             layer_index=self.layer_index,
             group_reduce=self.group_reduce,
         )
+
+    def _ends_this_step(self, request_id: str) -> bool:
+        """Whether the request samples its last token (``max_tokens``) in this step: its
+        pages are freed right after, so scoring and compacting its prompt would be wasted
+        (e.g. ``max_tokens=1``, prompt scoring or embedding-like use)."""
+        request_state = self._runner.requests.get(request_id)
+        max_tokens = getattr(getattr(request_state, "sampling_params", None), "max_tokens", None)
+        if max_tokens is None:
+            return False
+        return len(getattr(request_state, "output_token_ids", ())) + 1 >= max_tokens
 
     def end_step(self) -> WorkerReport:
         """After the forward: lengths advance, then completed prompts are compacted and
