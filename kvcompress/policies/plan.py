@@ -17,8 +17,10 @@ from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
 # batches are split into blocks of similar-length requests, and a request larger than this alone
-# into blocks of layers, to bound temporary memory.
-MAX_BLOCK_ELEMENTS = 1 << 18
+# into blocks of layers, to bound temporary memory. The engine reserves a block's workspace out
+# of the KV cache (2.6 MB at this size), so it stays small: a block already spans many layers of
+# a 1k-token prompt, and more blocks cost only a few more small tensor calls.
+MAX_BLOCK_ELEMENTS = 1 << 16
 # Peak temporary bytes per score of a padded block being planned (pooled fp32 copies, int64
 # ranking keys, top-k outputs): 33 measured on CPU, plus headroom. The engine reserves it.
 PLAN_BYTES_PER_SCORE = 40
