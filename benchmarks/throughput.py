@@ -32,6 +32,7 @@ for kvcompress, prompts in prefill that are not compressed yet. We report its me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import memory_sweep
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
 from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
 from benchmarks.specs import (
@@ -104,7 +106,8 @@ def file_prompts(path: Path, tokenizer: Any, default_max_tokens: int,
 
 # ----------------------------------------------------------------------------- metrics
 def summarize(samples: list[dict[str, float]], *, elapsed: float, prompt_tokens: int,
-              output_tokens: int, preemptions: int, capacity_tokens: int) -> dict[str, Any]:
+              output_tokens: int, preemptions: int, capacity_tokens: int,
+              preempted_tokens: int | None = None) -> dict[str, Any]:
     """Throughput and KV figures of one configuration from its per-step samples."""
     busy = [s for s in samples if s["running"] > 0]
     per_request = [s["kv_cache_usage"] * capacity_tokens / s["running"] for s in busy]
@@ -118,13 +121,19 @@ def summarize(samples: list[dict[str, float]], *, elapsed: float, prompt_tokens:
         "peak_running": max((s["running"] for s in samples), default=0),
         "mean_running": sum(s["running"] for s in busy) / len(busy) if busy else 0.0,
         "preemptions": preemptions,
+        "preempted_tokens": preempted_tokens,
         "peak_kv_usage": max((s["kv_cache_usage"] for s in samples), default=0.0),
         "mean_kv_tokens_per_running": sum(per_request) / len(per_request) if busy else 0.0,
     }
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``vs_vanilla``: each figure of RATIO_KEYS over vanilla's (None without a vanilla run)."""
+    """``vs_vanilla``: each figure of RATIO_KEYS over vanilla's (None without a vanilla run).
+
+    ``cap``: with the prefill-only time of the same prompts in the same engine, the output
+    tok/s if decoding cost nothing (``output_tok_s``), that as a ratio to vanilla
+    (``x_vanilla``), and the share of it reached (``reached``).
+    """
     base = next((r for r in rows if r["label"] == "vanilla" and r.get("ok")), None)
     for row in rows:
         ratios = {}
@@ -132,6 +141,16 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             value, ref = row.get(key), (base or {}).get(key)
             ratios[key] = value / ref if row.get("ok") and value is not None and ref else None
         row["vs_vanilla"] = ratios
+        prefill_only = row.get("prefill_only_s")
+        if not row.get("ok") or not prefill_only:
+            row["cap"] = None
+            continue
+        cap = row["output_tokens"] / prefill_only
+        row["cap"] = {
+            "output_tok_s": cap,
+            "x_vanilla": cap / base["output_tok_s"] if base else None,
+            "reached": row["output_tok_s"] / cap,
+        }
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -154,6 +173,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
             generate(engine, [warm], [SamplingParams(max_tokens=8, ignore_eos=True)])
         sink.samples.clear()
         sink.preemptions = sink.generated_tokens = sink.prompt_tokens = 0
+        sink.preempted_tokens = None
         last = [0.0]
 
         def on_step(_finished: int, _generated: int) -> None:
@@ -164,6 +184,10 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
 
         outputs, elapsed = generate(engine, [p["prompt_token_ids"] for p in prompts], params,
                                     on_step)
+        prefill_only = None
+        if job.get("measure_cap"):  # the same prompts again, one token each: prefill alone
+            firsts = [SamplingParams(max_tokens=1, temperature=0.0) for _ in prompts]
+            _, prefill_only = generate(engine, [p["prompt_token_ids"] for p in prompts], firsts)
     finally:
         shutdown_engine(engine)
     output_tokens = sum(len(o.token_ids) for o in outputs)
@@ -174,7 +198,9 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         output_tokens=output_tokens,
         preemptions=sink.preemptions,
         capacity_tokens=job["capacity_tokens"],
+        preempted_tokens=sink.preempted_tokens,
     )
+    result["prefill_only_s"] = prefill_only
     result["all_outputs_full_length"] = all(
         len(o.token_ids) == p["max_tokens"] for o, p in zip(outputs, prompts)
     )
@@ -192,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
                           + ", ".join(f"{key}={value}" for key, value in LONG_GENERATION.items()
                                       if key != "output_json")
                           + " (flags given still win)")
+    workload.add_argument("--sweep-kv-memory", action="store_true",
+                          help="run every configuration at several KV-cache sizes (see "
+                          "--sweep-points) and plot throughput, peak running requests and "
+                          "preemptions against memory; defaults: " + ", ".join(
+                              f"{key}={value}" for key, value in
+                              memory_sweep.SWEEP_DEFAULTS.items() if key != "output_json"))
+    workload.add_argument("--sweep-points", default=memory_sweep.DEFAULT_MULTIPLES,
+                          help="with --sweep-kv-memory: KV-cache sizes in multiples of the "
+                          "longest request (prompt + output), comma-separated, >= 1")
     workload.add_argument("--num-prompts", type=int, default=24)
     workload.add_argument("--input-len", type=int, default=1024, help="synthetic prompt tokens")
     workload.add_argument("--output-len", type=int, default=128,
@@ -221,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extra kvcompress setting for compressed runs, e.g. kv_window=16")
     run = parser.add_argument_group("run")
     run.add_argument("--no-warmup", dest="warmup", action="store_false")
+    run.add_argument("--no-cap", dest="measure_cap", action="store_false",
+                     help="skip the prefill-only pass that gives each configuration its cap "
+                     "(output tok/s if decoding were free)")
     run.add_argument("--job-timeout", type=float, default=1800.0,
                      help="seconds before a configuration is killed")
     run.add_argument("--output-json", type=Path, default=RESULTS_DIR / "throughput.json")
@@ -248,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if "--long-generation" in argv:
         parser.set_defaults(**LONG_GENERATION)
+    if "--sweep-kv-memory" in argv:
+        parser.set_defaults(**memory_sweep.SWEEP_DEFAULTS)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
@@ -280,25 +320,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {json.dumps(workload)}")
     print(f"configs: {', '.join(s.label for s in specs)}; vLLM logs: {log_path}", flush=True)
 
-    jobs = [
-        {"id": spec.label, "spec": vars(spec), "settings": vars(settings), "isolate": True,
-         "prompts_path": str(prompts_path), "capacity_tokens": capacity, "warmup": args.warmup}
-        for spec in specs
-    ]
+    pools = [capacity]
+    if args.sweep_kv_memory:
+        longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
+        pools = memory_sweep.pool_tokens(memory_sweep.parse_multiples(args.sweep_points),
+                                         longest)
+        print(f"KV-cache pools (uncompressed tokens): {pools}", flush=True)
+    jobs = []
+    for tokens in pools:
+        pool_settings = settings
+        if args.sweep_kv_memory:
+            pool_settings = dataclasses.replace(settings, kv_cache_memory_bytes=tokens * per_token)
+        jobs.extend(
+            {"id": memory_sweep.job_id(tokens, spec.label) if args.sweep_kv_memory
+             else spec.label,
+             "spec": vars(spec), "settings": vars(pool_settings), "isolate": True,
+             "prompts_path": str(prompts_path), "capacity_tokens": tokens,
+             "warmup": args.warmup, "measure_cap": args.measure_cap}
+            for spec in specs
+        )
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
         units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
         env=worker_env(args.verbose, args.multiprocess_engine, threads), desc="throughput",
         show_progress=not args.no_progress,
     )
-    rows = [config_row(spec, results[spec.label]) for spec in specs]
-    add_ratios(rows)
+    rows = []
+    for job_index in range(0, len(jobs), len(specs)):  # one pool's configurations
+        pool_rows = [{**config_row(spec, results[job["id"]]),
+                      "kv_cache_tokens": job["capacity_tokens"]}
+                     for spec, job in zip(specs, jobs[job_index: job_index + len(specs)])]
+        add_ratios(pool_rows)
+        rows.extend(pool_rows)
     report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
     write_json(args.output_json, report)
     print()
-    print(render(rows))
-    print(f"KV tok/req = {header['kv_tokens_per_request_derivation']} "
-          f"(capacity {capacity} tokens)")
+    if args.sweep_kv_memory:
+        png = args.output_json.with_suffix(".png")
+        memory_sweep.plot(rows, png, f"{Path(model).name}: {workload['num_prompts']} prompts, "
+                          f"{workload['input_len']} in / {workload['output_len']} out")
+        print(memory_sweep.render(rows))
+        print(f"plot: {png}")
+    else:
+        print(render(rows))
+        print(f"KV tok/req = {header['kv_tokens_per_request_derivation']} "
+              f"(capacity {capacity} tokens)")
     for row in rows:
         if not row["ok"]:
             print(f"\n{row['label']} FAILED:\n{row['error']}")
@@ -362,13 +428,16 @@ def render(rows: list[dict[str, Any]]) -> str:
             "total_x": ratios.get("total_tok_s"),
             "peak_x": ratios.get("peak_running"),
             "kv_x": ratios.get("mean_kv_tokens_per_running"),
+            "cap_x": (row.get("cap") or {}).get("x_vanilla"),
+            "cap_reached": (row.get("cap") or {}).get("reached"),
         })
     columns = [
         ("label", "config"), ("output_tok_s", "out tok/s"), ("out_x", "x van"),
         ("total_tok_s", "total tok/s"), ("total_x", "x van"), ("peak_running", "peak run"),
         ("peak_x", "x van"), ("mean_running", "mean run"), ("preemptions", "preempt"),
+        ("preempted_tokens", "preempt tok"),
         ("mean_kv_tokens_per_running", "KV tok/req"), ("kv_x", "x van"),
-        ("elapsed_s", "time s"),
+        ("cap_x", "cap x van"), ("cap_reached", "of cap"), ("elapsed_s", "time s"),
     ]
     return format_table(table_rows, columns)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kvcompress.engine.metrics import STATS_FIELD
+
 
 @dataclass
 class StepSample:
@@ -29,6 +31,9 @@ class EngineStats:
     preemptions: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    # Computed tokens preemptions dropped (kvcompress's scheduler counts them; None for an
+    # engine without compression, whose scheduler does not report them).
+    preempted_tokens: int | None = None
 
 
 class StepStatsRecorder(StatLoggerBase):
@@ -53,6 +58,10 @@ class StepStatsRecorder(StatLoggerBase):
                     kv_cache_usage=scheduler_stats.kv_cache_usage,
                 )
             )
+            figures = getattr(scheduler_stats, STATS_FIELD, None)
+            if figures:
+                self.stats.preempted_tokens = ((self.stats.preempted_tokens or 0)
+                                               + figures["preempted_tokens"])
         if iteration_stats is not None:
             self.stats.preemptions += iteration_stats.num_preempted_reqs
             self.stats.generated_tokens += iteration_stats.num_generation_tokens

@@ -40,11 +40,34 @@ def test_throughput_end_to_end(tmp_path, embedded_model):
         assert row["output_tok_s"] > 0 and row["total_tok_s"] > row["output_tok_s"]
         assert row["peak_running"] >= 1 and row["steps"] >= 6
         assert row["mean_kv_tokens_per_running"] > 0
+        # the prefill-only pass ran, and decoding is not free
+        assert 0 < row["prefill_only_s"] < row["elapsed_s"]
+        assert 0 < row["cap"]["reached"] < 1
+    assert compressed["preempted_tokens"] == 0 and vanilla["preempted_tokens"] is None
     assert vanilla["vs_vanilla"]["output_tok_s"] == 1.0
     assert compressed["prompt_compression"] == pytest.approx(4.0)
     # pages of 16 tokens holding a quarter of each prompt vs vLLM's 128-token blocks
     assert compressed["mean_kv_tokens_per_running"] < vanilla["mean_kv_tokens_per_running"]
     assert compressed["vs_vanilla"]["mean_kv_tokens_per_running"] < 1.0
+
+
+def test_memory_sweep_end_to_end(tmp_path, embedded_model):
+    out = tmp_path / "sweep.json"
+    run_script([
+        "-m", "benchmarks.throughput", "--model", embedded_model, "--sweep-kv-memory",
+        "--sweep-points", "4,12", "--num-prompts", "4", "--input-len", "64",
+        "--output-len", "4", "--max-num-batched-tokens", "128", "--output-json", str(out),
+        "--no-progress",
+    ])
+    rows = json.loads(out.read_text())["configs"]
+    assert [(row["kv_cache_tokens"], row["label"]) for row in rows] == [
+        (272, "vanilla"), (272, "pyramidkv:r=0.875"), (816, "vanilla"),
+        (816, "pyramidkv:r=0.875")]
+    assert all(row["ok"] and row["all_outputs_full_length"] for row in rows)
+    assert rows[0]["vs_vanilla"]["output_tok_s"] == rows[2]["vs_vanilla"]["output_tok_s"] == 1
+    # a tight pool runs fewer requests at once than an ample one
+    assert rows[0]["peak_running"] < rows[2]["peak_running"]
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_quality_end_to_end(tmp_path, embedded_model):

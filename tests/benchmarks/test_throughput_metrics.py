@@ -56,6 +56,21 @@ def test_ratios_to_vanilla():
     assert rows[2]["vs_vanilla"]["output_tok_s"] is None
 
 
+def test_cap_is_the_output_rate_if_decoding_cost_nothing():
+    rows = [
+        {"label": "vanilla", "ok": True, "output_tok_s": 10.0, "output_tokens": 1000,
+         "prefill_only_s": 40.0},
+        {"label": "pyramidkv:r=0.875", "ok": True, "output_tok_s": 20.0, "output_tokens": 1000,
+         "prefill_only_s": 50.0},
+        {"label": "snapkv:64", "ok": True, "output_tok_s": 12.0, "prefill_only_s": None},
+    ]
+    add_ratios(rows)
+    assert rows[0]["cap"] == {"output_tok_s": 25.0, "x_vanilla": 2.5, "reached": 0.4}
+    assert rows[1]["cap"]["x_vanilla"] == pytest.approx(2.0)
+    assert rows[1]["cap"]["reached"] == pytest.approx(1.0)
+    assert rows[2]["cap"] is None  # measured with --no-cap
+
+
 def test_ratios_without_vanilla_are_none():
     rows = [{"label": "snapkv:64", "ok": True, "output_tok_s": 3.0}]
     add_ratios(rows)
