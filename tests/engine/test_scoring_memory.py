@@ -40,7 +40,7 @@ def test_reserve_counts_accumulators_and_a_bounded_planning_workspace():
     # 4 layers x 2 heads: the planning workspace is that of every score held, padded
     assert reserved_bytes(100, 4, 2, 90) == 100 * 8 * 4 + 2 * 100 * 8 * PLAN_BYTES_PER_SCORE
     # ... but never more than the largest block planned at once
-    huge = reserved_bytes(1 << 20, 32, 2, 1 << 16)
+    huge = reserved_bytes(1 << 20, 32, 2, MAX_BLOCK_ELEMENTS // 4)
     assert huge == (1 << 26) * 4 + MAX_BLOCK_ELEMENTS * PLAN_BYTES_PER_SCORE
     # ... which is one layer of one request when that alone is larger than a block
     longest = MAX_BLOCK_ELEMENTS
