@@ -34,6 +34,13 @@ class _RequestPages:
     logical_len: int
     # Per row: logical tokens that no longer have a physical slot (evicted).
     evicted: np.ndarray
+    # Logical tokens every row can still take without a new page: most decode steps fit
+    # (one token per row, a page every page_size steps) and skip the per-row arithmetic.
+    headroom: int = 0
+
+    def refresh_headroom(self, page_size: int) -> None:
+        slots = self.table.num_pages.astype(np.int64) * page_size
+        self.headroom = int((slots - (self.logical_len - self.evicted)).min())
 
 
 class PageManager:
@@ -80,6 +87,8 @@ class PageManager:
         state = self._requests.get(request_id)
         if state is None:
             return self.layout.pages_for_tokens(logical_len)
+        if logical_len - state.logical_len <= state.headroom:
+            return 0
         return int(state.table.pages_missing(logical_len - state.evicted).sum())
 
     def allocate(self, request_id: str, logical_len: int, reserve: int = 0) -> bool:
@@ -97,6 +106,10 @@ class PageManager:
             )
         if logical_len <= state.logical_len:
             return True
+        growth = logical_len - state.logical_len
+        if not fresh and growth <= state.headroom:
+            state.logical_len, state.headroom = logical_len, state.headroom - growth
+            return True
         missing = state.table.pages_missing(logical_len - state.evicted)
         needed = int(missing.sum())
         if needed + reserve > self._num_free:
@@ -104,6 +117,7 @@ class PageManager:
         page_ids = self._pop(needed)
         state.table.append(missing, page_ids)
         state.logical_len = logical_len
+        state.refresh_headroom(self.layout.page_size)
         if fresh:
             self._requests[request_id] = state
         delta = self._pending.get(request_id)
@@ -134,6 +148,7 @@ class PageManager:
             )
         state.evicted = logical_len - physical_lengths
         freed = state.table.truncate(state.logical_len - state.evicted)
+        state.refresh_headroom(self.layout.page_size)
         self._push(freed)
         return len(freed)
 
