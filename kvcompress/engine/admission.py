@@ -43,44 +43,44 @@ class Trajectory:
     remaining_steps: int  # steps after the prompt until the request ends at the latest
 
 
-def growth_pages(kept_lengths: np.ndarray, page_size: int) -> tuple[int, np.ndarray]:
-    """Pages of rows of ``kept_lengths`` tokens, and ``free_below[r]``: how many rows have
-    fewer than ``r`` free slots in their last page (``r`` in [0, page_size]).
+def growth_pages(kept_lengths: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each request (a row of ``kept_lengths [requests, rows]``): its pages, and
+    ``free_below[r]``, how many of its rows have fewer than ``r`` free slots in their last
+    page (``r`` in [0, page_size]).
 
     A row with ``s`` free slots needs ``ceil(max(0, d - s) / page_size)`` new pages after
-    ``d`` more tokens, so all rows together need ``(d // page_size) * rows +
+    ``d`` more tokens, so a request's rows together need ``(d // page_size) * rows +
     free_below[d % page_size]``.
     """
     lengths = np.asarray(kept_lengths, dtype=np.int64)
+    count = lengths.shape[0]
     pages = -(-lengths // page_size)
     slack = pages * page_size - lengths
-    counts = np.bincount(slack, minlength=page_size)
-    free_below = np.concatenate(([0], np.cumsum(counts)))
-    return int(pages.sum()), free_below
+    offsets = (np.arange(count) * page_size)[:, None]
+    counts = np.bincount((slack + offsets).ravel(), minlength=count * page_size)
+    free_below = np.zeros((count, page_size + 1), dtype=np.int64)
+    np.cumsum(counts.reshape(count, page_size), axis=1, out=free_below[:, 1:])
+    return pages.sum(axis=1), free_below
 
 
 def peak_pages(trajectories: Sequence[Trajectory], page_size: int) -> int:
     """The most pages the requests will hold together at any coming step.
 
     Between two events (a prompt compacted, a request ended) the total only grows, so the
-    peak is at one of the steps right before an event, or now.
+    peak is at one of the steps right before an event, or now. Every trajectory has the same
+    number of rows.
     """
     if not trajectories:
         return 0
-    count = len(trajectories)
     held = np.array([t.held_pages for t in trajectories], dtype=np.int64)
     prefill = np.array([t.prefill_steps for t in trajectories], dtype=np.int64)
     growth = np.array([t.growth_tokens for t in trajectories], dtype=np.int64)
     ends = prefill + np.array([t.remaining_steps for t in trajectories], dtype=np.int64)
-    kept = np.zeros(count, dtype=np.int64)
-    rows = np.zeros(count, dtype=np.int64)
-    free_below = np.zeros((count, page_size + 1), dtype=np.int64)
-    for index, trajectory in enumerate(trajectories):
-        kept[index], free_below[index] = growth_pages(trajectory.kept_lengths, page_size)
-        rows[index] = len(trajectory.kept_lengths)
+    lengths = np.stack([t.kept_lengths for t in trajectories])
+    kept, free_below = growth_pages(lengths, page_size)
     steps = np.unique(np.concatenate(([0], prefill, ends)))  # [K]
     grown = np.clip(steps[None, :] - prefill[:, None], 0, growth[:, None])  # [n, K]
-    added = (grown // page_size) * rows[:, None] + np.take_along_axis(
+    added = (grown // page_size) * lengths.shape[1] + np.take_along_axis(
         free_below, grown % page_size, axis=1
     )
     pages = np.where(steps[None, :] <= prefill[:, None], held[:, None], kept[:, None] + added)

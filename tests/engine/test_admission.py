@@ -61,10 +61,10 @@ def test_peak_matches_a_step_by_step_simulation(cases):
 
 
 def test_growth_pages_counts_rows_by_free_slots_in_their_last_page():
-    pages, free_below = growth_pages(np.array([0, 3, 4, 5]), PAGE)
-    assert pages == 0 + 1 + 1 + 2
+    pages, free_below = growth_pages(np.array([[0, 3, 4, 5], [1, 1, 1, 1]]), PAGE)
+    assert pages.tolist() == [0 + 1 + 1 + 2, 4]
     # free slots: 0 (empty row), 1, 0, 3 -> rows with fewer than r free slots
-    assert free_below.tolist() == [0, 2, 3, 3, 4]
+    assert free_below.tolist() == [[0, 2, 3, 3, 4], [0, 0, 0, 0, 4]]
 
 
 def test_a_request_that_ends_first_makes_room_for_the_growth_of_another():
