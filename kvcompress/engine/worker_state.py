@@ -42,6 +42,17 @@ class RequestKV:
     decode_scores: torch.Tensor | None = None
 
 
+@dataclass
+class _BatchTables:
+    """The last step's padded page tables, kept for the next: decode steps mostly run the
+    same requests in the same order, and a request's table changes only every
+    ``page_size`` tokens, so only changed requests are copied again."""
+
+    req_ids: list[str]
+    versions: list[int]  # HeadPageTable.version copied into each batch row (0: none)
+    tables: np.ndarray  # [requests, rows, widest row] int64
+
+
 class WorkerKVState:
     """Per-request page tables and lengths on one worker, keyed by request id."""
 
@@ -50,6 +61,7 @@ class WorkerKVState:
         self.device = device
         self.requests: dict[str, RequestKV] = {}
         self.peak_scored_tokens = 0  # most prompt tokens holding window scores at once
+        self._batch_tables: _BatchTables | None = None
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -92,11 +104,7 @@ class WorkerKVState:
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
         lengths_before_np = np.stack([state.lengths for state in states])
         lengths_after_np = lengths_before_np + np.asarray(num_new_tokens)[:, None]
-        max_pages = max(1, int(max(state.table.num_pages.max() for state in states)))
-        tables = np.zeros((len(states), layout.num_rows, max_pages), dtype=np.int64)
-        for index, state in enumerate(states):
-            width = min(max_pages, state.table.pages.shape[1])
-            tables[index, :, :width] = state.table.pages[:, :width]
+        tables = self._page_tables(req_ids, states)
         for index, state in enumerate(states):
             needed = (lengths_after_np[index] + layout.page_size - 1) // layout.page_size
             if np.any(needed > state.table.num_pages):
@@ -203,6 +211,26 @@ class WorkerKVState:
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor -> the runner's device (the only host->device path of a step)."""
         return tensor.to(self.device)
+
+    def _page_tables(self, req_ids: Sequence[str], states: Sequence[RequestKV]) -> np.ndarray:
+        """``[requests, rows, widest row]`` page ids of this step's requests, zero-padded;
+        rebuilt when the requests, their order or the width change, otherwise only the
+        requests whose tables changed are copied again."""
+        width = max(1, max(int(state.table.num_pages.max()) for state in states))
+        cache = self._batch_tables
+        if cache is None or cache.req_ids != list(req_ids) or cache.tables.shape[2] != width:
+            cache = self._batch_tables = _BatchTables(
+                list(req_ids), [0] * len(states),
+                np.zeros((len(states), self.layout.num_rows, width), dtype=np.int64))
+        for index, state in enumerate(states):
+            table = state.table
+            if cache.versions[index] == table.version:
+                continue
+            copied = min(width, table.pages.shape[1])
+            cache.tables[index, :, :copied] = table.pages[:, :copied]
+            cache.tables[index, :, copied:] = 0
+            cache.versions[index] = table.version
+        return cache.tables
 
     def _slot_mapping(
         self, page_tables: torch.Tensor, lengths_before: torch.Tensor, num_new: torch.Tensor

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+
+# Every change of any table takes the next number: a (table, contents) pair is identified
+# by its version alone, so a cache keyed on versions never mistakes a new table for an old.
+_VERSIONS = itertools.count(1)
 
 
 def pages_for_lengths(lengths: np.ndarray, page_size: int) -> np.ndarray:
@@ -20,6 +26,7 @@ class HeadPageTable:
         self.page_size = page_size
         self.pages = np.zeros((num_rows, max(1, initial_capacity)), dtype=np.int32)
         self.num_pages = np.zeros(num_rows, dtype=np.int32)
+        self.version = next(_VERSIONS)
 
     @property
     def num_rows(self) -> int:
@@ -47,12 +54,14 @@ class HeadPageTable:
         offset_in_row = np.arange(total) - np.repeat(first_of_row, counts)
         self.pages[rows, self.num_pages[rows] + offset_in_row] = page_ids
         self.num_pages += counts.astype(np.int32)
+        self.version = next(_VERSIONS)
 
     def truncate(self, lengths: np.ndarray) -> np.ndarray:
         """Drop trailing pages beyond what ``lengths`` tokens need; return the dropped ids."""
         keep = np.minimum(pages_for_lengths(lengths, self.page_size), self.num_pages)
         dropped = self._pages_between(keep, self.num_pages)
         self.num_pages = keep.astype(np.int32)
+        self.version = next(_VERSIONS)
         return dropped
 
     def all_pages(self) -> np.ndarray:
