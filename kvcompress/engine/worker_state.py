@@ -104,14 +104,15 @@ class WorkerKVState:
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
         lengths_before_np = np.stack([state.lengths for state in states])
         lengths_after_np = lengths_before_np + np.asarray(num_new_tokens)[:, None]
-        tables = self._page_tables(req_ids, states)
-        for index, state in enumerate(states):
-            needed = (lengths_after_np[index] + layout.page_size - 1) // layout.page_size
-            if np.any(needed > state.table.num_pages):
-                raise RuntimeError(
-                    f"request {req_ids[index]}: no page reserved for its new tokens "
-                    f"(scheduler and worker page tables disagree)"
-                )
+        num_pages = np.stack([state.table.num_pages for state in states])
+        tables = self._page_tables(req_ids, states, max(1, int(num_pages.max())))
+        needed = (lengths_after_np + layout.page_size - 1) // layout.page_size
+        short = np.flatnonzero((needed > num_pages).any(axis=1))
+        if len(short):
+            raise RuntimeError(
+                f"request {req_ids[short[0]]}: no page reserved for its new tokens "
+                f"(scheduler and worker page tables disagree)"
+            )
         query_start_loc = np.concatenate([[0], np.cumsum(num_new_tokens)]).tolist()
         page_tables = torch.as_tensor(tables)
         lengths_before = torch.as_tensor(lengths_before_np)
@@ -212,11 +213,12 @@ class WorkerKVState:
         """Host tensor -> the runner's device (the only host->device path of a step)."""
         return tensor.to(self.device)
 
-    def _page_tables(self, req_ids: Sequence[str], states: Sequence[RequestKV]) -> np.ndarray:
-        """``[requests, rows, widest row]`` page ids of this step's requests, zero-padded;
+    def _page_tables(self, req_ids: Sequence[str], states: Sequence[RequestKV],
+                     width: int) -> np.ndarray:
+        """``[requests, rows, width]`` page ids of this step's requests (beyond a row's
+        pages: zeros or ids it held before, never read: reads stop at the row's length);
         rebuilt when the requests, their order or the width change, otherwise only the
         requests whose tables changed are copied again."""
-        width = max(1, max(int(state.table.num_pages.max()) for state in states))
         cache = self._batch_tables
         if cache is None or cache.req_ids != list(req_ids) or cache.tables.shape[2] != width:
             cache = self._batch_tables = _BatchTables(
