@@ -104,6 +104,8 @@ class KVCompressScheduler(Scheduler):
         )
         if num_computed_tokens >= request.num_prompt_tokens:
             return num_new_tokens  # decoding: no window to score
+        if request.num_output_tokens + 1 >= request.max_tokens:
+            return num_new_tokens  # ends in its prefill step: the worker does not score it
         config = resolve(self.compression_config, request.sampling_params)
         return self.scoring_gate.limit(request, config, num_computed_tokens, num_new_tokens)
 
