@@ -1,7 +1,8 @@
 """What compression costs: window scoring + selection + moves as a fraction of prefill time.
 
-The same long prompts run twice through ONE engine, generating a single token (so the run
-is all prefill): once compressed, once with ``kv_compression: none`` per request (the same
+The same long prompts run twice through ONE engine, generating two tokens (the prefill step
+and one decode step: a request that ends in its prefill step is never compressed): once
+compressed, once with ``kv_compression: none`` per request (the same
 paged engine, no scoring, no eviction). The worker's own counters give the time spent
 scoring observation windows (inside attention) and compacting (after the forward).
 
@@ -83,8 +84,8 @@ def run(args: argparse.Namespace) -> list[CostRow]:
         dtype=args.dtype, seed=0,
     ))
     rng = random.Random(args.seed)
-    compressed = SamplingParams(temperature=0, max_tokens=1)
-    uncompressed = SamplingParams(temperature=0, max_tokens=1,
+    compressed = SamplingParams(temperature=0, max_tokens=2)
+    uncompressed = SamplingParams(temperature=0, max_tokens=2,
                                   extra_args={"kv_compression": "none"})
     rows = []
     try:
