@@ -41,11 +41,6 @@ class CompactionStats:
     score_seconds: float = 0.0  # observation-window scoring inside attention
 
 
-def wants_compression(config: KVCompressionConfig, prompt_len: int) -> bool:
-    """Whether a prompt of this length will be compacted (so its window is scored)."""
-    return config.compresses(prompt_len)
-
-
 def compact_completed_prompts(
     state: WorkerKVState,
     step: StepBatch,

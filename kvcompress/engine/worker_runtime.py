@@ -22,7 +22,6 @@ from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
     evict_generated_tokens,
-    wants_compression,
 )
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.log import get_logger
@@ -107,7 +106,7 @@ class PagedKVRuntime:
             prompt_lens,
             observation_windows=[config.window for config in configs],
             wants_compression=[
-                wants_compression(config, int(n)) and not self._ends_this_step(request_id)
+                config.compresses(int(n)) and not self._ends_this_step(request_id)
                 for request_id, config, n in zip(req_ids, configs, prompt_lens)
             ],
         )

@@ -17,7 +17,7 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.worker_compaction import compact_completed_prompts, wants_compression
+from kvcompress.engine.worker_compaction import compact_completed_prompts
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout, PageManager
@@ -96,7 +96,7 @@ class Pipeline:
         step = self.state.prepare_step(
             self.req_ids, np.array(num_new), np.array(computed), np.array(PROMPTS),
             observation_windows=[WINDOW] * len(PROMPTS),
-            wants_compression=[wants_compression(self.config, q) for q in PROMPTS],
+            wants_compression=[self.config.compresses(q) for q in PROMPTS],
         )
         total = sum(num_new)
         metadata = PagedAttentionMetadata(step, total, self.kernel, self.kernel.prepare(step),
