@@ -26,14 +26,22 @@ from kvcompress.policies.decode import (
     DecodeEviction,
     get_decode_method,
 )
+from kvcompress.policies.methods.base import BUDGET_SHAPES
 from kvcompress.policies.settings import (
+    DEFAULT_ADAKV_FLOOR,
+    DEFAULT_ADAKV_TOTALS,
     DEFAULT_BETA,
+    DEFAULT_GROUP_REDUCE,
     DEFAULT_POOLING,
     DEFAULT_POOLING_KERNEL,
     DEFAULT_SINK_TOKENS,
     DEFAULT_WINDOW,
 )
 from kvcompress.policies.validation import POOLINGS
+
+# How the query heads sharing a KV head combine their window attention. "sum" ranks like
+# "mean" (a constant factor), so users choose between these two.
+GQA_REDUCES = ("mean", "max")
 
 METHODS = ("none", *POLICY_METHODS)
 
@@ -119,6 +127,26 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         f">= 0; default {DEFAULT_SINK_TOKENS}.",
     ),
     FlagSpec(
+        "kv_adakv_floor", "--kv-adakv-floor", "adakv_floor", float,
+        "Ada-KV: every KV head first keeps its top ceil(F x its average share) tokens before "
+        "the rest of the layer's total goes to the best scores of any head. 0 <= F <= 1 (1: "
+        f"no sharing, SnapKV's top-k per head); default {DEFAULT_ADAKV_FLOOR:g}.",
+    ),
+    FlagSpec(
+        "kv_adakv_totals", "--kv-adakv-totals", "adakv_totals", str,
+        "Ada-KV: the per-layer totals its heads share: 'pyramid' (PyramidKV's schedule, "
+        "shrinking with depth) or 'uniform' (every layer the same). Default "
+        f"{DEFAULT_ADAKV_TOTALS}.",
+        BUDGET_SHAPES,
+    ),
+    FlagSpec(
+        "kv_gqa_reduce", "--kv-gqa-reduce", "gqa_reduce", str,
+        "How the query heads that share a KV head combine their observation-window "
+        "attention into that head's token scores: 'mean' or 'max' (a token one query head "
+        f"needs survives even if the others ignore it). Default {DEFAULT_GROUP_REDUCE}.",
+        GQA_REDUCES,
+    ),
+    FlagSpec(
         "kv_decode_policy", "--kv-decode-policy", "decode_policy", str,
         "With --kv-decode-budget: which generated tokens each KV head keeps during long "
         "generations; "
@@ -174,6 +202,9 @@ class KVCompressionConfig:
     pooling: str = DEFAULT_POOLING
     pooling_kernel: int = DEFAULT_POOLING_KERNEL
     sink_tokens: int = DEFAULT_SINK_TOKENS
+    adakv_floor: float = DEFAULT_ADAKV_FLOOR
+    adakv_totals: str = DEFAULT_ADAKV_TOTALS
+    gqa_reduce: str = DEFAULT_GROUP_REDUCE
     page_size: int = DEFAULT_PAGE_SIZE
     decode_policy: str = DEFAULT_DECODE_POLICY
     decode_budget: int | None = None
@@ -275,6 +306,13 @@ class KVCompressionConfig:
             _fail("kv_pooling_kernel", f"got {self.pooling_kernel}; allowed: an odd integer >= 1")
         if self.sink_tokens < 0:
             _fail("kv_sink_tokens", f"got {self.sink_tokens}; allowed: an integer >= 0")
+        if not (0.0 <= self.adakv_floor <= 1.0):
+            _fail("kv_adakv_floor", f"got {self.adakv_floor}; allowed: a number in [0, 1]")
+        if self.adakv_totals not in BUDGET_SHAPES:
+            _fail("kv_adakv_totals",
+                  f"got {self.adakv_totals!r}; allowed: {', '.join(BUDGET_SHAPES)}")
+        if self.gqa_reduce not in GQA_REDUCES:
+            _fail("kv_gqa_reduce", f"got {self.gqa_reduce!r}; allowed: {', '.join(GQA_REDUCES)}")
         self._validate_decode()
         if self.admission_lookahead < 0:
             _fail("kv_admission_lookahead",
@@ -342,7 +380,10 @@ class KVCompressionConfig:
         return (
             f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
-            f"page_size={self.page_size}"
+            f"gqa={self.gqa_reduce} "
+            + (f"adakv_floor={self.adakv_floor:g} adakv_totals={self.adakv_totals} "
+               if self.method == "adakv" else "")
+            + f"page_size={self.page_size}"
             + (f" decode={self.decode_policy}/{self.decode_budget}+{self.decode_interval}"
                if self.decode_budget is not None else "")
         )

@@ -55,6 +55,8 @@ class WindowQueries:
     scores: torch.Tensor  # the request's accumulator, [L, H, prompt_len]
     # Whether the whole window is in this step (else earlier chunks already added to scores).
     starts_in_step: bool = True
+    # How the query heads of a KV head combine (the request's --kv-gqa-reduce).
+    group_reduce: str = "mean"
 
 
 @dataclass
@@ -72,6 +74,8 @@ class DecodeQueries:
     # Host: generated tokens of the longest row once this step's token is in (<= the
     # accumulator's width): how many offsets this step scores.
     num_generated: int
+    # How the query heads of a KV head combine (the request's --kv-gqa-reduce).
+    group_reduce: str = "mean"
 
 
 @dataclass
@@ -152,12 +156,13 @@ class PlatformKernel(KVMover, Protocol):
 
     def accumulate_window_scores(self, args: Any, layer: int, query: torch.Tensor,
                                  key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
-                                 scale: float, group_reduce: str, *,
+                                 scale: float, *,
                                  soft_cap: float | None = None,
                                  sinks: torch.Tensor | None = None) -> None:
         """Add ``layer``'s observation-window probabilities (under the layer's softmax) into
-        each window's accumulator (``step.window_queries``); ``key`` is the step's own
-        ``[T, H, D]`` keys."""
+        each window's accumulator (``step.window_queries``), its query heads combined as the
+        window says (``WindowQueries.group_reduce``); ``key`` is the step's own ``[T, H, D]``
+        keys."""
         ...
 
 
@@ -170,7 +175,6 @@ class PagedAttentionMetadata:
     kernel: PlatformKernel
     kernel_args: Any  # what kernel.prepare(step) returned
     layer_index: dict[str, int]
-    group_reduce: str
 
 
 class StepRuntime(Protocol):

@@ -137,6 +137,10 @@ def test_request_overrides_replace_the_amount_and_keep_the_rest():
         ({"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_window": 16},
          "'kv_decode_budget'"),
         ({"kv_decode_window": 64}, "kv_decode_window"),  # the flag it replaced
+        ({"kv_adakv_floor": 1.2}, r"'kv_adakv_floor'.*\[0, 1\]"),
+        ({"kv_adakv_floor": "high"}, "'kv_adakv_floor'"),
+        ({"kv_adakv_totals": "linear"}, "'kv_adakv_totals'.*pyramid, uniform"),
+        ({"kv_gqa_reduce": "sum"}, "'kv_gqa_reduce'.*mean, max"),
     ],
 )
 def test_bad_request_overrides_name_the_field(overrides, message):
@@ -168,7 +172,8 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_compression": "adakv", "kv_budget": 96, "kv_window": 16, "kv_pyramid_beta": 4,
         "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
         "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
-        "kv_admission_lookahead": 64,
+        "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
+        "kv_gqa_reduce": "max",
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:
@@ -177,6 +182,8 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
     assert (policy.method, policy.budget, policy.ratio, policy.window, policy.beta) == (
         "adakv", 96, None, 16, 4.0)
     assert (policy.pooling, policy.pooling_kernel, policy.sink_tokens) == ("avg", 5, 2)
+    assert (policy.adakv_floor, policy.adakv_totals, policy.budget_shape) == (
+        0.8, "uniform", "uniform")
 
 
 def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():

@@ -140,11 +140,11 @@ class CpuPagedKernel:
 
     def accumulate_window_scores(self, args: CpuStepArgs, layer: int, query: torch.Tensor,
                                  key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
-                                 scale: float, group_reduce: str, *,
+                                 scale: float, *,
                                  soft_cap: float | None = None,
                                  sinks: torch.Tensor | None = None) -> None:
         accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
-                                 group_reduce, key=key, soft_cap=soft_cap, sinks=sinks)
+                                 key=key, soft_cap=soft_cap, sinks=sinks)
 
     def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
              *, disjoint: bool = False) -> None:

@@ -32,7 +32,6 @@ def accumulate_decode_scores(
     decode: DecodeQueries,
     layer: int,
     scale: float,
-    group_reduce: str = "mean",
     *,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -42,7 +41,7 @@ def accumulate_decode_scores(
     step's keys. ``soft_cap`` / ``sinks [Hq]``: the layer's softmax. The accumulator is
     written once, at the end, so a failure leaves it as it was."""
     accumulate_decode_scores_batch(query, pool, page_format, step, [decode], layer, scale,
-                                   group_reduce, soft_cap=soft_cap, sinks=sinks)
+                                   soft_cap=soft_cap, sinks=sinks)
 
 
 # Keys gathered at once by the batched path ([requests, kv_heads, keys, head_size] elements);
@@ -58,7 +57,6 @@ def accumulate_decode_scores_batch(
     decodes: list[DecodeQueries],
     layer: int,
     scale: float,
-    group_reduce: str = "mean",
     *,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
@@ -91,7 +89,7 @@ def accumulate_decode_scores_batch(
         beyond = key_pos >= row_lengths[..., None]  # [n, H, S]
         logits.masked_fill_(beyond[:, :, None, :], float("-inf"))
         probs = attention_probs(logits, soft_cap, sink_logits)
-        per_key = aggregate_window_probs(probs[:, :, :, None, :], group_reduce)  # [n, H, S]
+        per_key = _combine_query_heads(probs, [decode.group_reduce for decode in part])
         width = max(decode.num_generated for decode in part)
         prompt_kept = torch.stack([decode.prompt_kept[rows] for decode in part])  # [n, H]
         positions = prompt_kept[..., None] + torch.arange(width, device=logits.device)
@@ -102,3 +100,17 @@ def accumulate_decode_scores_batch(
                     for number, decode in enumerate(part)]
     for decode, mass in updates:
         decode.scores[layer, :, : decode.num_generated] += mass
+
+
+def _combine_query_heads(probs: torch.Tensor, group_reduces: list[str]) -> torch.Tensor:
+    """``probs [n, H, G, S]`` -> ``[n, H, S]``, request i's query heads combined as
+    ``group_reduces[i]`` says (one reduction per distinct choice, usually one)."""
+    choices = sorted(set(group_reduces))
+    if len(choices) == 1:
+        return aggregate_window_probs(probs[:, :, :, None, :], choices[0])
+    combined = torch.empty_like(probs[:, :, 0])
+    for choice in choices:
+        picked = torch.tensor([reduce == choice for reduce in group_reduces],
+                              device=probs.device)
+        combined[picked] = aggregate_window_probs(probs[picked][:, :, :, None, :], choice)
+    return combined

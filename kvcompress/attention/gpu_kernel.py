@@ -13,7 +13,7 @@ available, else the Triton move; otherwise the torch gather-then-scatter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -127,7 +127,6 @@ class TritonPagedKernel:
         pool: torch.Tensor,
         step: StepBatch,
         scale: float,
-        group_reduce: str = "mean",
         *,
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
@@ -135,15 +134,18 @@ class TritonPagedKernel:
         """Add this layer's window probabilities into each window's accumulator, as
         :func:`kvcompress.attention.window_scores.accumulate_window_scores` does, in one
         kernel launch for all windows of the step. The kernel sums over the GQA group:
-        "mean" divides by the group, "max" (not separable that way) takes the torch path.
-        """
+        "mean" divides by the group; windows asking for "max" (not separable that way) take
+        the torch path."""
         windows = args.windows
         if windows is None:
             return
-        if group_reduce not in ("mean", "sum"):
-            accumulate_window_scores(query, pool, self.page_format, step, layer, scale,
-                                     group_reduce, key=key, soft_cap=soft_cap, sinks=sinks)
-            return
+        by_max = [window for window in step.window_queries if window.group_reduce == "max"]
+        if by_max:
+            accumulate_window_scores(query, pool, self.page_format,
+                                     replace(step, window_queries=by_max), layer, scale,
+                                     key=key, soft_cap=soft_cap, sinks=sinks)
+            if len(by_max) == len(step.window_queries):
+                return
         rows = self._rows(layer)
         num_keys = [keys[layer] for keys in windows.num_keys]
         scores = torch.zeros(
@@ -156,11 +158,15 @@ class TritonPagedKernel:
             scores, soft_cap=soft_cap, sinks=sinks, max_window_len=windows.max_window_len,
             max_kv_len=max(num_keys), use_triton=self.use_triton,
         )
-        if group_reduce == "mean":
-            scores /= query.shape[1] // self.layout.num_kv_heads
+        group = query.shape[1] // self.layout.num_kv_heads
         for index, window in enumerate(step.window_queries):
+            if window.group_reduce == "max":
+                continue
             keys = min(num_keys[index], window.scores.shape[-1])
-            window.scores[layer, :, :keys] += scores[index, :, :keys]
+            summed = scores[index, :, :keys]
+            if window.group_reduce == "mean":
+                summed = summed / group
+            window.scores[layer, :, :keys] += summed
 
     # ------------------------------------------------------------------ compaction
     def move(self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,

@@ -45,7 +45,7 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
         try:
             maybe_fail("score", [window.prompt_len for window in step.window_queries])
             kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
-                                            pool, step, scale, metadata.group_reduce, **softmax)
+                                            pool, step, scale, **softmax)
         except Exception:
             logger.exception("kvcompress: scoring the observation windows failed; "
                              "scoring them one by one")
@@ -68,7 +68,7 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
     try:
         maybe_fail("score", [decode.prompt_len for decode in step.decode_queries])
         accumulate_decode_scores_batch(query, pool, page_format, step, step.decode_queries,
-                                       layer_index, scale, metadata.group_reduce, **softmax)
+                                       layer_index, scale, **softmax)
         return
     except Exception:
         logger.exception("kvcompress: decode scoring failed; scoring requests one by one")
@@ -77,7 +77,7 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
         try:
             maybe_fail("score", [decode.prompt_len])
             accumulate_decode_scores(query, pool, page_format, step, decode, layer_index, scale,
-                                     metadata.group_reduce, **softmax)
+                                     **softmax)
             healthy.append(decode)
         except Exception as error:
             request_id = step.req_ids[decode.batch_index]
@@ -104,7 +104,7 @@ def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query:
             maybe_fail("score", [window.prompt_len])
             accumulate_window_scores(query, pool, metadata.kernel.page_format,
                                      replace(step, window_queries=[window]), layer_index,
-                                     scale, metadata.group_reduce, key=key, **softmax)
+                                     scale, key=key, **softmax)
             healthy.append(window)
         except Exception as error:
             step.fail([request_id], f"window scoring failed: {error!r}")

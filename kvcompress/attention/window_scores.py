@@ -26,7 +26,6 @@ def accumulate_window_scores(
     step: StepBatch,
     layer: int,
     scale: float,
-    group_reduce: str = "mean",
     key: torch.Tensor | None = None,
     *,
     soft_cap: float | None = None,
@@ -34,7 +33,8 @@ def accumulate_window_scores(
 ) -> None:
     """``query [T, Hq, D]`` (and optionally ``key [T, H, D]``) are this step's, for
     ``layer``; given ``key``, a prompt entirely in this step is scored without reading
-    the pool. ``soft_cap`` and ``sinks [Hq]``: the layer's softmax, as the model has it."""
+    the pool. ``soft_cap`` and ``sinks [Hq]``: the layer's softmax, as the model has it.
+    Each window combines its query heads as it says (``group_reduce``)."""
     rows = step.layer_rows(layer)
     num_kv_heads = step.layout.num_kv_heads
     # [H, G, 1]: one sink per query head, against logits [H, G, w, S].
@@ -62,4 +62,5 @@ def accumulate_window_scores(
         future = key_pos[None, None, :] > query_pos[:, :, None]  # [H, w, S]
         logits.masked_fill_(future[:, None], float("-inf"))
         probs = attention_probs(logits, soft_cap, sink_logits)
-        window.scores[layer, :, :num_keys] += aggregate_window_probs(probs, group_reduce)
+        window.scores[layer, :, :num_keys] += aggregate_window_probs(probs,
+                                                                    window.group_reduce)

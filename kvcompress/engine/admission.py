@@ -172,6 +172,7 @@ class AdmissionPlanner:
         if not config.compresses(prompt_len):
             return np.full(layout.num_rows, prompt_len, dtype=np.int64)
         per_layer = layer_budgets(config.method, layout.num_layers, prompt_len, config.budget,
-                                  config.ratio, config.window, config.beta)
+                                  config.ratio, config.window, config.beta,
+                                  config.policy.budget_shape)
         return np.repeat(np.minimum(np.asarray(per_layer, dtype=np.int64), prompt_len),
                          layout.num_kv_heads)

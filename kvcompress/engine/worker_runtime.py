@@ -40,13 +40,11 @@ class PagedKVRuntime:
         kernel: PlatformKernel,
         dtype: torch.dtype,
         device: torch.device,
-        group_reduce: str = "mean",
     ) -> None:
         self.config = config
         self.layout = layout
         self.kernel = kernel
         self.layer_index = {name: index for index, name in enumerate(layer_names)}
-        self.group_reduce = group_reduce
         self.pool = torch.zeros(
             (layout.total_pages, 2, layout.page_size, layout.head_size),
             dtype=dtype, device=device,
@@ -121,7 +119,6 @@ class PagedKVRuntime:
             kernel=self.kernel,
             kernel_args=self.kernel.prepare(step),
             layer_index=self.layer_index,
-            group_reduce=self.group_reduce,
         )
 
     def _ends_this_step(self, request_id: str) -> bool:

@@ -18,6 +18,7 @@ import torch
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.scoring_memory import scores_prompt
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
+from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
 from kvcompress.step import DecodeQueries, StepBatch, WindowQueries
 
 
@@ -143,7 +144,8 @@ class WorkerKVState:
                     ))
                 window_queries.append(
                     WindowQueries(index, first - start, last - first, prompt_len,
-                                  state.window_scores, starts_in_step=window_start >= start)
+                                  state.window_scores, starts_in_step=window_start >= start,
+                                  group_reduce=_gqa_reduce(state.config))
                 )
 
         if window_queries:  # the scheduler's ScoringGate bounds this (scoring_memory)
@@ -205,7 +207,7 @@ class WorkerKVState:
             np.stack([request.prompt_kept for _, request, _ in picked]).astype(np.int64)))
         step.decode_queries = [
             DecodeQueries(index, request.prompt_len, request.decode_scores, prompt_kept[number],
-                          generated_after)
+                          generated_after, group_reduce=_gqa_reduce(request.config))
             for number, (index, request, generated_after) in enumerate(picked)
         ]
 
@@ -246,3 +248,7 @@ class WorkerKVState:
         rows = torch.arange(page_tables.shape[1])
         pages = page_tables[request_of_token[:, None], rows[None, :], position // page_size]
         return pages * page_size + position % page_size
+
+
+def _gqa_reduce(config: KVCompressionConfig | None) -> str:
+    return DEFAULT_GROUP_REDUCE if config is None else config.gqa_reduce

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from functools import lru_cache
 
+from .methods.base import BudgetShape
 from .registry import get_method
 from .settings import DEFAULT_BETA, DEFAULT_WINDOW
 from .validation import check_beta, check_budget_spec, check_int, exact_fraction
@@ -105,16 +106,18 @@ def layer_budgets(
     ratio: float | None = None,
     window: int = DEFAULT_WINDOW,
     beta: float = DEFAULT_BETA,
+    shape: BudgetShape | None = None,
 ) -> list[int]:
     """Tokens kept per KV head in each layer (window included), layer 0 first.
 
-    The method's record (registry) says the shape: "pyramid" budgets shrink with depth (for
+    ``shape`` (PolicySettings.budget_shape), else the method's record (registry), says the
+    shape: "pyramid" budgets shrink with depth (for
     "adakv" they are the per-head average of the layer total), "uniform" ones keep the same
     budget in every layer. Whenever prompt_len > budget the list sums to exactly
     num_layers * budget, each entry lies in [window, prompt_len], and the list is
     non-increasing. Otherwise every layer keeps prompt_len.
     """
-    shape = get_method(method).budget_shape
+    shape = shape or get_method(method).budget_shape
     check_int("num_layers", num_layers, 1)
     check_beta(beta)
     per_layer = resolve_budget(prompt_len, budget, ratio, window)

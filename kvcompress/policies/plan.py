@@ -80,7 +80,7 @@ def plan_keep(
     per_layer = [
         layer_budgets(
             settings.method, num_layers, q, settings.budget, settings.ratio, settings.window,
-            settings.beta,
+            settings.beta, settings.budget_shape,
         )
         for q in lens
     ]

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .methods.base import CompressionMethod
+from .methods.base import BUDGET_SHAPES, BudgetShape, CompressionMethod
 from .registry import get_method
-from .validation import check_beta, check_budget_spec, check_int, check_pooling, check_real
+from .validation import (
+    check_beta,
+    check_budget_spec,
+    check_choice,
+    check_int,
+    check_pooling,
+    check_real,
+)
 
 DEFAULT_WINDOW = 8  # PyramidKV's LongBench runs; the authors found 8 or 16 best.
 DEFAULT_BETA = 20.0
@@ -18,6 +25,7 @@ DEFAULT_POOLING = "max"
 DEFAULT_POOLING_KERNEL = 7  # max pool, kernel 7: the setting behind the LongBench numbers.
 DEFAULT_SINK_TOKENS = 4  # StreamingLLM's attention sinks.
 DEFAULT_ADAKV_FLOOR = 0.2
+DEFAULT_ADAKV_TOTALS: BudgetShape = "pyramid"
 # How the engine turns window attention into scores (scores.py), before plan_keep sees them.
 DEFAULT_GROUP_REDUCE = "mean"
 DEFAULT_WINDOW_REDUCE = "sum"
@@ -37,6 +45,9 @@ class PolicySettings:
         "none"; odd kernel >= 1.
     sink_tokens: StreamingLLM's attention sinks, >= 0.
     adakv_floor: Ada-KV's per-head floor as a fraction of the per-head average, in [0, 1].
+    adakv_totals: the layer totals Ada-KV's heads share: "pyramid" (PyramidKV's schedule) or
+        "uniform" (every layer the budget); read only by methods whose record names it
+        (CompressionMethod.shape_setting).
     """
 
     method: str
@@ -48,6 +59,7 @@ class PolicySettings:
     pooling_kernel: int = DEFAULT_POOLING_KERNEL
     sink_tokens: int = DEFAULT_SINK_TOKENS
     adakv_floor: float = DEFAULT_ADAKV_FLOOR
+    adakv_totals: BudgetShape = DEFAULT_ADAKV_TOTALS
 
     def __post_init__(self) -> None:
         get_method(self.method)
@@ -57,8 +69,18 @@ class PolicySettings:
         # A plain int (not a numpy one): selections use it in tensor arithmetic.
         object.__setattr__(self, "sink_tokens", check_int("sink_tokens", self.sink_tokens, 0))
         check_real("adakv_floor", self.adakv_floor, low=0.0, high=1.0)
+        check_choice("adakv_totals", self.adakv_totals, BUDGET_SHAPES)
 
     @property
     def compression_method(self) -> CompressionMethod:
         """The registry record of ``method``: budget shape, whether it needs scores, selection."""
         return get_method(self.method)
+
+    @property
+    def budget_shape(self) -> BudgetShape:
+        """How this request's layer budgets are shaped: the method's own, unless its record
+        lets a setting choose (Ada-KV: adakv_totals)."""
+        method = self.compression_method
+        if method.shape_setting is None:
+            return method.budget_shape
+        return getattr(self, method.shape_setting)

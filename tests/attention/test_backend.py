@@ -63,7 +63,6 @@ def test_forward_attends_and_scores_with_the_layer_softmax(kind):
     metadata = PagedAttentionMetadata(
         step=case.step, num_actual_tokens=prompt, kernel=kernel,
         kernel_args=kernel.prepare(case.step), layer_index={"layers.0.attn": 0},
-        group_reduce="mean",
     )
     output = torch.empty_like(case.query)
     impl.forward(SimpleNamespace(layer_name="layers.0.attn"), case.query, case.new_keys,

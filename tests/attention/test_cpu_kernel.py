@@ -82,15 +82,15 @@ def test_window_scores_use_the_model_softmax(kind, group_reduce, keys_from):
                       group=group, head_size=head_size, page_size=16, dtype=torch.float32,
                       prompt_lens=[40], window=window, wants_compression=[True])
     softmax = model_softmax(kind, heads * group)
+    case.step.window_queries[0].group_reduce = group_reduce
     kernel = CpuPagedKernel(case.layout, torch.float32)
     kernel.write(case.pool, case.new_keys, case.new_values, case.step.slot_mapping)
     if keys_from == "step":
         kernel.accumulate_window_scores(kernel.prepare(case.step), 0, case.query,
-                                        case.new_keys, case.pool, case.step, 0.3, group_reduce,
-                                        **softmax)
+                                        case.new_keys, case.pool, case.step, 0.3, **softmax)
     else:
         accumulate_window_scores(case.query, case.pool, CPU_PAGE_FORMAT, case.step, 0, 0.3,
-                                 group_reduce, **softmax)
+                                 **softmax)
     probs = dense_window_probs(case, 0, 0.3, **softmax)
     expected = aggregate_window_probs(probs, group_reduce).float()
     torch.testing.assert_close(case.step.window_queries[0].scores[0], expected, atol=1e-5,
@@ -133,8 +133,9 @@ def test_window_scores_split_across_chunks_equal_one_shot_probabilities(group_re
     kernel = CpuPagedKernel(first.layout, torch.float32)
     slots = first.step.slot_mapping
     kernel.write(first.pool, first.new_keys, first.new_values, slots)
+    first.step.window_queries[0].group_reduce = group_reduce
     accumulate_window_scores(first.query, first.pool, CPU_PAGE_FORMAT, first.step, 0,
-                             head_size**-0.5, group_reduce)
+                             head_size**-0.5)
     request = first.state.requests["req0"]
     assert first.step.window_queries[0].num_queries == 3
     first.state.finish_step(first.step)
@@ -148,8 +149,8 @@ def test_window_scores_split_across_chunks_equal_one_shot_probabilities(group_re
     query2 = torch.randn(3, heads * group, head_size)
     keys2, values2 = torch.randn(3, heads, head_size), torch.randn(3, heads, head_size)
     kernel.write(first.pool, keys2, values2, step2.slot_mapping)
-    accumulate_window_scores(query2, first.pool, CPU_PAGE_FORMAT, step2, 0, head_size**-0.5,
-                             group_reduce)
+    step2.window_queries[0].group_reduce = group_reduce
+    accumulate_window_scores(query2, first.pool, CPU_PAGE_FORMAT, step2, 0, head_size**-0.5)
     assert step2.completing_prompt == [0]
     # one-shot reference from dense tensors
     all_keys = torch.stack([torch.cat([first.new_keys[:, h], keys2[:, h]]) for h in range(heads)])

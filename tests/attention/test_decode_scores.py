@@ -105,6 +105,8 @@ def test_decode_scores_match_dense_probabilities_over_the_generated_part(page_fo
     # h2o carries mass from earlier steps: this step adds to it
     earlier = torch.rand(LAYERS, HEADS, 24, generator=torch.Generator().manual_seed(2))
     case.step.decode_queries[0].scores += earlier
+    for decode in case.step.decode_queries:
+        decode.group_reduce = group_reduce
     for layer in range(LAYERS):
         rows = case.step.layer_rows(layer)
         page_format.write_tokens(case.pool, case.new_keys[:, rows].reshape(-1, HEAD_SIZE),
@@ -112,7 +114,7 @@ def test_decode_scores_match_dense_probabilities_over_the_generated_part(page_fo
                                  case.step.slot_mapping[:, rows].reshape(-1))
         for decode in case.step.decode_queries:
             accumulate_decode_scores(case.query, case.pool, page_format, case.step, decode,
-                                     layer, SCALE, group_reduce)
+                                     layer, SCALE)
     for decode in case.step.decode_queries:
         want = dense_decode_scores(case, decode.batch_index, group_reduce)
         if decode.batch_index == 0:
@@ -122,15 +124,20 @@ def test_decode_scores_match_dense_probabilities_over_the_generated_part(page_fo
 
 @pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT])
 @pytest.mark.parametrize("max_gathered", [1, 1 << 24])
+@pytest.mark.parametrize("group_reduces", [["max"], ["mean", "max", "sum"]],
+                         ids=["max", "mixed"])
 def test_batched_decode_scores_match_one_request_at_a_time(monkeypatch, page_format,
-                                                           max_gathered):
+                                                           max_gathered, group_reduces):
     """All requests in one gather (or in chunks of one: ``max_gathered``), rows padded to the
-    longest, give each request the scores it gets alone."""
+    longest, give each request the scores it gets alone, also when requests combine their
+    query heads differently."""
     monkeypatch.setattr(decode_scores, "MAX_GATHERED_ELEMENTS", max_gathered)
     alone, batched = (decode_case(page_format, seed=6) for _ in range(2))
     softmax = model_softmax("both", HEADS * GROUP)
     for case in (alone, batched):
         case.state.prepare_decode_scoring(case.step)
+        for number, decode in enumerate(case.step.decode_queries):
+            decode.group_reduce = group_reduces[number % len(group_reduces)]
     for layer in range(LAYERS):
         for case in (alone, batched):
             rows = case.step.layer_rows(layer)
@@ -139,10 +146,9 @@ def test_batched_decode_scores_match_one_request_at_a_time(monkeypatch, page_for
                                      case.step.slot_mapping[:, rows].reshape(-1))
         for decode in alone.step.decode_queries:
             accumulate_decode_scores(alone.query, alone.pool, page_format, alone.step, decode,
-                                     layer, SCALE, "max", **softmax)
+                                     layer, SCALE, **softmax)
         accumulate_decode_scores_batch(batched.query, batched.pool, page_format, batched.step,
-                                       batched.step.decode_queries, layer, SCALE, "max",
-                                       **softmax)
+                                       batched.step.decode_queries, layer, SCALE, **softmax)
     for one, other in zip(alone.step.decode_queries, batched.step.decode_queries):
         torch.testing.assert_close(other.scores, one.scores, atol=1e-6, rtol=1e-5)
 
@@ -150,8 +156,7 @@ def test_batched_decode_scores_match_one_request_at_a_time(monkeypatch, page_for
 def run_layers(case, **softmax):
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=False)
     total = case.query.shape[0]
-    metadata = PagedAttentionMetadata(case.step, total, kernel, kernel.prepare(case.step), {},
-                                      "mean")
+    metadata = PagedAttentionMetadata(case.step, total, kernel, kernel.prepare(case.step), {})
     for layer in range(LAYERS):
         rows = case.step.layer_rows(layer)
         attend_layer(metadata, layer, case.query, case.new_keys[:, rows],

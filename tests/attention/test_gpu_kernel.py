@@ -110,7 +110,14 @@ def test_write_lands_where_the_page_format_reads():
     assert torch.equal(values, case.new_values[:, rows].reshape(-1, HEAD_SIZE))
 
 
-@pytest.mark.parametrize("group_reduce", ["mean", "sum", "max"])
+def _set_group_reduce(step, group_reduce: str) -> None:
+    """Every window combines its query heads this way; "mixed": mean, max, sum in turn."""
+    cycle = ["mean", "max", "sum"]
+    for number, window in enumerate(step.window_queries):
+        window.group_reduce = cycle[number % 3] if group_reduce == "mixed" else group_reduce
+
+
+@pytest.mark.parametrize("group_reduce", ["mean", "sum", "max", "mixed"])
 def test_window_scores_match_the_torch_path(group_reduce):
     # req0: prompt completes here; req1: decode, no window; req2: first chunk reaching the
     # window; req3: resumed prompt recomputed with outputs (window ends before the chunk).
@@ -119,26 +126,27 @@ def test_window_scores_match_the_torch_path(group_reduce):
     case = _case(lengths, num_new, group=3, prompt_lens=prompt_lens, window=4,
                  wants_compression=[True, False, True, True])
     assert [w.num_queries for w in case.step.window_queries] == [4, 1, 4]
+    _set_group_reduce(case.step, group_reduce)
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True)
     args = kernel.prepare(case.step)
     _write_all_layers(kernel, case)
     scale = HEAD_SIZE**-0.5
     for layer in range(LAYERS):
         accumulate_window_scores(case.query, case.pool, GPU_PAGE_FORMAT, case.step, layer,
-                                 scale, group_reduce)
+                                 scale)
     expected = [window.scores.clone() for window in case.step.window_queries]
     for window in case.step.window_queries:
         window.scores.zero_()
     for layer in range(LAYERS):
         keys = case.new_keys[:, case.step.layer_rows(layer)]
         kernel.accumulate_window_scores(args, layer, case.query, keys, case.pool, case.step,
-                                        scale, group_reduce)
+                                        scale)
     for window, want in zip(case.step.window_queries, expected):
         assert want.abs().sum() > 0
         torch.testing.assert_close(window.scores, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+@pytest.mark.parametrize("group_reduce", ["mean", "max", "mixed"])
 @pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
 def test_window_scores_with_the_model_softmax_match_the_torch_path(kind, group_reduce):
     """The Triton window scores ("mean") and the torch fallback ("max") both take the model's
@@ -146,6 +154,7 @@ def test_window_scores_with_the_model_softmax_match_the_torch_path(kind, group_r
     lengths, num_new, prompt_lens = [[10] * 4, [0] * 4], [6, 27], [16, 30]
     case = _case(lengths, num_new, group=3, prompt_lens=prompt_lens, window=4,
                  wants_compression=[True, True])
+    _set_group_reduce(case.step, group_reduce)
     softmax = model_softmax(kind, case.query.shape[1])
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True)
     args = kernel.prepare(case.step)
@@ -153,14 +162,14 @@ def test_window_scores_with_the_model_softmax_match_the_torch_path(kind, group_r
     scale = HEAD_SIZE**-0.5
     for layer in range(LAYERS):
         accumulate_window_scores(case.query, case.pool, GPU_PAGE_FORMAT, case.step, layer,
-                                 scale, group_reduce, **softmax)
+                                 scale, **softmax)
     expected = [window.scores.clone() for window in case.step.window_queries]
     for window in case.step.window_queries:
         window.scores.zero_()
     for layer in range(LAYERS):
         keys = case.new_keys[:, case.step.layer_rows(layer)]
         kernel.accumulate_window_scores(args, layer, case.query, keys, case.pool, case.step,
-                                        scale, group_reduce, **softmax)
+                                        scale, **softmax)
     for window, want in zip(case.step.window_queries, expected):
         assert want.abs().sum() > 0
         torch.testing.assert_close(window.scores, want, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,8 @@
 """Compression end to end: exact per-head budgets, pages freed and reused, more requests
 at once than vanilla vLLM on the same memory."""
 
+import math
+
 import numpy as np
 import pytest
 from vllm.exceptions import VLLMValidationError
@@ -32,6 +34,10 @@ MIXED_REQUESTS = {
     "snap": ({"kv_compression": "snapkv"}, 517),
     "stream": ({"kv_compression": "streamingllm", "kv_budget": 40}, 333),
     "ada": ({"kv_compression": "adakv"}, 410),
+    # Ada-KV sharing uniform totals above a floor of half the average; max over query heads
+    "ada_uniform": ({"kv_compression": "adakv", "kv_adakv_totals": "uniform",
+                     "kv_adakv_floor": 0.5, "kv_gqa_reduce": "max"}, 390),
+    "snap_max": ({"kv_compression": "snapkv", "kv_gqa_reduce": "max"}, 450),
     "ratio": ({"kv_compression_ratio": 0.75}, 256),
     "full": ({"kv_compression": "none"}, 280),
 }
@@ -42,6 +48,8 @@ def expected_layer_budgets(overrides, prompt_len, layers, window):
     if method == "none":
         return [prompt_len] * layers
     budget = overrides.get("kv_budget", None if "kv_compression_ratio" in overrides else 48)
+    if overrides.get("kv_adakv_totals") == "uniform":
+        method = "snapkv"  # the same totals in every layer
     return layer_budgets(method, layers, prompt_len, budget=budget,
                          ratio=overrides.get("kv_compression_ratio"), window=window)
 
@@ -68,7 +76,9 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
             if overrides.get("kv_compression") == "adakv":
                 # Heads of a layer share its total; every head keeps at least its window.
                 assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
-                assert (lengths >= window).all(), name
+                floor = overrides.get("kv_adakv_floor", 0.2)
+                head_floor = [math.ceil(floor * (b - window)) + window for b in expected]
+                assert (lengths >= np.array(head_floor)[:, None]).all(), name
                 assert (lengths[:, 0] != lengths[:, 1]).any(), "adakv should differ per head"
             else:
                 assert lengths.tolist() == [[b] * heads for b in expected], name
@@ -110,6 +120,9 @@ def test_bad_per_request_settings_are_rejected_before_the_engine(tiny_llama):
             ({"kv_page_size": 32}, "kv_page_size"),
             ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exclusive"),
             ({"kv_windw": 4}, "kv_windw"),
+            ({"kv_adakv_floor": 2}, r"'kv_adakv_floor'.*\[0, 1\]"),
+            ({"kv_adakv_totals": "flat"}, "'kv_adakv_totals'.*pyramid, uniform"),
+            ({"kv_gqa_reduce": "sum"}, "'kv_gqa_reduce'.*mean, max"),
         ]
         for number, (extra_args, named) in enumerate(bad):
             with pytest.raises(VLLMValidationError, match=named):

@@ -100,7 +100,7 @@ class Pipeline:
         )
         total = sum(num_new)
         metadata = PagedAttentionMetadata(step, total, self.kernel, self.kernel.prepare(step),
-                                          {}, "mean")
+                                          {})
         queries, outputs = [], []
         for layer in range(LAYERS):
             query = self.random(total, KV_HEADS * GROUP, HEAD_SIZE)

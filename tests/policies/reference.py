@@ -92,9 +92,11 @@ def ref_plan(
     """kept[r][l][h] = sorted kept positions, computed head by head with Python sets."""
     method, window = policy.method, policy.window
     result = []
+    # Ada-KV sharing uniform totals: the layer budgets of a uniform method (SnapKV's).
+    budget_method = "snapkv" if (method, policy.adakv_totals) == ("adakv", "uniform") else method
     for r, q in enumerate(prompt_lens):
         budgets = layer_budgets(
-            method, num_layers, q, policy.budget, policy.ratio, window, policy.beta
+            budget_method, num_layers, q, policy.budget, policy.ratio, window, policy.beta
         )
         win = min(window, q)
         prefix = q - win

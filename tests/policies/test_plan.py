@@ -103,6 +103,7 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
     kernel=st.sampled_from([1, 3, 7]),
     levels=st.sampled_from([None, 3]),
     floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    totals=st.sampled_from(["pyramid", "uniform"]),
     sinks=st.integers(0, 6),
     seed=st.integers(0, 2**16),
 )
@@ -119,6 +120,7 @@ def test_plan_matches_reference(
     kernel,
     levels,
     floor,
+    totals,
     sinks,
     seed,
 ):
@@ -134,6 +136,7 @@ def test_plan_matches_reference(
         pooling_kernel=kernel,
         sink_tokens=sinks,
         adakv_floor=floor,
+        adakv_totals=totals,
     )
     shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads}
     plan = plan_keep(policy, lens, scores, **shape)
@@ -153,6 +156,24 @@ def test_llama_sized_plan(method):
     check_invariants(plan, policy, lens, 32, 8)
     if method == "adakv":
         assert (plan.counts[0].amax(-1) > plan.counts[0].amin(-1)).any()  # heads differ
+
+
+def test_adakv_totals_and_floor_decide_what_its_heads_share():
+    """Uniform totals give every layer SnapKV's total; a floor of 1 leaves nothing to share,
+    so each head keeps its own top-k, exactly SnapKV's selection."""
+    lens = [400]
+    scores = random_scores(lens, 6, 4, seed=5)
+    shape = {"num_layers": 6, "num_kv_heads": 4}
+    snap = plan_keep(PolicySettings("snapkv", budget=48), lens, scores, **shape)
+    pyramid = plan_keep(PolicySettings("adakv", budget=48), lens, scores, **shape)
+    uniform = plan_keep(PolicySettings("adakv", budget=48, adakv_totals="uniform"), lens,
+                        scores, **shape)
+    assert pyramid.counts[0].sum(-1).tolist() != [4 * 48] * 6
+    assert uniform.counts[0].sum(-1).tolist() == [4 * 48] * 6
+    assert (uniform.counts[0].amax(-1) > uniform.counts[0].amin(-1)).any()  # still shared
+    no_sharing = plan_keep(PolicySettings("adakv", budget=48, adakv_totals="uniform",
+                                          adakv_floor=1.0), lens, scores, **shape)
+    assert kept_lists(no_sharing) == kept_lists(snap)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])

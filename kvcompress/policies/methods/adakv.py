@@ -24,4 +24,5 @@ ADAKV = CompressionMethod(
     budget_shape="pyramid",
     needs_scores=True,
     select=select_shared_by_heads,
+    shape_setting="adakv_totals",
 )

@@ -61,6 +61,8 @@ class CompressionMethod:
     needs_scores: whether ``select`` reads observation-window scores; without them the engine
         passes none and plan_keep accepts None.
     select: the token selection, see SelectTokens.
+    shape_setting: the PolicySettings field that chooses the budget shape instead of
+        ``budget_shape`` (the default), or None when the shape is fixed.
     """
 
     name: str
@@ -68,6 +70,7 @@ class CompressionMethod:
     budget_shape: BudgetShape
     needs_scores: bool
     select: SelectTokens
+    shape_setting: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("budget_shape", self.budget_shape, BUDGET_SHAPES)
