@@ -28,22 +28,31 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class CompressionSpec:
     """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio,
     optionally with decode-time eviction (a decode policy and the generated tokens each KV
-    head keeps)."""
+    head keeps) and settings of its own (``options``: additional_config keys and values,
+    e.g. (("kv_pyramid_beta", 4),), over the run's --kv-option ones)."""
 
     method: str = "none"
     budget: int | None = None
     ratio: float | None = None
     decode_policy: str | None = None
     decode_budget: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        # JSON round trips (worker jobs) turn the pairs into lists
+        object.__setattr__(self, "options", tuple((str(k), v) for k, v in self.options))
+        for key, _ in self.options:
+            if key not in SPEC_OPTION_KEYS:
+                raise ValueError(f"unknown setting {key!r} in a configuration; allowed: "
+                                 f"{', '.join(sorted(SPEC_OPTION_KEYS))}")
         if (self.decode_policy is None) != (self.decode_budget is None):
             raise ValueError("give a decode policy and a decode budget together")
         if self.decode_budget is not None and self.decode_budget < 1:
             raise ValueError(f"decode budget must be >= 1, got {self.decode_budget}")
         if self.method == "none":
-            if self.budget is not None or self.ratio is not None or self.decode_policy:
-                raise ValueError("vanilla takes no budget, ratio or decode policy")
+            if (self.budget, self.ratio, self.decode_policy, self.options) != (None, None,
+                                                                                 None, ()):
+                raise ValueError("vanilla takes no budget, ratio, decode policy or settings")
             return
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; allowed: none, {', '.join(METHODS)}")
@@ -63,6 +72,7 @@ class CompressionSpec:
         if self.is_vanilla:
             return "vanilla"
         decode = f"@{self.decode_policy}:{self.decode_budget}" if self.decode_policy else ""
+        decode += "".join(f"+{key.removeprefix('kv_')}={value}" for key, value in self.options)
         if self.budget is not None:
             return f"{self.method}:{self.budget}{decode}"
         return f"{self.method}:r={self.ratio:g}{decode}"
@@ -78,7 +88,8 @@ class CompressionSpec:
         """additional_config keys (``options`` are extra ``kv_*`` settings, e.g. kv_window)."""
         if self.is_vanilla:
             return {}
-        config: dict[str, Any] = {"kv_compression": self.method, **(options or {})}
+        config: dict[str, Any] = {"kv_compression": self.method, **(options or {}),
+                                  **dict(self.options)}
         if self.budget is not None:
             config["kv_budget"] = self.budget
         else:
@@ -91,8 +102,16 @@ class CompressionSpec:
     @classmethod
     def parse(cls, text: str) -> CompressionSpec:
         """``vanilla`` / ``none``, ``METHOD:BUDGET``, ``METHOD:r=RATIO`` or ``METHOD:budget=N``,
-        optionally followed by ``@DECODE_POLICY:DECODE_BUDGET`` (``pyramidkv:256@h2o:256``)."""
+        optionally followed by ``@DECODE_POLICY:DECODE_BUDGET`` (``pyramidkv:256@h2o:256``)
+        and by settings of its own, ``+KEY=VALUE`` each (``pyramidkv:64+pyramid_beta=4``;
+        the ``kv_`` of the additional_config key may be left out)."""
         text = text.strip().lower()
+        text, *settings = text.split("+")
+        if settings:
+            base = cls.parse(text)
+            options = tuple(parse_spec_option(item) for item in settings)
+            return cls(base.method, base.budget, base.ratio, base.decode_policy,
+                       base.decode_budget, options)
         if text in ("none", "vanilla", "full"):
             return cls()
         text, at, decode = text.partition("@")
@@ -116,6 +135,30 @@ class CompressionSpec:
         except ValueError as error:
             raise ValueError(f"bad configuration {text!r}: {error}") from None
         raise ValueError(f"bad configuration {text!r}: amount must be N, budget=N or r=R")
+
+
+def _spec_option_keys() -> frozenset[str]:
+    from kvcompress.config import CONFIG_KEYS
+
+    # the method, the amount and the decode policy have their own syntax
+    return CONFIG_KEYS - {"kv_compression", "kv_budget", "kv_compression_ratio",
+                          "kv_decode_policy", "kv_decode_budget"}
+
+
+SPEC_OPTION_KEYS = _spec_option_keys()
+
+
+def parse_spec_option(item: str) -> tuple[str, Any]:
+    """``pyramid_beta=4`` / ``kv_pyramid_beta=4`` -> ("kv_pyramid_beta", 4)."""
+    key, eq, value = item.strip().partition("=")
+    key = key if key.startswith("kv_") else f"kv_{key}"
+    if not eq or key not in SPEC_OPTION_KEYS:
+        raise ValueError(f"bad setting {item!r}: use KEY=VALUE with KEY one of "
+                         f"{', '.join(sorted(k.removeprefix('kv_') for k in SPEC_OPTION_KEYS))}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare word such as avg
 
 
 def benchmark_parser(module: str, doc: str | None) -> argparse.ArgumentParser:

@@ -49,6 +49,7 @@ from benchmarks.specs import (
     parse_ints,
     parse_kv_options,
     parse_names,
+    parse_specs,
     resolve_dtype,
 )
 from kvcompress.policies import METHODS
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens kept per layer and KV head (window included)")
     budget.add_argument("--ratios", default=None,
                         help="fractions of each prompt evicted instead of budgets, e.g. 0.875")
+    parser.add_argument("--configs", default=None,
+                        help="explicit configurations instead of --methods x --budgets: "
+                             "METHOD:BUDGET or METHOD:r=RATIO, each with its own +KEY=VALUE "
+                             "settings, e.g. pyramidkv:64,pyramidkv:64+pyramid_beta=4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto",
                         help="auto = bfloat16, or float32 on CPUs without native bf16")
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(error)) from None
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else None
     budgets = None if ratios else parse_ints(args.budgets)
+    try:
+        explicit = parse_specs(args.configs) if args.configs else None
+    except ValueError as error:
+        raise SystemExit(f"--configs: {error}") from None
     lengths = parse_ints(args.lengths)
 
     from transformers import AutoTokenizer
@@ -160,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(samples, prompt_lens)
 
-    specs = make_specs(methods, budgets, ratios)
+    specs = [s for s in explicit if not s.is_vanilla] if explicit else make_specs(
+        methods, budgets, ratios)
+    check_settings(specs, parse_kv_options(args.kv_option))
     to_run = [CompressionSpec()] + [s for s in specs if not evicts_nothing(s, prompt_lens)]
     dtype = resolve_dtype(args.dtype, device)
     longest = max(n + p["max_tokens"] for n, p in zip(prompt_lens, prompts))
@@ -191,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": sum(prompt_lens), "prompt_len_range": [min(prompt_lens),
                                                                     max(prompt_lens)],
             "methods": methods, "budgets": budgets, "ratios": ratios,
+            "configs": [spec.label for spec in specs],
         },
     }
     print(f"command: {header['command']}")
@@ -219,6 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, args.plot, title=plot_title(header))
     print(f"\nwrote {args.output_json} and {args.plot} ({report['runtime_s']:.0f} s)")
     return 0 if all(row["ok"] for row in rows) else 1
+
+
+def check_settings(specs: Sequence[CompressionSpec], options: dict[str, Any]) -> None:
+    """Every configuration's settings are valid, before any engine starts."""
+    from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
+
+    for spec in specs:
+        try:
+            KVCompressionConfig.from_mapping(spec.additional_config(options))
+        except KVCompressionConfigError as error:
+            raise SystemExit(f"{spec.label}: {error}") from None
 
 
 def sample_records(samples: Sequence[Sample], prompt_lens: Sequence[int]) -> list[dict]:

@@ -24,14 +24,29 @@ def render(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
              .replace("common_words", "cwe")[:10] for t in tasks}
     table = []
     for row in rows:
-        flat = {**row, **{f"t:{t}": (row.get("per_task") or {}).get(t) for t in tasks}}
+        flat = {**row, **{f"t:{t}": (row.get("per_task") or {}).get(t) for t in tasks},
+                "ci": _interval(row.get("interval")), "d_full": _difference(row.get("vs_full")),
+                "d_snap": _difference(row.get("vs_snapkv"))}
         if row.get("not_run"):
             flat["label"] = f"{row['label']} (=full)"
         table.append(flat)
-    columns = [("label", "config"), ("kept_fraction", "kept")]
+    columns = [("label", "config"), ("kept_fraction", "kept"), ("n", "n")]
     columns += [(f"t:{t}", short[t]) for t in tasks]
-    columns += [("accuracy", "mean"), ("retained", "retained"), ("fidelity", "fidelity")]
+    columns += [("accuracy", "mean"), ("ci", "95% CI"), ("retained", "retained"),
+                ("d_full", "vs full (paired 95%)"), ("d_snap", "vs snapkv"),
+                ("fidelity", "fidelity")]
     return format_table(table, columns)
+
+
+def _interval(interval: Sequence[float] | None) -> str:
+    return "" if not interval else f"{interval[0]:.2f}-{interval[1]:.2f}"
+
+
+def _difference(difference: dict[str, float] | None) -> str:
+    if not difference:
+        return ""
+    half = (difference["high"] - difference["low"]) / 2
+    return f"{difference['mean']:+.2f} ± {half:.2f}"
 
 
 def plot_title(header: dict[str, Any]) -> str:
@@ -39,6 +54,18 @@ def plot_title(header: dict[str, Any]) -> str:
     return (f"{Path(header['settings']['model']).name}: {len(work['tasks'])} tasks, lengths "
             f"{','.join(map(str, work['lengths']))}, {work['samples_per_task_length']} "
             f"samples each")
+
+
+def row_series(row: dict[str, Any]) -> str:
+    return row.get("series") or row["method"]  # older JSON: no series
+
+
+def plot_series(rows: list[dict[str, Any]]) -> list[str]:
+    """Methods in registry order first, then their variants in the order run."""
+    names = list(dict.fromkeys(row_series(r) for r in rows if r["method"] != "none"))
+    order = {method: index for index, method in enumerate(METHODS)}
+    return sorted(names, key=lambda name: (order.get(name.split("+")[0], len(order)),
+                                           "+" in name))
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -52,15 +79,15 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, ylabel in ((axes[0], "accuracy", "accuracy (mean over tasks)"),
                             (axes[1], "fidelity", "fidelity to full cache")):
-        for index, method in enumerate(METHODS):
-            color = f"C{index}"
+        for index, series in enumerate(plot_series(rows)):
+            color = f"C{index % 10}"
             ran = sorted((r["ratio"] if by_ratio else r["budget"], r[key]) for r in rows
-                         if r["method"] == method and r["ok"] and r.get(key) is not None
+                         if row_series(r) == series and r["ok"] and r.get(key) is not None
                          and not r.get("not_run"))
             skipped = sorted((r["budget"], r[key]) for r in rows
-                             if r["method"] == method and r.get("not_run"))
+                             if row_series(r) == series and r.get("not_run"))
             if ran:
-                ax.plot(*zip(*ran), marker="o", color=color, label=method)
+                ax.plot(*zip(*ran), marker="o", color=color, label=series)
             if skipped:  # budget >= every prompt: the full cache, drawn hollow and unlinked
                 ax.plot(*zip(*skipped), marker="o", linestyle="none", color=color,
                         markerfacecolor="none")

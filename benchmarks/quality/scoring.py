@@ -3,6 +3,7 @@ per-configuration rows (accuracy, share of the full cache's accuracy retained, f
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,36 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def wilson_interval(scores: Sequence[float], z: float = Z_95) -> list[float] | None:
+    """95% Wilson score interval of the mean of ``scores`` in [0, 1]. Scores of tasks that
+    give partial credit ("all" with several answers) count as fractional successes."""
+    n = len(scores)
+    if n == 0:
+        return None
+    p = sum(scores) / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def paired_difference(scores: Sequence[float], others: Sequence[float],
+                      z: float = Z_95) -> dict[str, float] | None:
+    """Mean of ``scores - others`` over the same prompts, with a 95% normal interval: the
+    same prompts run under both configurations, so their difference is measured per prompt
+    (tighter than comparing two independent intervals)."""
+    n = len(scores)
+    if n == 0 or len(others) != n:
+        return None
+    diffs = [a - b for a, b in zip(scores, others)]
+    centre = sum(diffs) / n
+    spread = math.sqrt(sum((d - centre) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    half = z * spread / math.sqrt(n)
+    return {"mean": centre, "low": centre - half, "high": centre + half, "n": n}
+
+
 def summarize_config(samples: Sequence[Sample], outputs: Sequence[dict[str, Any]],
                      reference: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
     """Accuracy per task and per (task, length), mean over tasks, fidelity to the reference."""
@@ -53,7 +84,14 @@ def summarize_config(samples: Sequence[Sample], outputs: Sequence[dict[str, Any]
     }
     result: dict[str, Any] = {
         "accuracy": mean([per_task[t] for t in tasks]),  # macro average over tasks
+        "n": len(scores),
+        # Over all prompts (the macro average when every task has as many prompts).
+        "interval": wilson_interval(scores),
         "per_task": per_task,
+        "per_task_n": {t: sum(s.task == t for s in samples) for t in tasks},
+        "per_task_interval": {
+            t: wilson_interval([x for s, x in zip(samples, scores) if s.task == t]) for t in tasks
+        },
         "per_task_length": per_length,
         "per_length": {
             str(n): mean([x for s, x in zip(samples, scores) if s.length == n]) for n in lengths
@@ -82,6 +120,26 @@ def add_retained(rows: list[dict[str, Any]], full: dict[str, Any]) -> None:
         }
 
 
+# Every row is compared, prompt by prompt, with the full cache and with this method at the
+# same budget or ratio (the strongest uniform baseline in the papers).
+BASELINE_METHOD = "snapkv"
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """``vs_full`` and ``vs_snapkv``: paired differences in accuracy over the same prompts."""
+    full = rows[0] if rows and rows[0].get("ok") and rows[0]["method"] == "none" else None
+    baselines = {(r["budget"], r["ratio"]): r for r in rows
+                 if r.get("series") == BASELINE_METHOD and r.get("ok")}
+    for row in rows:
+        if not row.get("ok"):
+            continue
+        if full is not None and row is not full:
+            row["vs_full"] = paired_difference(row["scores"], full["scores"])
+        baseline = baselines.get((row["budget"], row["ratio"]))
+        if baseline is not None and baseline is not row:
+            row[f"vs_{BASELINE_METHOD}"] = paired_difference(row["scores"], baseline["scores"])
+
+
 def evicts_nothing(spec: CompressionSpec, prompt_lens: Sequence[int]) -> bool:
     """A budget >= every prompt keeps every prompt whole (ratios always evict)."""
     return spec.budget is not None and spec.budget >= max(prompt_lens)
@@ -94,7 +152,8 @@ def collect_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
     rows = []
     for spec in specs:
         row: dict[str, Any] = {"label": spec.label, "method": spec.method, "budget": spec.budget,
-                               "ratio": spec.ratio}
+                               "ratio": spec.ratio, "options": dict(spec.options),
+                               "series": series_name(spec)}
         outcome = results.get(spec.label)
         if outcome is None and evicts_nothing(spec, prompt_lens) and reference is not None:
             row.update(ok=True, not_run="budget >= every prompt: nothing evicted, full cache")
@@ -110,7 +169,14 @@ def collect_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
         rows.append(row)
     if rows and rows[0]["ok"]:
         add_retained(rows, rows[0])
+    add_comparisons(rows)
     return rows
+
+
+def series_name(spec: CompressionSpec) -> str:
+    """What a plot line is: the method with its own settings, across budgets or ratios."""
+    return spec.method + "".join(f"+{key.removeprefix('kv_')}={value}"
+                                 for key, value in spec.options)
 
 
 def kept_fraction(spec: CompressionSpec, prompt_lens: Sequence[int]) -> float:

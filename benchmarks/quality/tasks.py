@@ -123,6 +123,23 @@ def make_niah_single(rng: random.Random, length: int, count: TokenCounter) -> tu
     return prompt, [value], "all", 12
 
 
+PASSKEY_HEADER = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it."
+)
+
+
+def make_passkey(rng: random.Random, length: int, count: TokenCounter) -> tuple:
+    """The classic passkey retrieval: one five-digit key in filler, asked at the very end
+    (the question lies inside the observation window)."""
+    key = str(rng.randint(10000, 99999))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    question = "What is the pass key? The pass key is"
+    prompt = assemble(rng, length, count, PASSKEY_HEADER, question, [needle],
+                      [rng.uniform(0.05, 0.95)])
+    return prompt, [key], "all", 10
+
+
 def make_niah_multikey(rng: random.Random, length: int, count: TokenCounter,
                        num_keys: int = 4) -> tuple:
     taken: set[str] = set()
@@ -288,6 +305,7 @@ def make_qa(rng: random.Random, length: int, count: TokenCounter, num_docs: int 
 
 
 TASKS: dict[str, Callable[..., tuple]] = {
+    "passkey": make_passkey,
     "niah_single": make_niah_single,
     "niah_multikey": make_niah_multikey,
     "niah_multivalue": make_niah_multivalue,
