@@ -147,8 +147,13 @@ def kvcache_factory_pyramid(num_layers: int, prompt_len: int, budget: int, windo
                             beta: int) -> list[int]:
     """Tokens per head and layer (window included) of PyramidKV's original code
     (KVCache-Factory, pyramidkv_utils.py): integer division for the smallest layer and the step,
-    so the layers' sum overshoots num_layers * budget."""
+    so the layers' sum overshoots num_layers * budget. Prompts under the budget keep all, under
+    2 * (budget - window) keep the budget in every layer (the regimes kvcompress follows)."""
+    if prompt_len < budget:
+        return [prompt_len] * num_layers
     selected = budget - window
+    if prompt_len < 2 * selected:
+        return [budget] * num_layers
     min_num = selected // beta
     max_num = selected * 2 - min_num
     if max_num >= prompt_len - window:

@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed, "num_prompts": len(samples),
             "prompt_tokens": sum(prompt_lens), "prompt_len_range": [min(prompt_lens),
                                                                     max(prompt_lens)],
-            "methods": methods, "budgets": budgets, "ratios": ratios,
+            "methods": list(dict.fromkeys(s.method for s in specs)),
+            "budgets": sorted({s.budget for s in specs if s.budget is not None}) or None,
+            "ratios": sorted({s.ratio for s in specs if s.ratio is not None}) or None,
             "configs": [spec.label for spec in specs],
         },
     }

@@ -16,7 +16,7 @@ from benchmarks import attention_analysis
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ("throughput", "quality", "attention_analysis", "compression_cost", "kernels",
-           "decode_fidelity")
+           "decode_fidelity", "retention_analysis")
 
 
 def run_python(code: str) -> str:

@@ -128,3 +128,21 @@ def test_attention_analysis_end_to_end(tmp_path, embedded_model):
         assert len(report["recall_per_layer"][method]["32"]) == layers
     assert report["recall"]["oracle"]["32"] >= report["recall"]["streamingllm"]["32"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_retention_analysis_end_to_end(tmp_path, embedded_model):
+    out = tmp_path / "retention.json"
+    run_script([
+        "-m", "benchmarks.retention_analysis", "--model", embedded_model, "--tasks", "passkey",
+        "--lengths", "200", "--samples", "2",
+        "--configs", "snapkv:32,snapkv:512,pyramidkv:32+window=16+gqa_reduce=max",
+        "--output-json", str(out),
+    ])
+    report = json.loads(out.read_text())
+    layers = json.loads((Path(embedded_model) / "config.json").read_text())["num_hidden_layers"]
+    rows = {row["label"]: row for row in report["configs"]}
+    assert rows["snapkv:512"]["rows_holding"] == 1.0  # nothing evicted: every row holds it
+    assert rows["snapkv:512"]["prompts_all_rows"] == 1.0
+    for label in ("snapkv:32", "pyramidkv:32+window=16+gqa_reduce=max"):
+        assert 0.0 <= rows[label]["rows_holding"] < 1.0
+        assert len(rows[label]["per_layer"]) == layers

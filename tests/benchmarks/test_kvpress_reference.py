@@ -65,6 +65,9 @@ def test_original_pyramid_overshoots_where_ours_is_exact():
         assert sum(original) >= 30 * budget
         assert original == sorted(original, reverse=True)
     assert sum(ref.kvcache_factory_pyramid(30, 290, 64, 8, 20)) == 2235
+    # Below 2 * (budget - window) the original keeps the budget everywhere, as ours does.
+    assert ref.kvcache_factory_pyramid(30, 290, 192, 8, 20) == [192] * 30
+    assert layer_budgets("pyramidkv", 30, 290, 192, None, 8, 20.0) == [192] * 30
 
 
 @pytest.mark.parametrize("budget", [16, 64, 100, 128, 512])

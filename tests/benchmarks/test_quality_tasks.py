@@ -11,13 +11,16 @@ import pytest
 from benchmarks.quality.cli import main, make_specs
 from benchmarks.quality.report import plot, render
 from benchmarks.quality.scoring import (
+    add_comparisons,
     add_retained,
     contains,
     evicts_nothing,
     kept_fraction,
+    paired_difference,
     prefix_agreement,
     score,
     summarize_config,
+    wilson_interval,
 )
 from benchmarks.quality.tasks import TASKS, Sample, make_samples
 from benchmarks.specs import CompressionSpec
@@ -140,6 +143,54 @@ def test_summarize_and_retained():
     assert rows[0]["retained"] == 1.0 and rows[1]["retained"] == 0.5
     assert rows[1]["retained_per_task"] == {"a": 0.5, "b": 0.5}
     assert "retained" not in rows[2]
+
+
+def test_wilson_interval_matches_known_values():
+    # 8 of 10: the textbook 95% Wilson interval is 0.490-0.943
+    low, high = wilson_interval([1.0] * 8 + [0.0] * 2)
+    assert (round(low, 3), round(high, 3)) == (0.490, 0.943)
+    low, high = wilson_interval([1.0] * 40)  # never [1, 1]: 40 successes leave doubt
+    assert 0.90 < low < 0.92 and high == 1.0
+    assert wilson_interval([]) is None
+    # more samples, narrower interval around the same mean
+    wide, narrow = wilson_interval([1.0, 0.0] * 10), wilson_interval([1.0, 0.0] * 100)
+    assert wide[0] < narrow[0] < 0.5 < narrow[1] < wide[1]
+
+
+def test_paired_difference_over_the_same_prompts():
+    same = paired_difference([1, 0, 1, 1], [1, 0, 1, 1])
+    assert same == {"mean": 0.0, "low": 0.0, "high": 0.0, "n": 4}
+    worse = paired_difference([0.0] * 5 + [1.0] * 95, [1.0] * 100)
+    assert worse["mean"] == pytest.approx(-0.05) and worse["high"] < 0  # significant
+    noisy = paired_difference([0.0, 1.0] * 5, [1.0, 0.0] * 5)
+    assert noisy["mean"] == 0 and noisy["low"] < -0.5 < 0.5 < noisy["high"]
+    assert paired_difference([1.0], [1.0, 0.0]) is None
+
+
+def test_rows_compare_with_the_full_cache_and_snapkv_at_the_same_budget():
+    def row(method, budget, scores, series=None):
+        return {"method": method, "budget": budget, "ratio": None, "ok": True,
+                "scores": scores, "series": series or method}
+
+    rows = [row("none", None, [1, 1, 1, 0]), row("snapkv", 64, [1, 1, 0, 0]),
+            row("pyramidkv", 64, [1, 0, 0, 0]), row("snapkv", 64, [0, 0, 0, 0],
+                                                     series="snapkv+window=16"),
+            row("pyramidkv", 128, [1, 1, 1, 1])]
+    add_comparisons(rows)
+    assert "vs_full" not in rows[0] and rows[1]["vs_full"]["mean"] == -0.25
+    assert rows[2]["vs_snapkv"]["mean"] == -0.25 and "vs_snapkv" not in rows[1]
+    assert rows[3]["vs_snapkv"]["mean"] == -0.5  # a variant compares with plain SnapKV
+    assert "vs_snapkv" not in rows[4]  # no SnapKV at 128
+
+
+def test_summary_counts_samples_and_gives_intervals():
+    samples = _samples()
+    outputs = [{"text": "x", "token_ids": [1]}, {"text": "no", "token_ids": [2]},
+               {"text": "z", "token_ids": [3]}]
+    summary = summarize_config(samples, outputs, None)
+    assert summary["n"] == 3 and summary["per_task_n"] == {"a": 2, "b": 1}
+    assert summary["interval"] == wilson_interval([1.0, 0.0, 0.5])
+    assert summary["per_task_interval"]["a"] == wilson_interval([1.0, 0.0])
 
 
 def test_specs_and_skips():

@@ -18,6 +18,11 @@ from kvcompress.policies import METHODS
         ("AdaKV:r=0.875", CompressionSpec("adakv", ratio=0.875)),
         ("pyramidkv:256@h2o:64", CompressionSpec("pyramidkv", 256, None, "h2o", 64)),
         ("snapkv:r=0.5@window:32", CompressionSpec("snapkv", None, 0.5, "window", 32)),
+        ("pyramidkv:64+pyramid_beta=4+kv_pooling=avg",
+         CompressionSpec("pyramidkv", 64, options=(("kv_pyramid_beta", 4),
+                                                   ("kv_pooling", "avg")))),
+        ("adakv:64@h2o:32+adakv_floor=0.8",
+         CompressionSpec("adakv", 64, None, "h2o", 32, (("kv_adakv_floor", 0.8),))),
     ],
 )
 def test_spec_parse(text, expected):
@@ -26,7 +31,8 @@ def test_spec_parse(text, expected):
 
 @pytest.mark.parametrize("text", ["h2o:128", "snapkv", "snapkv:r=1.5", "snapkv:0", "snapkv:x=3",
                                   "snapkv:64@h2o", "snapkv:64@h2o:x", "vanilla@h2o:64",
-                                  "snapkv:64@h2o:0"])
+                                  "snapkv:64@h2o:0", "vanilla+window=4", "snapkv:64+window",
+                                  "snapkv:64+budget=3", "snapkv:64+page_sise=8"])
 def test_spec_parse_rejects(text):
     with pytest.raises(ValueError):
         CompressionSpec.parse(text)
@@ -53,6 +59,17 @@ def test_spec_labels_and_additional_config():
     assert decode.additional_config() == {
         "kv_compression": "pyramidkv", "kv_budget": 256, "kv_decode_policy": "h2o",
         "kv_decode_budget": 64}
+
+
+def test_spec_settings_label_round_trip_and_override_the_run_options():
+    spec = CompressionSpec.parse("pyramidkv:64+pyramid_beta=4+gqa_reduce=max")
+    assert spec.label == "pyramidkv:64+pyramid_beta=4+gqa_reduce=max"
+    assert CompressionSpec.parse(spec.label) == spec
+    assert spec.additional_config({"kv_pyramid_beta": 20, "kv_window": 16}) == {
+        "kv_compression": "pyramidkv", "kv_pyramid_beta": 4, "kv_window": 16,
+        "kv_gqa_reduce": "max", "kv_budget": 64}
+    # worker jobs receive the spec through JSON, which turns the pairs into lists
+    assert CompressionSpec(**{**vars(spec), "options": [list(p) for p in spec.options]}) == spec
 
 
 def test_parse_specs_rejects_duplicates():
