@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 def _add_budgets_command(subparsers: argparse._SubParsersAction) -> None:
     # The method names come from the registry: building this parser imports torch.
     from kvcompress.policies import METHODS
+    from kvcompress.policies.methods.base import BUDGET_SHAPES
     from kvcompress.policies.methods.pyramidkv import PYRAMIDKV
-    from kvcompress.policies.settings import DEFAULT_BETA, DEFAULT_WINDOW
+    from kvcompress.policies.settings import DEFAULT_ADAKV_TOTALS, DEFAULT_BETA, DEFAULT_WINDOW
 
     parser = subparsers.add_parser(
         "budgets",
@@ -49,6 +50,10 @@ def _add_budgets_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="METHOD",
         help=f"{', '.join(METHODS[:-1])} or {METHODS[-1]} (default {PYRAMIDKV.name})",
     )
+    parser.add_argument(
+        "--kv-adakv-totals", choices=BUDGET_SHAPES, default=DEFAULT_ADAKV_TOTALS,
+        help=f"adakv: the layer totals its heads share (default {DEFAULT_ADAKV_TOTALS})",
+    )
     parser.set_defaults(handler=_run_budgets, command_parser=parser)
 
 
@@ -70,6 +75,7 @@ def _validate_budgets_args(args: argparse.Namespace) -> None:
 
 
 def _run_budgets(args: argparse.Namespace) -> str:
+    from kvcompress.policies import get_method
     from kvcompress.policies.budgets import layer_budgets, resolve_budget
 
     _validate_budgets_args(args)
@@ -83,6 +89,8 @@ def _run_budgets(args: argparse.Namespace) -> str:
         ratio=args.kv_compression_ratio,
         window=args.kv_window,
         beta=args.kv_pyramid_beta,
+        # the totals setting applies to methods whose record lets it choose (Ada-KV)
+        shape=args.kv_adakv_totals if get_method(args.method).shape_setting else None,
     )
     full = args.layers * prompt_len
     kept = sum(budgets)

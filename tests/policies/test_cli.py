@@ -31,6 +31,15 @@ def test_ratio_and_method_flags(capsys):
     assert "total kept per head: 400 = 4 x 100" in out
 
 
+def test_adakv_totals_flag(capsys):
+    def kept(*extra):
+        assert main([*ANCHOR, "--method", "adakv", *extra]) == 0
+        out = capsys.readouterr().out.splitlines()
+        return [int(line.split()[1]) for line in out if line.split() and line.split()[0].isdigit()]
+
+    assert kept()[0] == 242 and kept("--kv-adakv-totals", "uniform") == [128] * 32
+
+
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
