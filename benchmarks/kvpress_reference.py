@@ -193,7 +193,11 @@ def ours_configs(method: str, budget: int) -> list[OursConfig]:
                         adakv_totals="uniform")
     if method == "streamingllm":
         return [OursConfig("-", matched)]
-    return [OursConfig("kvpress", matched), OursConfig("defaults", _settings(**base))]
+    # "defaults": kvcompress's defaults when docs/methods.md's figures were taken (max pooling,
+    # kernel 7, beta 20, floor 0.2, pyramid totals), pinned so that the rows stay comparable
+    return [OursConfig("kvpress", matched),
+            OursConfig("defaults", _settings(**base, pooling="max", pooling_kernel=7,
+                                             adakv_floor=0.2, adakv_totals="pyramid"))]
 
 
 # ----------------------------------------------------------------------------- model side
