@@ -336,8 +336,7 @@ def run(args: argparse.Namespace) -> str:
             "model": model_dir, "dtype": args.dtype, "length": args.length,
             "new_tokens": args.new_tokens, "window": args.window, "budgets": budgets,
             "methods": methods, "inputs": tasks, "samples": args.samples, "seed": args.seed,
-            "selection": "plan_keep defaults: max pooling kernel 7, GQA mean, beta 20, "
-                         "4 sink tokens (streamingllm), adakv floor 0.2",
+            "selection": selection_defaults(),
         },
         "layer_stats": layer_stats,
         "entropy_slope_per_layer": slope(layer_stats["normalized_entropy"]),
@@ -354,6 +353,15 @@ def run(args: argparse.Namespace) -> str:
     write_outputs(report, args.output_json, args.plot)
     return render(report) + f"\n\nwrote {args.output_json} and {args.plot} " \
         f"({report['runtime_s']:.0f} s)"
+
+
+def selection_defaults() -> str:
+    from kvcompress.policies import settings
+
+    return (f"plan_keep defaults: {settings.DEFAULT_POOLING} pooling kernel "
+            f"{settings.DEFAULT_POOLING_KERNEL}, GQA {settings.DEFAULT_GROUP_REDUCE}, beta "
+            f"{settings.DEFAULT_BETA:g}, {settings.DEFAULT_SINK_TOKENS} sink tokens "
+            f"(streamingllm), adakv floor {settings.DEFAULT_ADAKV_FLOOR:g}")
 
 
 def average_recalls(items: list[dict[str, dict[int, list[float]]]]) -> dict[str, dict[int, list]]:

@@ -39,7 +39,7 @@ def test_llama8b_anchor_sums_exactly_and_shrinks_with_depth():
 def test_reference_rounding_overshoots_and_ours_does_not():
     floored = reference_floored_budgets(32, 4000, 128, 8, 20)
     assert sum(floored) == 4272  # +176 tokens per head: +4.3% of 4096, +4.6% of the 3840 selected
-    assert sum(layer_budgets("pyramidkv", 32, 4000, budget=128)) == 4096
+    assert sum(layer_budgets("pyramidkv", 32, 4000, budget=128, beta=20)) == 4096
 
 
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm"])
@@ -68,7 +68,7 @@ def test_short_prompts_fall_back_to_uniform_like_the_reference():
 
 def test_bottom_is_clamped_to_the_prompt():
     # B = 120, q = 241 >= 2B: bottom would be 234 selected but only q - w = 233 exist
-    budgets = layer_budgets("pyramidkv", 32, 241, budget=128, window=8)
+    budgets = layer_budgets("pyramidkv", 32, 241, budget=128, window=8, beta=20)
     assert budgets[0] == 241
     assert sum(budgets) == 32 * 128
 

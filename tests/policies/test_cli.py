@@ -10,7 +10,8 @@ import pytest
 from kvcompress.__main__ import main
 from kvcompress.policies import METHODS
 
-ANCHOR = ["budgets", "--layers", "32", "--prompt-len", "4000", "--kv-budget", "128"]
+ANCHOR = ["budgets", "--layers", "32", "--prompt-len", "4000", "--kv-budget", "128",
+          "--kv-pyramid-beta", "20"]
 
 
 def test_budgets_table_and_exact_total(capsys):

@@ -57,7 +57,8 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
     assert plan.indices.shape[3] == (int(plan.counts.max()) if num_requests else 0)
     assert plan.prompt_lens.tolist() == lens
     for r, q in enumerate(lens):
-        budgets = layer_budgets(method, num_layers, q, budget, ratio, window, policy.beta)
+        budgets = layer_budgets(method, num_layers, q, budget, ratio, window, policy.beta,
+                                policy.budget_shape)
         win = min(window, q)
         assert bool(plan.compressed[r]) == (min(budgets) < q)
         for layer in range(num_layers):
@@ -346,8 +347,9 @@ def test_bad_settings_are_rejected_on_construction(kwargs, message):
 
 def test_settings_defaults_are_the_documented_ones():
     policy = PolicySettings("snapkv", budget=64)
-    assert (policy.window, policy.beta, policy.pooling, policy.pooling_kernel) == (8, 20, "max", 7)
-    assert (policy.sink_tokens, policy.adakv_floor) == (4, 0.2)
+    # measured defaults (docs/methods.md, "Defaults, by measurement")
+    assert (policy.window, policy.beta, policy.pooling, policy.pooling_kernel) == (8, 2, "max", 15)
+    assert (policy.sink_tokens, policy.adakv_floor, policy.adakv_totals) == (4, 0.2, "pyramid")
     assert policy.compression_method.name == "snapkv"
     assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv")  # the order users see
 
