@@ -88,6 +88,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                              if row_series(r) == series and r.get("not_run"))
             if ran:
                 ax.plot(*zip(*ran), marker="o", color=color, label=series)
+            if key == "accuracy":  # 95% Wilson intervals
+                bars = [(r["ratio"] if by_ratio else r["budget"], r[key], r["interval"])
+                        for r in rows if row_series(r) == series and r["ok"]
+                        and r.get("interval") and not r.get("not_run")]
+                for x, y, (low, high) in bars:
+                    ax.errorbar([x], [y], yerr=[[y - low], [high - y]], color=color,
+                                capsize=3, alpha=0.6)
             if skipped:  # budget >= every prompt: the full cache, drawn hollow and unlinked
                 ax.plot(*zip(*skipped), marker="o", linestyle="none", color=color,
                         markerfacecolor="none")

@@ -211,13 +211,15 @@ def test_render_and_plot(tmp_path):
          "retained": 1.0},
         {"label": "snapkv:64", "method": "snapkv", "budget": 64, "ratio": None, "ok": True,
          "accuracy": 0.4, "fidelity": 0.5, "per_task": {"qa": 0.4}, "kept_fraction": 0.1,
-         "retained": 0.5},
+         "retained": 0.5, "n": 10, "interval": [0.17, 0.69],
+         "vs_full": {"mean": -0.4, "low": -0.7, "high": -0.1, "n": 10}},
         {"label": "snapkv:128", "method": "snapkv", "budget": 128, "ratio": None, "ok": True,
          "accuracy": 0.6, "fidelity": 0.7, "per_task": {"qa": 0.6}, "kept_fraction": 0.2,
          "retained": 0.75, "not_run": "x"},
     ]
     text = render(rows, ["qa"])
     assert "snapkv:128 (=full)" in text and "0.50" in text
+    assert "0.17-0.69" in text and "-0.40 ± 0.30" in text  # interval and paired difference
     plot(rows, tmp_path / "q.png", title="t")
     assert (tmp_path / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
