@@ -80,13 +80,14 @@ def entropy_stats(probs: Any, positions: Any) -> dict[str, Any]:
     }
 
 
-def window_scores(window_probs: Any, num_kv_heads: int) -> Any:
-    """Engine-equivalent raw scores [H_kv, S] from window rows [H_q, W, S] (GQA mean, sum)."""
+def window_scores(window_probs: Any, num_kv_heads: int, group_reduce: str = "mean") -> Any:
+    """Engine-equivalent raw scores [H_kv, S] from window rows [H_q, W, S] (the query heads of
+    a KV head combined by ``group_reduce``, the window summed)."""
     from kvcompress.policies import aggregate_window_probs
 
     num_q, window, length = window_probs.shape
     grouped = window_probs.float().reshape(num_kv_heads, num_q // num_kv_heads, window, length)
-    return aggregate_window_probs(grouped, "mean")
+    return aggregate_window_probs(grouped, group_reduce)
 
 
 def kept_mask(indices: Any, counts: Any, length: int) -> Any:

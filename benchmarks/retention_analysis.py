@@ -22,11 +22,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.attention_analysis import analyze_input, install_attention, load_model
+from benchmarks.attention_analysis import (
+    analyze_input,
+    install_attention,
+    load_model,
+    window_scores,
+)
 from benchmarks.quality.tasks import Sample, make_samples
 from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
 from benchmarks.specs import (
-    CompressionSpec,
     benchmark_parser,
     default_model_dir,
     default_threads,
@@ -35,6 +39,7 @@ from benchmarks.specs import (
     parse_names,
     parse_specs,
 )
+from kvcompress.config import KVCompressionConfig
 
 RETRIEVAL_TASKS = ("passkey", "niah_single", "niah_multikey")
 
@@ -65,31 +70,19 @@ def rows_holding_answer(kept: Any, counts: Any, copies: list[list[int]]) -> Any:
     return holds
 
 
-def window_scores_for(rows: dict[int, Any], window: int, num_kv_heads: int,
-                      group_reduce: str) -> Any:
-    """Engine-equivalent raw scores [L, H, S] of the last ``window`` of the recorded rows."""
+def retention(config: KVCompressionConfig, rows: dict[int, Any], copies: list[list[int]],
+              num_kv_heads: int) -> Any:
+    """Bool [L, H] for one configuration on one prompt: its selection planned from the
+    engine-equivalent scores of the last ``config.window`` recorded window rows."""
     import torch
 
-    from kvcompress.policies import aggregate_window_probs
-
-    per_layer = []
-    for layer in sorted(rows):
-        probs = rows[layer][:, -window:, :].float()  # [Hq, w, S]
-        heads, _, length = probs.shape
-        grouped = probs.reshape(num_kv_heads, heads // num_kv_heads, window, length)
-        per_layer.append(aggregate_window_probs(grouped, group_reduce))
-    return torch.stack(per_layer)
-
-
-def retention(spec: CompressionSpec, rows: dict[int, Any], copies: list[list[int]],
-              num_kv_heads: int) -> Any:
-    """Bool [L, H] for one configuration on one prompt."""
-    from kvcompress.config import KVCompressionConfig
     from kvcompress.policies import plan_keep
 
-    config = KVCompressionConfig.from_mapping(spec.additional_config())
     length = next(iter(rows.values())).shape[-1]
-    scores = window_scores_for(rows, config.window, num_kv_heads, config.gqa_reduce)
+    scores = torch.stack([
+        window_scores(rows[layer][:, -config.window:, :], num_kv_heads, config.gqa_reduce)
+        for layer in sorted(rows)
+    ])
     plan = plan_keep(config.policy, [length], [scores], num_layers=scores.shape[0],
                      num_kv_heads=num_kv_heads)
     return rows_holding_answer(plan.indices[0], plan.counts[0], copies)
@@ -116,31 +109,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs = [s for s in parse_specs(args.configs) if not s.is_vanilla]
         tasks = parse_names(args.tasks, list(RETRIEVAL_TASKS), "--tasks")
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
+        # resolved (and validated) once: every prompt is planned with them
+        configs = [KVCompressionConfig.from_mapping(s.additional_config()) for s in specs]
+    except ValueError as error:  # KVCompressionConfigError included
+        raise SystemExit(f"--configs: {error}") from None
     import torch
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads or default_threads())
     model_dir = args.model or default_model_dir()
     num_kv_heads = model_shape(model_dir)["num_kv_heads"]
-    from kvcompress.config import KVCompressionConfig
-
-    windows = [KVCompressionConfig.from_mapping(s.additional_config()).window for s in specs]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = make_samples(tasks, parse_ints(args.lengths), args.samples, args.seed,
                            lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     install_attention()
     model = load_model(model_dir, "float32", "cpu")
+    widest_window = max(config.window for config in configs)  # recorded once, sliced per config
     held: dict[str, list[Any]] = {spec.label: [] for spec in specs}
     for sample in samples:
         encoded = tokenizer(sample.prompt, return_offsets_mapping=True)
         copies = answer_positions(sample, encoded["offset_mapping"])
         ids = torch.tensor([encoded["input_ids"]])
-        recorder, _ = analyze_input(model, ids, new_tokens=0, window=max(windows),
+        recorder, _ = analyze_input(model, ids, new_tokens=0, window=widest_window,
                                     num_kv_heads=num_kv_heads)
-        for spec in specs:
-            held[spec.label].append(retention(spec, recorder.window_rows, copies, num_kv_heads))
+        for spec, config in zip(specs, configs):
+            held[spec.label].append(retention(config, recorder.window_rows, copies,
+                                              num_kv_heads))
     rows = []
     for spec in specs:
         stacked = torch.stack(held[spec.label]).float()  # [prompts, L, H]

@@ -75,22 +75,25 @@ def _validate_budgets_args(args: argparse.Namespace) -> None:
 
 
 def _run_budgets(args: argparse.Namespace) -> str:
-    from kvcompress.policies import get_method
+    from kvcompress.policies import PolicySettings
     from kvcompress.policies.budgets import layer_budgets, resolve_budget
 
     _validate_budgets_args(args)
     prompt_len = args.prompt_len
     average = resolve_budget(prompt_len, args.kv_budget, args.kv_compression_ratio, args.kv_window)
+    settings = PolicySettings(
+        args.method, budget=args.kv_budget, ratio=args.kv_compression_ratio,
+        window=args.kv_window, beta=args.kv_pyramid_beta, adakv_totals=args.kv_adakv_totals,
+    )
     budgets = layer_budgets(
-        args.method,
+        settings.method,
         args.layers,
         prompt_len,
-        budget=args.kv_budget,
-        ratio=args.kv_compression_ratio,
-        window=args.kv_window,
-        beta=args.kv_pyramid_beta,
-        # the totals setting applies to methods whose record lets it choose (Ada-KV)
-        shape=args.kv_adakv_totals if get_method(args.method).shape_setting else None,
+        budget=settings.budget,
+        ratio=settings.ratio,
+        window=settings.window,
+        beta=settings.beta,
+        shape=settings.budget_shape,  # Ada-KV's totals setting, else the method's own shape
     )
     full = args.layers * prompt_len
     kept = sum(budgets)
