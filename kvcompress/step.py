@@ -149,9 +149,16 @@ class PlatformKernel(KVMover, Protocol):
 
     def attend(self, args: Any, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-               sinks: torch.Tensor | None = None) -> None:
+               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``:
-        logit soft-capping, attention-sink logits in the denominator); None: plain softmax."""
+        logit soft-capping, attention-sink logits in the denominator); None: plain softmax.
+
+        ``sliding_window``: the layer's window W (vLLM's ``sliding_window``), None or 0 for
+        full attention. Per (request, KV head) row, with the row's own length: its query i
+        (0-based among the request's new tokens) sits at row position ``q = len_before + i``
+        and sees the positions ``q - W + 1 <= k <= q`` (causal, W keys including itself).
+        Positions count within the row, so a row whose leading pages were dropped sees the
+        same keys (the mask is shift-invariant)."""
         ...
 
     def accumulate_window_scores(self, args: Any, layer: int, query: torch.Tensor,

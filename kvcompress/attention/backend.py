@@ -62,6 +62,10 @@ class KVCompressAttentionBackend(AttentionBackend):
         # vLLM's backend selection on CUDA asks before building a model with attention sinks.
         return True
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
     @staticmethod
     def get_impl_cls() -> type[KVCompressAttentionImpl]:
         return KVCompressAttentionImpl
@@ -116,7 +120,6 @@ class KVCompressAttentionImpl(AttentionImpl):
     ) -> None:
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            "sliding-window attention": sliding_window is not None,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
@@ -132,7 +135,8 @@ class KVCompressAttentionImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        self.sliding_window = None
+        # The window is applied by the kernel; the page layout frees what leaves it.
+        self.sliding_window = sliding_window or None
         self.kv_sharing_target_layer_name = None
         # vLLM spells "no soft-cap" None or 0. The sinks stay the model's parameter (its
         # values are loaded after this), one logit per query head.
@@ -156,5 +160,12 @@ class KVCompressAttentionImpl(AttentionImpl):
         if attn_metadata is None:
             return output.fill_(0)  # warm-up / profiling without a KV cache
         layer_index = attn_metadata.layer_index[layer.layer_name]
+        expected = attn_metadata.step.layout.window_of(layer_index)
+        if (self.sliding_window or 0) != expected:
+            raise RuntimeError(
+                f"layer {layer.layer_name}: attention window {self.sliding_window} but the page "
+                f"layout has {expected or 'full attention'}"
+            )
         return attend_layer(attn_metadata, layer_index, query, key, value, kv_cache, output,
-                            self.scale, soft_cap=self.logits_soft_cap, sinks=self.sinks)
+                            self.scale, soft_cap=self.logits_soft_cap, sinks=self.sinks,
+                            sliding_window=self.sliding_window)

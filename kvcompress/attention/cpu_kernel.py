@@ -8,6 +8,11 @@ exactly its KV-cache layout (K transposed per page for the vec/vec16 ISAs, V row
 The kernel also applies the model's logit soft-cap and attention sinks. It takes one sink
 per query head of a sequence, the same for every sequence, while ours differ per KV head, so
 a layer with sinks runs one call per KV head (over that head's sequences).
+
+A sliding window W goes to the kernel as vLLM's own CPU backend passes it (left extent W - 1,
+causal): its query positions are ``seq_len - query_len + i`` of each sequence, i.e. of each of
+our rows, so the mask is per row with the row's own length (checked against the torch
+reference in tests/attention/test_sliding_window_kernels.py).
 """
 
 from __future__ import annotations
@@ -86,8 +91,10 @@ class CpuPagedKernel:
 
     def attend(self, args: CpuStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-               sinks: torch.Tensor | None = None) -> None:
-        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``)."""
+               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
+        ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
+        window = _window_for_cpu_kernel(sliding_window)
         num_tokens, num_q_heads, head_size = query.shape
         heads = self.layout.num_kv_heads
         group = num_q_heads // heads
@@ -96,13 +103,13 @@ class CpuPagedKernel:
         result = torch.empty_like(per_sequence)
         if sinks is None:
             self._attend_sequences(args, layer, None, per_sequence, result, pool, scale,
-                                   soft_cap, None)
+                                   soft_cap, None, window)
         else:
             head_sinks = _sinks_for_cpu_kernel(sinks).view(heads, group)
             for head in range(heads):
                 rows = slice(head * num_tokens, (head + 1) * num_tokens)
                 self._attend_sequences(args, layer, head, per_sequence[rows], result[rows], pool,
-                                       scale, soft_cap, head_sinks[head])
+                                       scale, soft_cap, head_sinks[head], window)
         output.view(num_tokens, heads, group, head_size).copy_(
             result.view(heads, num_tokens, group, head_size).transpose(0, 1)
         )
@@ -110,9 +117,11 @@ class CpuPagedKernel:
     def _attend_sequences(self, args: CpuStepArgs, layer: int, head: int | None,
                           query: torch.Tensor, result: torch.Tensor, pool: torch.Tensor,
                           scale: float, soft_cap: float | None,
-                          sinks: torch.Tensor | None) -> None:
+                          sinks: torch.Tensor | None, window: int) -> None:
         """One call of vLLM's kernel over the sequences of KV head ``head`` (``query [R * T',
-        G, D]``), or of every head (``head`` None, ``query [H * T', G, D]``)."""
+        G, D]``), or of every head (``head`` None, ``query [H * T', G, D]``). ``window``: the
+        layer's W, -1 for none; a layer always has the same one, so the scheduler metadata
+        cached by (layer, head) fits it."""
         if head is None:
             query_start_loc = args.query_start_loc
             sequences = slice(None)
@@ -126,14 +135,14 @@ class CpuPagedKernel:
             metadata = args.scheduler_metadata[layer, head] = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=seq_lens.numel(), num_heads=query.shape[1], num_kv_heads=1,
                 head_dim=query.shape[2], seq_lens=seq_lens, dtype=self.dtype,
-                query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
+                query_start_loc=query_start_loc, causal=True, sliding_window_size=window,
                 isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             )
         key_cache, value_cache = self._caches(pool)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=result,
             query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale,
-            causal=True, alibi_slopes=None, sliding_window=-1,
+            causal=True, alibi_slopes=None, sliding_window=window,
             block_table=args.block_tables[layer, sequences], softcap=soft_cap or 0,
             scheduler_metadata=metadata, s_aux=sinks,
         )
@@ -154,6 +163,15 @@ class CpuPagedKernel:
     def _caches(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_pages, _, page_size, head_size = pool.shape
         return pool.view(num_pages, 1, 2 * page_size, head_size).chunk(2, dim=2)
+
+
+def _window_for_cpu_kernel(sliding_window: int | None) -> int:
+    """vLLM's CPU kernel takes the window W itself (it sees W - 1 positions back), -1 for none."""
+    if sliding_window is None or sliding_window == 0:
+        return -1
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (full) or positive, got {sliding_window}")
+    return int(sliding_window)
 
 
 def _sinks_for_cpu_kernel(sinks: torch.Tensor) -> torch.Tensor:

@@ -108,14 +108,15 @@ class TritonPagedKernel:
 
     def attend(self, args: TritonStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-               sinks: torch.Tensor | None = None) -> None:
-        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``)."""
+               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+        """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
+        ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
         rows = self._rows(layer)
         paged_attention(
             query, pool, args.page_tables[:, rows], args.kv_lens[:, rows],
             args.query_start_loc, scale, output.view(query.shape), soft_cap=soft_cap,
-            sinks=sinks, max_query_len=args.max_query_len, max_kv_len=args.max_kv_len[layer],
-            use_triton=self.use_triton,
+            sinks=sinks, sliding_window=sliding_window, max_query_len=args.max_query_len,
+            max_kv_len=args.max_kv_len[layer], use_triton=self.use_triton,
         )
 
     def accumulate_window_scores(

@@ -25,21 +25,27 @@ logger = get_logger(__name__)
 def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
                  output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None,
+                 sliding_window: int | None = None) -> torch.Tensor:
     """Stages 3-4 of a step (``kvcompress.step``) for one layer: write the step's K/V
     ``[T, H, D]`` into every head's row, attend (``query [T, Hq, D]`` into ``output``), add
     the observation-window probabilities of requests finishing their prompt and the decode
     scores of decoding requests whose decode policy scores this step (if that fails, those
     requests are marked failed and the layer goes on). Tensors may be padded beyond
     ``metadata.num_actual_tokens``; returns ``output``. ``soft_cap`` / ``sinks [Hq]``: the
-    layer's softmax, used by attention and every score alike."""
+    layer's softmax, used by attention and every score alike. ``sliding_window``: the
+    layer's window W (None: full attention); such a layer is never compressed by a policy,
+    so it is not scored."""
     step, kernel = metadata.step, metadata.kernel
     num_tokens = metadata.num_actual_tokens
     query, output = query[:num_tokens], output[:num_tokens]
     key, value = key[:num_tokens], value[:num_tokens]
     kernel.write(pool, key, value, step.slot_mapping[:, step.layer_rows(layer_index)])
     softmax = {"soft_cap": soft_cap, "sinks": sinks}
-    kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale, **softmax)
+    kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale,
+                  sliding_window=sliding_window, **softmax)
+    if sliding_window:
+        return output
     if step.window_queries:
         started = time.perf_counter()
         try:

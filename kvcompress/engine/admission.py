@@ -143,6 +143,9 @@ class AdmissionPlanner:
         else:
             generated = tokens - prompt_len  # resumed after preemption: outputs kept whole
             lengths = self._kept_after_prompt(config, prompt_len) + generated
+            if layout.has_sliding_layers:  # a sliding row keeps its window (and slack)
+                bound = layout.row_tokens_bound(tokens, 0)
+                lengths = np.minimum(lengths, bound)
             held = self.pages.owned_pages(request_id) + self.pages.pages_needed(
                 request_id, tokens)
             prefill_steps = -(-(tokens - computed) // self.max_num_batched_tokens)
@@ -169,10 +172,11 @@ class AdmissionPlanner:
     def _kept_after_prompt(self, config: KVCompressionConfig, prompt_len: int) -> np.ndarray:
         """Per-row tokens of the prompt once it is compacted (its layer budgets)."""
         layout = self.pages.layout
-        if not config.compresses(prompt_len):
-            return np.full(layout.num_rows, prompt_len, dtype=np.int64)
-        per_layer = layer_budgets(config.method, layout.num_layers, prompt_len, config.budget,
-                                  config.ratio, config.window, config.beta,
-                                  config.policy.budget_shape)
-        return np.repeat(np.minimum(np.asarray(per_layer, dtype=np.int64), prompt_len),
-                         layout.num_kv_heads)
+        kept = np.full(layout.num_layers, prompt_len, dtype=np.int64)
+        layers = layout.compressed_layers  # sliding-window layers: not the policy's
+        if layers and config.compresses(prompt_len):
+            per_layer = layer_budgets(config.method, len(layers), prompt_len, config.budget,
+                                      config.ratio, config.window, config.beta,
+                                      config.policy.budget_shape)
+            kept[list(layers)] = np.minimum(np.asarray(per_layer, dtype=np.int64), prompt_len)
+        return np.repeat(kept, layout.num_kv_heads)

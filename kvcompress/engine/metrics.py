@@ -29,6 +29,7 @@ class StepFigures:
     compressed_requests: int = 0
     failed_requests: int = 0
     preempted_tokens: int = 0  # computed tokens of preempted requests (to be redone)
+    window_freed_pages: int = 0  # sliding-window pages whose tokens no query can see
     kept_fractions: list[float] = field(default_factory=list)
     score_seconds: list[float] = field(default_factory=list)
     compaction_seconds: list[float] = field(default_factory=list)
@@ -58,6 +59,7 @@ class StepFigures:
             "compressed_requests": self.compressed_requests,
             "failed_requests": self.failed_requests,
             "preempted_tokens": self.preempted_tokens,
+            "window_freed_pages": self.window_freed_pages,
             "kept_fractions": self.kept_fractions,
             "score_seconds": self.score_seconds,
             "compaction_seconds": self.compaction_seconds,
@@ -84,6 +86,9 @@ class _Metrics:
         self.preempted = Counter("kvcompress:preempted_tokens",
                                   "Computed tokens dropped by preemptions, to be recomputed "
                                   "(uncompressed) when their requests resume", labels)
+        self.window_freed = Counter("kvcompress:window_freed_pages",
+                                    "Pages of sliding-window layers freed because their "
+                                    "tokens left the window (lossless)", labels)
         self.kept_fraction = Histogram("kvcompress:request_kept_fraction",
                                        "Share of a request's prompt cache kept by compression",
                                        labels, buckets=KEPT_FRACTION_BUCKETS)
@@ -128,6 +133,7 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.compressed.labels(engine).inc(figures["compressed_requests"])
         metrics.failed.labels(engine).inc(figures["failed_requests"])
         metrics.preempted.labels(engine).inc(figures["preempted_tokens"])
+        metrics.window_freed.labels(engine).inc(figures.get("window_freed_pages", 0))
         for histogram, values in ((metrics.kept_fraction, figures["kept_fractions"]),
                                   (metrics.score_seconds, figures["score_seconds"]),
                                   (metrics.compaction_seconds, figures["compaction_seconds"])):

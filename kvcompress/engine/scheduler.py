@@ -40,7 +40,8 @@ class KVCompressScheduler(Scheduler):
         self.compression_config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
         reserve = ScoringReserve.of(vllm_config)
         layout = page_layout(kv_cache_config, self.compression_config.page_size, reserve)
-        layout.check_holds_one_request(vllm_config.model_config.max_model_len)
+        layout.check_holds_one_request(vllm_config.model_config.max_model_len,
+                                       vllm_config.scheduler_config.max_num_batched_tokens)
         virtual_config = virtual_kv_cache_config(
             kv_cache_config,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
@@ -57,7 +58,7 @@ class KVCompressScheduler(Scheduler):
         )
         self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark,
-            self.admission,
+            self.admission, self.scheduler_config.max_num_batched_tokens,
         )
         self.num_pages_freed_by_compression = 0
         self.scoring_gate = ScoringGate(reserve.scored_tokens)
@@ -76,7 +77,9 @@ class KVCompressScheduler(Scheduler):
         self.scoring_gate.prune(self.requests)
         self.admission.prune(self.requests)
         self._order_running_by_recompute_cost()
+        freed_before = self.kv_cache_manager.window_freed_pages
         scheduler_output = super().schedule(*args, **kwargs)
+        self.figures.window_freed_pages += self.kv_cache_manager.window_freed_pages - freed_before
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         return scheduler_output
 

@@ -31,8 +31,10 @@ def virtual_kv_cache_config(
     kv_cache_config: KVCacheConfig, max_num_seqs: int, max_model_len: int
 ) -> KVCacheConfig:
     """A copy of ``kv_cache_config`` whose block count is never the admission limit."""
-    block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-    wanted = max_num_seqs * cdiv(max_model_len, block_size) + 1  # + vLLM's null block
+    # Every group (one per layer type of a hybrid model) draws from the same block pool.
+    per_request = sum(cdiv(max_model_len, group.kv_cache_spec.block_size)
+                      for group in kv_cache_config.kv_cache_groups)
+    wanted = max_num_seqs * per_request + 1  # + vLLM's null block
     virtual = copy.deepcopy(kv_cache_config)
     virtual.num_blocks = max(kv_cache_config.num_blocks, min(wanted, _MAX_VIRTUAL_BLOCKS))
     if wanted > _MAX_VIRTUAL_BLOCKS:
@@ -48,11 +50,13 @@ class PagedKVCacheManager:
     """Wraps a vLLM KVCacheManager; everything not overridden here goes to it."""
 
     def __init__(self, inner: KVCacheManager, pages: PageManager, watermark: float,
-                 admission: AdmissionPlanner) -> None:
+                 admission: AdmissionPlanner, max_num_batched_tokens: int) -> None:
         self.inner = inner
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.pages = pages
         self.watermark_pages = int(watermark * pages.total_pages)
         self.admission = admission
+        self.window_freed_pages = 0  # sliding-window pages freed (cumulative)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -84,9 +88,15 @@ class PagedKVCacheManager:
         )
         reserve = self.watermark_pages if admitting else 0
         request_id = request.request_id
+        # Like vLLM's remove_skipped_blocks: what left a sliding window is freed before the
+        # new tokens are counted (async scheduling is off: computed tokens are processed).
+        self.window_freed_pages += self.pages.drop_outside_window(
+            request_id, request.num_computed_tokens)
         if full_sequence_must_fit:
             full_len = min(request.num_tokens, self.inner.max_model_len)
-            if self.pages.pages_needed(request_id, full_len) + reserve > self.pages.num_free:
+            needed = self.pages.pages_needed_for_sequence(request_id, full_len,
+                                                          self.max_num_batched_tokens)
+            if needed + reserve > self.pages.num_free:
                 return None
         if self.pages.pages_needed(request_id, logical_len) + reserve > self.pages.num_free:
             return None

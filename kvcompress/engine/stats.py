@@ -34,6 +34,7 @@ class EngineStats:
     # Computed tokens preemptions dropped (kvcompress's scheduler counts them; None for an
     # engine without compression, whose scheduler does not report them).
     preempted_tokens: int | None = None
+    window_freed_pages: int = 0  # sliding-window pages freed (kvcompress only)
 
 
 class StepStatsRecorder(StatLoggerBase):
@@ -62,6 +63,7 @@ class StepStatsRecorder(StatLoggerBase):
             if figures:
                 self.stats.preempted_tokens = ((self.stats.preempted_tokens or 0)
                                                + figures["preempted_tokens"])
+                self.stats.window_freed_pages += figures.get("window_freed_pages", 0)
         if iteration_stats is not None:
             self.stats.preemptions += iteration_stats.num_preempted_reqs
             self.stats.generated_tokens += iteration_stats.num_generation_tokens

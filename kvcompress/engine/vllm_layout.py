@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
 from kvcompress.engine.scoring_memory import reserved_bytes, scored_token_reserve
 from kvcompress.paging import PageLayout
@@ -15,15 +15,45 @@ from kvcompress.paging import PageLayout
 
 def attention_layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
     """The model's attention layers in depth order (row order of the page tables)."""
-    groups = kv_cache_config.kv_cache_groups
-    specs = [group.kv_cache_spec for group in groups]
-    if len(groups) != 1 or type(specs[0]) is not FullAttentionSpec:
-        kinds = sorted({type(spec).__name__ for spec in specs})
+    return [name for name, _ in _layer_specs(kv_cache_config)]
+
+
+def _layer_specs(kv_cache_config: KVCacheConfig) -> list[tuple[str, Any]]:
+    """(layer name, spec) of every attention layer in depth order, over all KV-cache groups:
+    full-attention and sliding-window layers of one shape share one page layout. Anything
+    else is refused with the reason."""
+    layers: list[tuple[str, Any]] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            raise NotImplementedError(
+                "kvcompress supports decoder-only models whose layers use full or "
+                f"sliding-window attention; this model has {type(spec).__name__} layers"
+            )
+        if type(spec) is FullAttentionSpec and (spec.sliding_window or
+                                                 spec.attention_chunk_size):
+            # The hybrid KV-cache manager is off: one merged group no longer says which
+            # layers slide, so dead tokens could not be freed per layer.
+            raise NotImplementedError(
+                "kvcompress needs vLLM's hybrid KV-cache manager for models with "
+                "sliding-window or chunked local attention layers; do not pass "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        layers += [(name, spec) for name in group.layer_names]
+    if not layers:
+        raise NotImplementedError("kvcompress needs a model with attention layers")
+    shapes = {(spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype)
+              for _, spec in layers}
+    if len(shapes) != 1:
         raise NotImplementedError(
-            "kvcompress supports decoder-only models whose layers all use full attention "
-            f"(one FullAttentionSpec KV-cache group); this model has {kinds}"
+            "kvcompress needs every attention layer to have the same KV heads, head size and "
+            f"dtype; this model has {sorted(map(str, shapes))}"
         )
-    return sorted(groups[0].layer_names, key=extract_layer_index)
+    return sorted(layers, key=lambda item: extract_layer_index(item[0]))
+
+
+def _window(spec: Any) -> int:
+    return int(spec.sliding_window) if type(spec) is SlidingWindowSpec else 0
 
 
 @dataclass(frozen=True)
@@ -44,18 +74,32 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int,
                 reserve: ScoringReserve | None = None) -> PageLayout:
     """Pages of ``page_size`` tokens fitting in the bytes vLLM budgets for its KV cache,
     less the window-score ``reserve``."""
-    layer_names = attention_layer_names(kv_cache_config)
-    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    layers = _layer_specs(kv_cache_config)
+    spec: Any = layers[0][1]
     if spec.head_size_v != spec.head_size:
         raise NotImplementedError("kvcompress needs equal key and value head sizes")
-    kv_cache_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+    windows = tuple(_window(layer_spec) for _, layer_spec in layers)
     return PageLayout.for_memory(
-        kv_cache_bytes=kv_cache_bytes,
+        kv_cache_bytes=kv_cache_bytes(kv_cache_config),
         reserved_bytes=0 if reserve is None else reserved_bytes(
-            reserve.scored_tokens, len(layer_names), spec.num_kv_heads, reserve.longest_prompt),
-        num_layers=len(layer_names),
+            reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt),
+        num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         page_size=page_size,
         dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
+        layer_windows=windows if any(windows) else (),
     )
+
+
+def kv_cache_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """The bytes of vLLM's KV-cache allocation. With several KV-cache groups (a hybrid
+    model) every group's tensor aliases the same allocation from byte 0, so it is counted
+    once, not once per group."""
+    sizes = {tensor.size for tensor in kv_cache_config.kv_cache_tensors}
+    if len(sizes) > 1:
+        raise NotImplementedError(
+            f"kvcompress expects vLLM's KV-cache tensors to share one allocation; got sizes "
+            f"{sorted(sizes)}"
+        )
+    return sizes.pop() if sizes else 0

@@ -67,25 +67,31 @@ def compact_completed_prompts(
     compactions: dict[str, Compaction] = {}
     moves = MoveBatch(state.layout.page_size)
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
-    rows = state.layout.num_rows
+    # Only full-attention rows are planned; sliding-window rows stay as they are.
+    rows = state.layout.compressed_rows
     for config, req_ids in groups.items():
         for request_id, counts, indices in _plan_isolated(state, config, req_ids, step):
             request = state.requests[request_id]
             try:
-                row_moves, new_lengths = plan_prompt_moves(
-                    counts.reshape(rows), indices.reshape(rows, -1), request.lengths,
-                    request.prompt_len,
+                row_moves, kept_lengths = plan_prompt_moves(
+                    counts.reshape(len(rows)), indices.reshape(len(rows), -1),
+                    request.lengths[rows], request.prompt_len,
                 )
             except Exception as error:
                 _record_failure(step, [request_id], "planning the moves", error)
                 continue
+            row_moves.rows = rows[row_moves.rows]
+            new_lengths = request.lengths.copy()
+            new_lengths[rows] = kept_lengths
             moves.add(request_id, request.table.pages, row_moves)
             if stats is not None:
                 stats.requests += 1
                 stats.tokens_moved += len(row_moves)
                 stats.tokens_evicted += int((request.lengths - new_lengths).sum())
             compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
-            request.prompt_kept = counts.reshape(rows).numpy().astype(np.int64)
+            request.prompt_kept = np.full(state.layout.num_rows, request.prompt_len,
+                                          dtype=np.int64)
+            request.prompt_kept[rows] = counts.reshape(len(rows)).numpy()
     _apply(state, step, compactions, moves, pool, mover)
     for request_id in compactions:
         request = state.requests[request_id]
@@ -123,19 +129,24 @@ def evict_generated_tokens(
         eviction = request.config.decode_eviction if request.config is not None else None
         if eviction is None or request.prompt_kept is None or request_id in step.failures:
             continue
-        generated = request.lengths - request.prompt_kept
-        if not eviction.due(int(generated.max())):
+        # Sliding-window rows bound themselves; the decode budget is for the others.
+        rows = state.layout.compressed_rows
+        generated = request.lengths[rows] - request.prompt_kept[rows]
+        if not len(rows) or not eviction.due(int(generated.max())):
             continue
         try:
             maybe_fail("plan", [request.prompt_len])
-            kept, scored = _select_generated(eviction, request, generated, state.layout.num_rows)
+            kept, scored = _select_generated(eviction, request, generated, rows)
             # Planned on the host, next to the page tables: one transfer per request.
-            row_moves, new_lengths = plan_generated_keep(
-                request.lengths, request.prompt_kept, kept.to("cpu").numpy()
+            row_moves, kept_lengths = plan_generated_keep(
+                request.lengths[rows], request.prompt_kept[rows], kept.to("cpu").numpy()
             )
         except Exception as error:
             _record_failure(step, [request_id], "planning the decode eviction", error)
             continue
+        row_moves.rows = rows[row_moves.rows]
+        new_lengths = request.lengths.copy()
+        new_lengths[rows] = kept_lengths
         moves.add(request_id, request.table.pages, row_moves)
         compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths,
                                              kind="decode")
@@ -149,14 +160,15 @@ def evict_generated_tokens(
         request = state.requests[request_id]
         kept = carried.get(request_id)
         request.decode_scores = (None if kept is None or request.decode_scores is None
-                                 else _carry_scores(request.decode_scores, kept))
+                                 else _carry_scores(request.decode_scores, kept,
+                                                    state.layout.compressed_rows))
     return compactions
 
 
 def _select_generated(eviction: DecodeEviction, request: RequestKV, generated: np.ndarray,
-                      num_rows: int) -> tuple[torch.Tensor, bool]:
-    """Kept generated offsets ``[rows, budget]`` (on the scores' device), and whether scores
-    chose them (False: the newest were kept)."""
+                      rows: np.ndarray) -> tuple[torch.Tensor, bool]:
+    """Kept generated offsets ``[len(rows), budget]`` of the compressed ``rows`` (on the
+    scores' device), and whether scores chose them (False: the newest were kept)."""
     count = int(generated.max())
     if int(generated.min()) != count:
         # Every row gets every token and every eviction keeps `budget` in each: never uneven.
@@ -165,18 +177,23 @@ def _select_generated(eviction: DecodeEviction, request: RequestKV, generated: n
     scores = request.decode_scores
     usable = (eviction.method.needs_scores and scores is not None
               and scores.shape[-1] >= count)
-    rows_scores = scores.reshape(num_rows, -1)[:, :count] if usable else None
-    return eviction.keep(rows_scores, num_rows, count), usable
+    rows_scores = None
+    if usable:
+        all_rows = scores.reshape(-1, scores.shape[-1])
+        rows_scores = (all_rows[:, :count] if len(rows) == all_rows.shape[0]
+                       else all_rows[torch.as_tensor(rows, device=scores.device), :count])
+    return eviction.keep(rows_scores, len(rows), count), usable
 
 
-def _carry_scores(scores: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """``scores [L, H, C]`` rearranged like the tokens: kept offset ``kept[row, j]`` now sits
-    at ``j``; the offsets freed by the eviction restart at zero."""
-    layers, heads, _ = scores.shape
-    kept = kept.reshape(layers, heads, -1)
-    carried = torch.zeros_like(scores)
-    carried[:, :, : kept.shape[-1]] = scores.gather(-1, kept)
-    return carried
+def _carry_scores(scores: torch.Tensor, kept: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """``scores [L, H, C]`` rearranged like the tokens: in each compressed row, kept offset
+    ``kept[i, j]`` of ``rows[i]`` now sits at ``j``; the offsets freed by the eviction (and
+    every other row) restart at zero."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    index = torch.as_tensor(rows, device=scores.device)
+    carried = torch.zeros_like(flat)
+    carried[index, : kept.shape[-1]] = flat[index].gather(-1, kept)
+    return carried.view_as(scores)
 
 
 def _apply(state: WorkerKVState, step: StepBatch, compactions: dict[str, Compaction],
@@ -219,7 +236,8 @@ def _plan_isolated(
         maybe_fail("plan", [request.prompt_len for request in requests])
         # The plan is made where the window scores live (the runner's device); moves are
         # planned on the host, next to the page tables: one transfer per plan.
-        plan = _plan(config, requests, layout.num_layers, layout.num_kv_heads).to("cpu")
+        plan = _plan(config, requests, layout.compressed_layers,
+                     layout.num_kv_heads).to("cpu")
         return [(request_id, plan.counts[number], plan.indices[number])
                 for number, request_id in enumerate(batch)]
 
@@ -244,14 +262,22 @@ def _record_failure(step: StepBatch, request_ids: list[str], stage: str,
     step.fail(request_ids, f"{stage} failed: {error!r}")
 
 
-def _plan(config: KVCompressionConfig, requests: list[RequestKV], num_layers: int,
-          num_kv_heads: int) -> KeepPlan:
+def _plan(config: KVCompressionConfig, requests: list[RequestKV],
+          layers: tuple[int, ...], num_kv_heads: int) -> KeepPlan:
+    """The policy's plan over the compressed ``layers`` (full attention, depth order): their
+    budgets follow the policy's schedule as if they were the only layers."""
     policy = config.policy
     needs_scores = policy.compression_method.needs_scores
+    scores = None
+    if needs_scores:
+        scores = [request.window_scores for request in requests]
+        if len(layers) != scores[0].shape[0]:
+            index = torch.as_tensor(layers, device=scores[0].device)
+            scores = [score.index_select(0, index) for score in scores]
     return plan_keep(
         policy,
         [request.prompt_len for request in requests],
-        [request.window_scores for request in requests] if needs_scores else None,
-        num_layers=num_layers,
+        scores,
+        num_layers=len(layers),
         num_kv_heads=num_kv_heads,
     )

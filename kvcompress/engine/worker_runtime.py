@@ -51,6 +51,9 @@ class PagedKVRuntime:
         )
         self.state = WorkerKVState(layout, device)
         self.step: StepBatch | None = None
+        # vLLM builds attention metadata once per KV-cache group (a hybrid model has
+        # several); every group of a step shares this one.
+        self._metadata: PagedAttentionMetadata | None = None
         self.stats = CompactionStats()
         # Requests whose own kv_* settings the worker rejected (id -> reason), until reported.
         self.rejected_settings: dict[str, str] = {}
@@ -83,12 +86,16 @@ class PagedKVRuntime:
     # ------------------------------------------------------------ per step
     def begin_step(self, scheduler_output: Any) -> None:
         """Mirror the scheduler's page-table changes before the batch is prepared."""
-        self.step = None
+        self.step, self._metadata = None, None
         self.state.drop(scheduler_output.finished_req_ids)
         self.state.drop(scheduler_output.preempted_req_ids or ())
         self.state.apply_deltas(page_deltas(scheduler_output))
 
     def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata:
+        if self._metadata is not None:
+            if self._metadata.step.num_reqs != common.num_reqs:
+                raise RuntimeError("KV-cache groups of one step disagree on its requests")
+            return self._metadata
         num_reqs = common.num_reqs
         batch = self._runner.input_batch
         req_ids = batch.req_ids[:num_reqs]
@@ -97,6 +104,8 @@ class PagedKVRuntime:
         num_computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         prompt_lens = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
         configs = [self.request_config(request_id) for request_id in req_ids]
+        # A model whose layers all slide has nothing for a policy to compress.
+        policy_layers = bool(self.layout.compressed_layers)
         step = self.state.prepare_step(
             req_ids,
             num_new,
@@ -104,7 +113,8 @@ class PagedKVRuntime:
             prompt_lens,
             observation_windows=[config.window for config in configs],
             wants_compression=[
-                config.compresses(int(n)) and not self._ends_this_step(request_id)
+                policy_layers and config.compresses(int(n))
+                and not self._ends_this_step(request_id)
                 for request_id, config, n in zip(req_ids, configs, prompt_lens)
             ],
         )
@@ -113,13 +123,14 @@ class PagedKVRuntime:
             if request_id in self.rejected_settings:
                 step.fail([request_id], self.rejected_settings.pop(request_id))
         self.step = step
-        return PagedAttentionMetadata(
+        self._metadata = PagedAttentionMetadata(
             step=step,
             num_actual_tokens=int(query_start[num_reqs]),
             kernel=self.kernel,
             kernel_args=self.kernel.prepare(step),
             layer_index=self.layer_index,
         )
+        return self._metadata
 
     def _ends_this_step(self, request_id: str) -> bool:
         """Whether the request samples its last token (``max_tokens``) in this step: its
@@ -135,7 +146,7 @@ class PagedKVRuntime:
         """After the forward: lengths advance, then completed prompts are compacted and
         generated parts over their decode budget evicted. The report also names the requests
         whose compression failed in this step, which the scheduler ends with an error."""
-        step, self.step = self.step, None
+        step, self.step, self._metadata = self.step, None, None
         if step is None:
             return WorkerReport()
         self.state.finish_step(step)

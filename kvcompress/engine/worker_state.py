@@ -85,6 +85,14 @@ class WorkerKVState:
                     lengths=np.zeros(rows, dtype=np.int64),
                 )
                 self.requests[request_id] = state
+            if delta.drops is not None:
+                state.table.drop_leading(delta.drops)
+                state.lengths = state.lengths - delta.drops.astype(np.int64) * self.layout.page_size
+                if (state.lengths < 0).any():
+                    raise RuntimeError(
+                        f"request {request_id}: the scheduler dropped window pages this "
+                        "worker never filled (scheduler and worker page tables diverged)"
+                    )
             for counts, page_ids in delta.appends:
                 state.table.append(counts, page_ids)
 

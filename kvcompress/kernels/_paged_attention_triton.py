@@ -7,6 +7,9 @@ whole GQA group. Keys are gathered token by token through the head's page table,
 works with any page size. Online softmax in fp32 (base-2 exponent, scale folded in), optionally
 soft-capped (HAS_SOFT_CAP) and with a sink logit per query head (HAS_SINKS): the sink starts the
 running max and sum of split 0, so it joins the denominator once and adds nothing to the output.
+With a sliding window (HAS_WINDOW, ``window_left`` = W - 1) a query at row position q sees only
+``[q - window_left, q]``, and a program scans from its first query's window start (floored to
+BLOCK_N), so its work is O(W + BLOCK_Q) whatever the row's length.
 """
 
 import triton
@@ -57,6 +60,7 @@ def paged_attention_kernel(
     sinks_ptr,
     soft_cap_log2,
     scale_log2,
+    window_left,
     num_requests,
     num_query_tokens,
     num_query_heads,
@@ -84,6 +88,7 @@ def paged_attention_kernel(
     STORE_LSE: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -119,14 +124,19 @@ def paged_attention_kernel(
     context_len = kv_len - query_len
     row_limit = context_len + q_pos  # last visible physical position (inclusive)
     scan_len = context_len + tl.minimum(first_q + BLOCK_Q, query_len)
+    if HAS_WINDOW:
+        # The block's first query sees the earliest positions: skip the tiles before its window.
+        scan_start = tl.maximum(context_len + first_q - window_left, 0) // BLOCK_N * BLOCK_N
+    else:
+        scan_start = 0
 
     if NUM_SPLITS == 1:
-        scan_begin = 0
+        scan_begin = scan_start
         scan_end = scan_len
     else:
-        num_tiles = (scan_len + BLOCK_N - 1) // BLOCK_N
+        num_tiles = (scan_len - scan_start + BLOCK_N - 1) // BLOCK_N
         tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-        scan_begin = split * tiles_per_split * BLOCK_N
+        scan_begin = scan_start + split * tiles_per_split * BLOCK_N
         scan_end = tl.minimum(scan_begin + tiles_per_split * BLOCK_N, scan_len)
 
     page_row_ptr = page_tables_ptr + req.to(tl.int64) * stride_pt_req + kv_head * stride_pt_head
@@ -162,6 +172,8 @@ def paged_attention_kernel(
         if HAS_SOFT_CAP:
             s = soft_cap(s, soft_cap_log2)
         visible = (keys[None, :] <= row_limit[:, None]) & key_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] >= row_limit[:, None] - window_left)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, 1))
         # Rows that have seen no key yet keep -inf; subtract 0 there to avoid (-inf) - (-inf).

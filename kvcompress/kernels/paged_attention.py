@@ -16,6 +16,10 @@ Semantics shared by the torch reference and the Triton kernel:
 * The model's softmax (:mod:`kvcompress.kernels.logits`): ``soft_cap`` (float, None or 0 for none)
   caps every scaled score to ``soft_cap * tanh(score / soft_cap)``; ``sinks: [H_q]`` (any float
   dtype) adds one logit per query head to the softmax denominator only. The LSE includes the sink.
+* ``sliding_window`` W (None or 0: full attention): query i additionally sees only the positions
+  ``j >= kv_lens[r, h] - query_len + i - (W - 1)``, i.e. the W positions ``[q - W + 1, q]`` of its
+  own row position q (vLLM's convention). Positions count within each head's row, so a row whose
+  leading tokens were dropped (shorter ``kv_lens``, shifted page table) sees the same keys.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def paged_attention(
     lse_out: torch.Tensor | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
@@ -71,13 +76,23 @@ def paged_attention(
     if use_triton:
         return paged_attention_triton(
             query, pool, page_tables, kv_lens, query_start_loc, scale, out,
-            lse_out=lse_out, soft_cap=soft_cap, sinks=sinks, max_query_len=max_query_len,
-            max_kv_len=max_kv_len, num_splits=num_splits,
+            lse_out=lse_out, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window,
+            max_query_len=max_query_len, max_kv_len=max_kv_len, num_splits=num_splits,
         )
     return paged_attention_ref(
         query, pool, page_tables, kv_lens, query_start_loc, scale, out, lse_out=lse_out,
-        soft_cap=soft_cap, sinks=sinks,
+        soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window,
     )
+
+
+def window_left_extent(sliding_window: int | None) -> int:
+    """How many positions before its own a query sees under ``sliding_window`` W: W - 1, or
+    -1 for full attention (None or 0)."""
+    if sliding_window is None or sliding_window == 0:
+        return -1
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (full) or positive, got {sliding_window}")
+    return int(sliding_window) - 1
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -95,6 +110,7 @@ def paged_attention_ref(
     lse_out: torch.Tensor | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
 ) -> torch.Tensor:
@@ -109,7 +125,8 @@ def paged_attention_ref(
         query, pool, page_tables, kv_lens, query_start_loc
     )
     check_sinks(sinks, query.shape[1])
-    softmax = dict(soft_cap=soft_cap, sinks=sinks)
+    softmax = dict(soft_cap=soft_cap, sinks=sinks,
+                   window_left=window_left_extent(sliding_window))
     starts = query_start_loc.tolist()
     lens_cpu = kv_lens.to("cpu", torch.long)
     head_size = pool.shape[3]
@@ -158,8 +175,10 @@ def _attend_rows(
     query_lens: torch.Tensor,
     soft_cap: float | None,
     sinks: torch.Tensor | None,
+    window_left: int,
 ) -> None:
-    """Attention for ``tokens: [B, n]`` (global query rows) of ``requests`` (B of them)."""
+    """Attention for ``tokens: [B, n]`` (global query rows) of ``requests`` (B of them);
+    ``window_left``: positions before its own a query sees (-1: all)."""
     num_requests = len(requests)
     num_tokens = tokens.shape[1]
     num_kv_heads = page_tables.shape[1]
@@ -180,13 +199,16 @@ def _attend_rows(
     q = q.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads, group * num_tokens, head_size)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, H_kv, G * n, L]
 
-    # Row (g, i) of head h sees positions <= len[h] - query_len + i.
+    # Row (g, i) of head h sees positions <= len[h] - query_len + i (and, with a window,
+    # >= that limit - window_left).
     limits = lens[:, :, None] - query_lens.view(-1, 1, 1).long() + query_positions[:, None, :]
     limits = limits[:, :, None, :].expand(-1, -1, group, -1).reshape(
         num_requests, num_kv_heads, group * num_tokens
     )
     positions = torch.arange(max_len)
     visible = positions.view(1, 1, 1, -1) <= limits.unsqueeze(-1)
+    if window_left >= 0:
+        visible &= positions.view(1, 1, 1, -1) >= (limits - window_left).unsqueeze(-1)
     visible = visible.to(scores.device)
     scores = scores.masked_fill(~visible, float("-inf"))
 
@@ -218,6 +240,7 @@ def paged_attention_triton(
     lse_out: torch.Tensor | None = None,
     soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
@@ -231,13 +254,15 @@ def paged_attention_triton(
     capture): ``max_query_len`` (picks the decode or prefill tile; synced from query_start_loc when
     None) and ``max_kv_len`` (bounds split-K; synced from kv_lens only when splitting is
     considered). ``num_splits`` (power of two), ``block_n``, ``num_warps``, ``num_stages`` override
-    the heuristics (benchmark sweeps).
+    the heuristics (benchmark sweeps). With a ``sliding_window`` each program scans only the
+    keys its queries can see (from the first one's window start, floored to ``block_n``).
     """
     num_requests, num_kv_heads, group = check_paged_inputs(
         query, pool, page_tables, kv_lens, query_start_loc
     )
     check_triton_device(query, pool, page_tables, kv_lens, query_start_loc, out)
     check_sinks(sinks, query.shape[1])
+    window_left = window_left_extent(sliding_window)
     if query.dtype != pool.dtype:
         raise TypeError(f"query dtype {query.dtype} != pool dtype {pool.dtype}")
     if query.stride(-1) != 1 or out.stride(-1) != 1 or page_tables.stride(-1) != 1:
@@ -266,8 +291,12 @@ def paged_attention_triton(
         target = _TARGET_PROGRAMS_PER_SM * device_compute_units(query.device)
         num_splits = 1
         if active_blocks * num_kv_heads < target:
+            # A program scans at most window - 1 + block_q keys (+ < block_n from flooring).
+            window_span = window_left + block_q + block_n if window_left >= 0 else None
             if max_kv_len is None:
-                max_kv_len = int(kv_lens.max())
+                max_kv_len = window_span or int(kv_lens.max())
+            elif window_span is not None:
+                max_kv_len = min(max_kv_len, window_span)
             by_occupancy = next_power_of_2(math.ceil(target / (active_blocks * num_kv_heads)))
             by_length = max(1, max_kv_len // _MIN_TOKENS_PER_SPLIT)
             num_splits = max(1, min(by_occupancy, _MAX_SPLITS, 1 << (by_length.bit_length() - 1)))
@@ -295,6 +324,7 @@ def paged_attention_triton(
         query, pool, page_tables, kv_lens, query_start_loc,
         out, lse_arg, partial_acc, partial_max, partial_sum, *softmax_args,
         float(scale) * math.log2(math.e),
+        max(window_left, 0),
         num_requests, num_tokens, num_query_heads,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
@@ -312,6 +342,7 @@ def paged_attention_triton(
         NUM_SPLITS=num_splits,
         STORE_LSE=store_lse and num_splits == 1,
         **softmax_flags,
+        HAS_WINDOW=window_left >= 0,
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps or (4 if block_m <= 64 else 8),

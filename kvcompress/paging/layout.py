@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -11,6 +14,11 @@ class PageLayout:
 
     Rows of every per-request page table are (layer, kv_head) pairs in layer-major order:
     ``row = layer * num_kv_heads + head``.
+
+    ``layer_windows[layer]``: the layer's sliding window W (a query sees only the W newest
+    positions, itself included), 0 for full attention; empty: every layer full. Sliding
+    layers are never compressed by a policy: their rows lose only the tokens that fell out
+    of the window, as whole leading pages (``PageManager.drop_outside_window``).
     """
 
     num_layers: int
@@ -19,10 +27,52 @@ class PageLayout:
     page_size: int
     dtype_bytes: int
     total_pages: int
+    layer_windows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for "
+                             f"{self.num_layers} layers")
+        if any(window < 0 for window in self.layer_windows):
+            raise ValueError(f"layer windows must be >= 0, got {self.layer_windows}")
 
     @property
     def num_rows(self) -> int:
         return self.num_layers * self.num_kv_heads
+
+    def window_of(self, layer: int) -> int:
+        """The layer's sliding window, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.layer_windows)
+
+    @cached_property
+    def compressed_layers(self) -> tuple[int, ...]:
+        """Layers a compression policy compresses (full attention), in depth order."""
+        return tuple(layer for layer in range(self.num_layers) if not self.window_of(layer))
+
+    @cached_property
+    def compressed_rows(self) -> np.ndarray:
+        """Rows of the compressed layers, ascending (int64)."""
+        heads = np.arange(self.num_kv_heads)
+        layers = np.asarray(self.compressed_layers, dtype=np.int64)
+        return (layers[:, None] * self.num_kv_heads + heads[None, :]).reshape(-1)
+
+    @cached_property
+    def row_windows(self) -> np.ndarray:
+        """Per row: its layer's sliding window, 0 for full attention (int64)."""
+        windows = np.asarray(self.layer_windows or (0,) * self.num_layers, dtype=np.int64)
+        return np.repeat(windows, self.num_kv_heads)
+
+    def row_tokens_bound(self, num_tokens: int, max_chunk: int) -> np.ndarray:
+        """Per row: the most tokens a request of ``num_tokens`` ever holds at once, with
+        prefill chunks of at most ``max_chunk`` tokens. A sliding row keeps the W - 1 newest
+        processed tokens, up to a page of dead slack, and the chunk being written."""
+        windows = self.row_windows
+        sliding_bound = windows - 1 + (self.page_size - 1) + max_chunk
+        return np.where(windows > 0, np.minimum(num_tokens, sliding_bound), num_tokens)
 
     @property
     def page_bytes(self) -> int:
@@ -38,6 +88,7 @@ class PageLayout:
         page_size: int,
         dtype_bytes: int,
         reserved_bytes: int = 0,
+        layer_windows: tuple[int, ...] = (),
     ) -> PageLayout:
         """Fit as many pages as the bytes vanilla vLLM would give its KV cache, less
         ``reserved_bytes`` kept for other per-request buffers (window scores)."""
@@ -51,23 +102,28 @@ class PageLayout:
                 f"({num_layers * num_kv_heads}); give the KV cache more memory or use a "
                 "smaller --kv-page-size"
             )
-        return cls(num_layers, num_kv_heads, head_size, page_size, dtype_bytes, total_pages)
+        return cls(num_layers, num_kv_heads, head_size, page_size, dtype_bytes, total_pages,
+                   layer_windows)
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages one request of ``num_tokens`` uncompressed tokens occupies."""
         return self.num_rows * (-(-num_tokens // self.page_size))
 
-    def check_holds_one_request(self, max_model_len: int) -> None:
+    def check_holds_one_request(self, max_model_len: int, max_chunk: int | None = None) -> None:
         """A request of ``max_model_len`` tokens must fit uncompressed (prefill comes before
-        compression), or it would wait forever: every row rounds up to whole pages."""
-        needed = self.pages_for_tokens(max_model_len)
+        compression), or it would wait forever: every row rounds up to whole pages, a
+        sliding row holds at most its window plus a chunk (``row_tokens_bound``)."""
+        rows = self.row_tokens_bound(max_model_len, max_chunk or max_model_len)
+        needed = int((-(-rows // self.page_size)).sum())
         if needed > self.total_pages:
+            sliding = (" (sliding-window rows: their window plus a prefill chunk)"
+                       if self.has_sliding_layers else "")
             raise ValueError(
                 f"the KV-cache pool holds {self.total_pages} pages of {self.page_size} tokens, "
                 f"but one request of --max-model-len {max_model_len} needs {needed} "
                 f"({self.num_rows} (layer, KV head) rows x ceil({max_model_len} / "
-                f"{self.page_size}) pages, each row rounded up to whole pages); use a smaller "
-                "--kv-page-size or --max-model-len, or give the KV cache more memory"
+                f"{self.page_size}) pages{sliding}, each row rounded up to whole pages); use "
+                "a smaller --kv-page-size or --max-model-len, or give the KV cache more memory"
             )
 
     @property

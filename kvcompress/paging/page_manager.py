@@ -19,12 +19,15 @@ class PageTableDelta:
     """Page-table changes of one request since the worker last heard about it.
 
     ``fresh``: the request's table was (re)created, so the worker must drop whatever it
-    holds for this request id before applying ``appends``. Each append is a pair
-    ``(counts[rows], page_ids)`` for ``HeadPageTable.append``.
+    holds for this request id before applying ``appends``. ``drops[row]``: leading pages
+    that fell out of the row's sliding window (``HeadPageTable.drop_leading``), applied
+    before the appends (a request drops when it is scheduled, before it grows). Each append
+    is a pair ``(counts[rows], page_ids)`` for ``HeadPageTable.append``.
     """
 
     fresh: bool
     appends: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    drops: np.ndarray | None = None
 
 
 @dataclass
@@ -91,6 +94,21 @@ class PageManager:
             return 0
         return int(state.table.pages_missing(logical_len - state.evicted).sum())
 
+    def pages_needed_for_sequence(self, request_id: str, logical_len: int,
+                                  max_chunk: int) -> int:
+        """Pages the request must gain before its whole ``logical_len`` tokens are in, when
+        they arrive in chunks of at most ``max_chunk``: a sliding-window row never holds more
+        than its window plus a chunk (``PageLayout.row_tokens_bound``)."""
+        layout = self.layout
+        if not layout.has_sliding_layers:
+            return self.pages_needed(request_id, logical_len)
+        state = self._requests.get(request_id)
+        evicted = 0 if state is None else state.evicted
+        held = 0 if state is None else state.table.num_pages
+        tokens = np.minimum(logical_len - evicted, layout.row_tokens_bound(logical_len, max_chunk))
+        needed = -(-tokens // layout.page_size) - held
+        return int(np.maximum(needed, 0).sum())
+
     def allocate(self, request_id: str, logical_len: int, reserve: int = 0) -> bool:
         """Reserve slots up to ``logical_len`` tokens; all or nothing.
 
@@ -126,6 +144,35 @@ class PageManager:
         if needed:
             delta.appends.append((missing, page_ids))
         return True
+
+    def drop_outside_window(self, request_id: str, processed: int) -> int:
+        """Free the leading pages of sliding-window rows that only hold tokens no query
+        from ``processed`` on can see (positions < processed - W + 1): whole pages, so a row
+        loses a page every ``page_size`` tokens and nothing moves. Return how many."""
+        layout = self.layout
+        state = self._requests.get(request_id)
+        if state is None or not layout.has_sliding_layers:
+            return 0
+        windows = layout.row_windows
+        dead = np.where(windows > 0, np.maximum(0, processed - windows + 1), 0)
+        drops = np.minimum((dead - state.evicted) // layout.page_size, state.table.num_pages)
+        drops = np.maximum(drops, 0).astype(np.int32)
+        total = int(drops.sum())
+        if not total:
+            return 0
+        delta = self._pending.get(request_id)
+        if delta is None:
+            delta = self._pending[request_id] = PageTableDelta(fresh=False)
+        if delta.appends:
+            # Within one schedule a request drops before it grows; anything else would
+            # reorder the worker's replay.
+            raise RuntimeError(f"request {request_id}: window drop after an append in one "
+                               "schedule")
+        delta.drops = drops if delta.drops is None else delta.drops + drops
+        self._push(state.table.drop_leading(drops))
+        state.evicted = state.evicted + drops.astype(np.int64) * layout.page_size
+        state.refresh_headroom(layout.page_size)
+        return total
 
     def release_after_compression(
         self, request_id: str, logical_len: int, physical_lengths: np.ndarray

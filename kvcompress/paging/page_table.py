@@ -64,6 +64,21 @@ class HeadPageTable:
         self.version = next(_VERSIONS)
         return dropped
 
+    def drop_leading(self, counts: np.ndarray) -> np.ndarray:
+        """Drop the first ``counts[row]`` pages of each row (tokens that fell out of a
+        sliding window); the rest shift to the front. Return the dropped ids."""
+        counts = np.asarray(counts, dtype=np.int32)
+        if (counts < 0).any() or (counts > self.num_pages).any():
+            raise ValueError(f"cannot drop {counts.tolist()} leading pages of rows holding "
+                             f"{self.num_pages.tolist()}")
+        dropped = self._pages_between(np.zeros_like(self.num_pages), counts)
+        width = self.pages.shape[1]
+        source = np.minimum(np.arange(width)[None, :] + counts[:, None], width - 1)
+        self.pages = np.take_along_axis(self.pages, source, axis=1)
+        self.num_pages = self.num_pages - counts
+        self.version = next(_VERSIONS)
+        return dropped
+
     def all_pages(self) -> np.ndarray:
         return self._pages_between(np.zeros_like(self.num_pages), self.num_pages)
 

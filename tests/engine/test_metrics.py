@@ -37,6 +37,7 @@ def test_stat_logger_exports_the_figures_and_ignores_engines_without_them():
     figures.add_compaction(Compaction(100, np.array([10] * 4)), np.full(4, 100))
     figures.failed_requests = 2
     figures.preempted_tokens = 1234
+    figures.window_freed_pages = 17
     logger.record(SimpleNamespace(**{STATS_FIELD: figures.take(5, 9)}), None, engine_idx=7)
     logger.record(SimpleNamespace(), None, engine_idx=7)  # compression off: nothing
     sample = REGISTRY.get_sample_value
@@ -44,6 +45,7 @@ def test_stat_logger_exports_the_figures_and_ignores_engines_without_them():
     assert sample("kvcompress:compressed_requests_total", {"engine": "7"}) == 1
     assert sample("kvcompress:failed_requests_total", {"engine": "7"}) == 2
     assert sample("kvcompress:preempted_tokens_total", {"engine": "7"}) == 1234
+    assert sample("kvcompress:window_freed_pages_total", {"engine": "7"}) == 17
     assert sample("kvcompress:request_kept_fraction_count", {"engine": "7"}) == 1
     assert sample("kvcompress:pages_free", {"engine": "7"}) == 5
 

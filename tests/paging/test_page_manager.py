@@ -165,3 +165,125 @@ class PagingMachine(RuleBasedStateMachine):
 
 TestPagingMachine = PagingMachine.TestCase
 TestPagingMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# ------------------------------------------------------------------ sliding-window rows
+def sliding_layout(total_pages=64, windows=(5, 0), heads=2, page_size=4):
+    return PageLayout(len(windows), heads, head_size=8, page_size=page_size, dtype_bytes=2,
+                      total_pages=total_pages, layer_windows=windows)
+
+
+def test_layout_knows_which_rows_slide_and_bounds_them():
+    layout = sliding_layout(windows=(5, 0, 9, 0))
+    assert layout.compressed_layers == (1, 3)
+    assert layout.compressed_rows.tolist() == [2, 3, 6, 7]
+    assert layout.row_windows.tolist() == [5, 5, 0, 0, 9, 9, 0, 0]
+    # A sliding row holds at most W - 1 + (P - 1) + a chunk; a full row everything.
+    assert layout.row_tokens_bound(100, 8).tolist() == [15, 15, 100, 100, 19, 19, 100, 100]
+    assert PageLayout(2, 1, 8, 4, 2, 10).compressed_layers == (0, 1)
+    with pytest.raises(ValueError, match="3 layer windows for 2 layers"):
+        PageLayout(2, 1, 8, 4, 2, 10, layer_windows=(1, 0, 0))
+
+
+def test_sliding_rows_need_only_their_window_to_fit_one_request():
+    # 4 rows: a 1024-token request needs 4 x 64 pages of 16 if every row is full, but its
+    # two sliding rows (W = 32, chunks of 64) never hold more than 31 + 15 + 64 tokens.
+    layout = PageLayout(2, 1, 8, 16, 2, total_pages=64 + 7, layer_windows=(32, 0))
+    layout.check_holds_one_request(1024, max_chunk=64)
+    with pytest.raises(ValueError, match="sliding-window rows"):
+        layout.check_holds_one_request(1024, max_chunk=96)
+
+
+def test_table_drop_leading_shifts_the_rest_to_the_front():
+    table = HeadPageTable(num_rows=2, page_size=4)
+    table.append(np.array([3, 2]), np.array([10, 11, 12, 20, 21]))
+    version = table.version
+    assert table.drop_leading(np.array([2, 0])).tolist() == [10, 11]
+    assert table.num_pages.tolist() == [1, 2] and table.version != version
+    assert table.pages[0, 0] == 12 and table.pages[1, :2].tolist() == [20, 21]
+    with pytest.raises(ValueError, match="cannot drop"):
+        table.drop_leading(np.array([2, 0]))
+
+
+def test_drop_outside_window_frees_whole_dead_pages_only():
+    layout = sliding_layout(windows=(5, 0), heads=1, page_size=4)
+    manager = PageManager(layout)
+    assert manager.allocate("a", 16)
+    manager.take_deltas()
+    # Processed 8: a query at position 8 sees 4..8, so positions 0..3 (one page) are dead.
+    assert manager.drop_outside_window("a", 8) == 1
+    assert manager.physical_lengths("a").tolist() == [12, 16]
+    assert manager.drop_outside_window("a", 8) == 0  # idempotent
+    assert manager.drop_outside_window("a", 11) == 0  # 6 dead: not yet a second whole page
+    assert manager.drop_outside_window("a", 12) == 1
+    delta = manager.take_deltas()["a"]
+    assert delta.drops.tolist() == [2, 0] and not delta.appends  # both drops, summed
+    manager.check_invariants()
+    assert manager.num_free + manager.owned_pages() == layout.total_pages
+    # Growing after a drop needs pages only for what the rows still hold.
+    assert manager.pages_needed("a", 20) == 2
+    # Without sliding layers nothing is ever dropped.
+    plain = PageManager(make_layout())
+    assert plain.allocate("b", 16) and plain.drop_outside_window("b", 16) == 0
+
+
+def test_worker_mirror_applies_drops_before_appends():
+    layout = sliding_layout(windows=(5, 0), heads=1, page_size=4)
+    manager = PageManager(layout)
+    worker = WorkerKVState(layout, torch.device("cpu"))
+    assert manager.allocate("a", 16)
+    worker.apply_deltas(manager.take_deltas())
+    worker.requests["a"].lengths = np.array([16, 16])  # the forward wrote them
+    manager.drop_outside_window("a", 16)  # positions < 12 dead: 3 pages
+    assert manager.allocate("a", 20)
+    worker.apply_deltas(manager.take_deltas())
+    mirror, original = worker.requests["a"].table, manager._requests["a"].table
+    assert np.array_equal(mirror.all_pages(), original.all_pages())
+    assert worker.requests["a"].lengths.tolist() == [4, 16]
+    assert manager.physical_lengths("a").tolist() == [8, 20]
+
+
+def test_sequence_pages_count_sliding_rows_at_their_window():
+    layout = sliding_layout(windows=(5, 0), heads=1, page_size=4)
+    manager = PageManager(layout)
+    # 40 tokens in chunks of 8: the sliding row peaks at 4 + 3 + 8 = 15 tokens (4 pages).
+    assert manager.pages_needed_for_sequence("a", 40, max_chunk=8) == 4 + 10
+    assert manager.pages_needed("a", 40) == 20
+
+
+class SlidingPagingMachine(PagingMachine):
+    """The same, on a layout with sliding-window rows that drop dead leading pages."""
+
+    def __init__(self):
+        super().__init__()
+        self.layout = sliding_layout(total_pages=48, windows=(5, 0), heads=2, page_size=4)
+        self.manager = PageManager(self.layout)
+        self.worker = WorkerKVState(self.layout, torch.device("cpu"))
+
+    @precondition(lambda self: self.logical)
+    @rule(data=st.data())
+    def slide(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.logical)))
+        processed = data.draw(st.integers(0, self.logical[request_id]))
+        state = self.manager._requests[request_id]
+        before = state.evicted.copy()
+        # The worker stored every reserved slot (its forward ran).
+        self.worker.requests[request_id].lengths = self.manager.physical_lengths(request_id)
+        self.manager.drop_outside_window(request_id, processed)
+        self._sync_worker()
+        windows, size = self.layout.row_windows, self.layout.page_size
+        dead = np.maximum(0, processed - windows + 1)
+        sliding = windows > 0
+        # Never a visible token; whole pages only; full rows untouched.
+        assert (state.evicted[sliding] <= np.maximum(before, dead)[sliding]).all()
+        assert ((state.evicted - before) % size == 0).all()
+        assert (state.evicted[~sliding] == before[~sliding]).all()
+        empty = state.table.num_pages == 0
+        assert ((dead - state.evicted < size) | empty | ~sliding).all()
+        assert (self.worker.requests[request_id].lengths
+                == self.manager.physical_lengths(request_id)).all()
+
+
+TestSlidingPagingMachine = SlidingPagingMachine.TestCase
+TestSlidingPagingMachine.settings = settings(max_examples=60, stateful_step_count=40,
+                                             deadline=None)

@@ -1,0 +1,74 @@
+"""The page layout from vLLM's KV-cache config: hybrid (full + sliding-window) groups share
+one layout in depth order, their aliased allocation is counted once, the rest is refused."""
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvcompress.engine.vllm_layout import attention_layer_names, kv_cache_bytes, page_layout
+
+SHAPE = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+SIZE = 1 << 22
+
+
+def name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.attn"
+
+
+def gemma3_like_config(size: int = SIZE) -> KVCacheConfig:
+    """vLLM's grouping of a 12-layer Gemma 3 (full at 5 and 11): one full group and five
+    sliding groups of two layers, every group's tensor aliasing the same allocation."""
+    full = [5, 11]
+    sliding = [layer for layer in range(12) if layer not in full]
+    groups = [KVCacheGroupSpec([name(i) for i in full], FullAttentionSpec(**SHAPE))]
+    for start in range(5):
+        layers = sliding[start::5]
+        groups.append(KVCacheGroupSpec([name(i) for i in layers],
+                                       SlidingWindowSpec(**SHAPE, sliding_window=512)))
+    tensors = [KVCacheTensor(size=size, layers=group.layer_names, layer_stride=0,
+                             block_stride=0) for group in groups]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def test_hybrid_groups_share_one_layout_in_depth_order():
+    config = gemma3_like_config()
+    assert attention_layer_names(config) == [name(i) for i in range(12)]
+    layout = page_layout(config, page_size=16)
+    assert layout.layer_windows == tuple(0 if i in (5, 11) else 512 for i in range(12))
+    assert layout.compressed_layers == (5, 11)
+    # Six group tensors alias one allocation: its bytes count once.
+    assert kv_cache_bytes(config) == SIZE
+    assert layout.total_pages == SIZE // layout.page_bytes
+
+
+def test_full_attention_only_model_has_no_windows():
+    group = KVCacheGroupSpec([name(0), name(1)], FullAttentionSpec(**SHAPE))
+    config = KVCacheConfig(num_blocks=8, kv_cache_groups=[group], kv_cache_tensors=[
+        KVCacheTensor(size=SIZE, layers=group.layer_names, layer_stride=0, block_stride=0)])
+    layout = page_layout(config, page_size=16)
+    assert layout.layer_windows == () and not layout.has_sliding_layers
+
+
+def test_unsupported_kv_cache_layouts_are_refused_with_the_reason():
+    merged = KVCacheGroupSpec([name(0), name(1)], FullAttentionSpec(**SHAPE, sliding_window=8))
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[merged])
+    with pytest.raises(NotImplementedError, match="--disable-hybrid-kv-cache-manager"):
+        attention_layer_names(config)
+    mamba = KVCacheGroupSpec([name(0)], MambaSpec(block_size=16, shapes=((1,),),
+                                                  dtypes=(torch.float32,)))
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[mamba])
+    with pytest.raises(NotImplementedError, match="MambaSpec"):
+        attention_layer_names(config)
+    other_shape = dict(SHAPE, head_size=128)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([name(0)], FullAttentionSpec(**SHAPE)),
+        KVCacheGroupSpec([name(1)], SlidingWindowSpec(**other_shape, sliding_window=4))])
+    with pytest.raises(NotImplementedError, match="same KV heads, head size"):
+        attention_layer_names(config)
