@@ -84,9 +84,11 @@ class CpuPagedKernel:
         """key/value ``[T, H, D]`` to per-head ``slots [T, H]``."""
         key_cache, value_cache = self._caches(pool)
         head_size = self.layout.head_size
+        # The op reads the slot list densely: one layer's column of the step's [T, rows]
+        # slot mapping is strided (with one KV head, reshape keeps that stride).
         ops.cpu_attn_reshape_and_cache(
             key.reshape(-1, 1, head_size), value.reshape(-1, 1, head_size),
-            key_cache, value_cache, slots.reshape(-1), self.isa,
+            key_cache, value_cache, slots.reshape(-1).contiguous(), self.isa,
         )
 
     def attend(self, args: CpuStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,

@@ -25,8 +25,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 def test_cpu_kernel_matches_dense_reference(page_size, head_size, group, dtype, layout_name):
@@ -45,6 +45,26 @@ def test_cpu_kernel_matches_dense_reference(page_size, head_size, group, dtype, 
         expected = dense_attention(case, layer, scale)
         tolerance = 2e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(output.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_cpu_kernel_with_one_kv_head(group):
+    """One KV head (MQA; Gemma 3 270M): a layer's column of the step's slot mapping is then a
+    strided view that must still be written where it points (a prefill chunk's keys went to
+    the wrong slots before)."""
+    case = build_case(CPU_PAGE_FORMAT, [[40, 40], [5, 33], [0, 0]], [7, 1, 12], num_layers=2,
+                      num_kv_heads=1, group=group, head_size=256, page_size=16,
+                      dtype=torch.float32)
+    kernel = CpuPagedKernel(case.layout, torch.float32)
+    args = kernel.prepare(case.step)
+    for layer in range(2):
+        rows = case.step.layer_rows(layer)
+        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
+                     case.step.slot_mapping[:, rows])
+        output = torch.empty_like(case.query)
+        kernel.attend(args, layer, case.query, case.pool, output, 256**-0.5)
+        expected = dense_attention(case, layer, 256**-0.5)
+        torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
