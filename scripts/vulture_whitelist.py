@@ -23,6 +23,7 @@ _.supported_kv_cache_layouts
 _.get_name
 _.supports_attn_type
 _.supports_sink
+_.supports_sliding_window
 _.get_impl_cls
 _.get_builder_cls
 _.build

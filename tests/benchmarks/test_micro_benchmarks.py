@@ -51,3 +51,17 @@ def test_compression_cost_smoke(tmp_path, embedded_model):
     assert row["tokens_evicted"] > 0.7 * 2 * 30 * 3 * 256
     assert row["score_seconds"] > 0 and row["compaction_seconds"] > 0
     assert 0 < row["compression_fraction"] < 1 and row["uncompressed_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_hybrid_memory_smoke(tmp_path, tiny_gemma3):
+    """On tiny Gemma 3 (window 32, 2 of 8 layers full attention) a 600-token prompt at budget
+    32: while decoding, kvcompress holds less than vanilla's hybrid manager."""
+    out = tmp_path / "hybrid.json"
+    run_script(["-m", "benchmarks.hybrid_memory", "--model", tiny_gemma3, "--prompt-lens",
+                "600", "--budget", "32", "--max-num-batched-tokens", "256",
+                "--kv-cache-bytes", str(16 << 20), "--json", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["prompt_len"] == 600
+    assert 0 < row["kvcompress_decode_bytes"] < row["vanilla_decode_bytes"]
+    assert row["x_vanilla"] > 1.5
