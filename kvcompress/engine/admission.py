@@ -38,9 +38,11 @@ class Trajectory:
 
     held_pages: int  # pages held until the prompt is computed (decoding: pages now)
     prefill_steps: int  # steps until the prompt is computed (0: decoding)
-    kept_lengths: np.ndarray  # per-row tokens once the prompt is compacted
-    growth_tokens: int  # tokens each row may still add after that
+    kept_lengths: np.ndarray  # per growing row: tokens once the prompt is compacted
+    growth_tokens: int  # tokens each growing row may still add after that
     remaining_steps: int  # steps after the prompt until the request ends at the latest
+    # Pages of rows that do not grow after the prompt (sliding-window rows at their bound).
+    fixed_pages: int = 0
 
 
 def growth_pages(kept_lengths: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +70,7 @@ def peak_pages(trajectories: Sequence[Trajectory], page_size: int) -> int:
 
     Between two events (a prompt compacted, a request ended) the total only grows, so the
     peak is at one of the steps right before an event, or now. Every trajectory has the same
-    number of rows.
+    number of growing rows.
     """
     if not trajectories:
         return 0
@@ -78,6 +80,7 @@ def peak_pages(trajectories: Sequence[Trajectory], page_size: int) -> int:
     ends = prefill + np.array([t.remaining_steps for t in trajectories], dtype=np.int64)
     lengths = np.stack([t.kept_lengths for t in trajectories])
     kept, free_below = growth_pages(lengths, page_size)
+    kept = kept + np.array([t.fixed_pages for t in trajectories], dtype=np.int64)
     steps = np.unique(np.concatenate(([0], prefill, ends)))  # [K]
     grown = np.clip(steps[None, :] - prefill[:, None], 0, growth[:, None])  # [n, K]
     added = (grown // page_size) * lengths.shape[1] + np.take_along_axis(
@@ -143,17 +146,22 @@ class AdmissionPlanner:
         else:
             generated = tokens - prompt_len  # resumed after preemption: outputs kept whole
             lengths = self._kept_after_prompt(config, prompt_len) + generated
-            if layout.has_sliding_layers:  # a sliding row keeps its window (and slack)
-                bound = layout.row_tokens_bound(tokens, 0)
-                lengths = np.minimum(lengths, bound)
-            held = self.pages.owned_pages(request_id) + self.pages.pages_needed(
-                request_id, tokens)
+            held = self.pages.owned_pages(request_id) + self.pages.pages_needed_for_sequence(
+                request_id, tokens, self.max_num_batched_tokens)
             prefill_steps = -(-(tokens - computed) // self.max_num_batched_tokens)
         growth = min(remaining, self.lookahead)
         if eviction is not None:
             growth = min(growth, eviction.headroom(generated))
         assert len(lengths) == layout.num_rows
-        return Trajectory(held, prefill_steps, lengths, growth, remaining)
+        fixed = 0
+        if layout.has_sliding_layers:
+            # A decoding sliding row holds at most W - 1 visible tokens, < a page of dead
+            # slack and the new one: it never grows past that.
+            sliding = layout.row_windows > 0
+            bound = layout.row_windows[sliding] + layout.page_size - 1
+            fixed = int((-(-np.minimum(lengths[sliding], bound) // layout.page_size)).sum())
+            lengths = lengths[~sliding]
+        return Trajectory(held, prefill_steps, lengths, growth, remaining, fixed)
 
     def prune(self, live_request_ids: Iterable[str]) -> None:
         """Forget the configs of requests that are gone."""

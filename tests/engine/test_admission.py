@@ -32,14 +32,14 @@ def simulated_peak(trajectories: list[Trajectory], page_size: int) -> int:
                 total += t.held_pages
                 continue
             grown = min(step - t.prefill_steps, t.growth_tokens)
-            total += int((-(-(t.kept_lengths + grown) // page_size)).sum())
+            total += int((-(-(t.kept_lengths + grown) // page_size)).sum()) + t.fixed_pages
         peak = max(peak, total)
     return peak
 
 
 @st.composite
 def trajectories(draw) -> list[Trajectory]:
-    rows = draw(st.integers(1, 4))
+    rows = draw(st.integers(0, 4))  # 0: every row slides (only fixed pages)
     result = []
     for _ in range(draw(st.integers(1, 5))):
         lengths = np.array(draw(st.lists(st.integers(0, 30), min_size=rows, max_size=rows)))
@@ -50,6 +50,7 @@ def trajectories(draw) -> list[Trajectory]:
             kept_lengths=lengths,
             growth_tokens=draw(st.integers(0, 25)),
             remaining_steps=draw(st.integers(0, 25)),
+            fixed_pages=draw(st.integers(0, 6)),
         ))
     return result
 
@@ -201,3 +202,26 @@ def test_running_requests_are_ordered_so_the_cheapest_to_recompute_is_preempted(
     scheduler = SimpleNamespace(policy=SchedulingPolicy.PRIORITY, running=list(running))
     KVCompressScheduler._order_running_by_recompute_cost(scheduler)
     assert scheduler.running == running
+
+
+def test_sliding_rows_count_at_their_window_and_do_not_grow():
+    """Layer 0 slides (W = 8), layer 1 is full attention: a decoding request's sliding rows
+    are fixed pages (their window bound), only its full rows grow; a waiting prompt's
+    sliding rows count their window plus a chunk, not the whole prompt."""
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE,
+                        dtype_bytes=2, total_pages=1000, layer_windows=(8, 0))
+    running: list[FakeRequest] = []
+    plan = AdmissionPlanner(PageManager(layout), PYRAMID, max_model_len=4096,
+                            max_num_batched_tokens=16, lookahead=512, running=lambda: running)
+    request = FakeRequest("a", 100, max_tokens=50, num_computed_tokens=100,
+                          num_output_tokens=1)
+    assert plan.pages.allocate("a", 100)
+    plan.pages.take_deltas()  # a later schedule
+    plan.pages.drop_outside_window("a", 100)  # sliding rows keep positions 92..99
+    decoding_trajectory = plan.trajectory(request)
+    assert decoding_trajectory.fixed_pages == 2 * 2  # 2 heads x ceil(8 / 4)
+    assert decoding_trajectory.kept_lengths.tolist() == [100, 100]  # the full rows only
+    waiting = plan.trajectory(FakeRequest("b", 200, max_tokens=10))
+    # Full rows: 2 x 50 pages of the prompt; sliding rows: 2 x ceil((7 + 3 + 16) / 4) = 2 x 7.
+    assert waiting.held_pages == 2 * 50 + 2 * 7
+    assert waiting.fixed_pages == 2 * 3 and len(waiting.kept_lengths) == 2
