@@ -50,20 +50,26 @@ def target_params():
     return params
 
 
-def dense_attention(query, keys, values, first_position):
-    """query [n, G, D] at positions first_position.. against keys/values [m, D], causal."""
+def dense_attention(query, keys, values, first_position, window=0):
+    """query [n, G, D] at positions first_position.. against keys/values [m, D], causal (and
+    within the ``window`` newest positions, if set)."""
     logits = torch.einsum("ngd,md->ngm", query.double(), keys.double()) * SCALE
     position = first_position + torch.arange(query.shape[0], device=query.device)
-    future = torch.arange(keys.shape[0], device=query.device)[None, :] > position[:, None]
-    logits = logits.masked_fill(future[:, None, :], -math.inf)
+    key_position = torch.arange(keys.shape[0], device=query.device)[None, :]
+    hidden = key_position > position[:, None]
+    if window:
+        hidden |= key_position < position[:, None] - (window - 1)
+    logits = logits.masked_fill(hidden[:, None, :], -math.inf)
     return torch.einsum("ngm,md->ngd", torch.softmax(logits, -1), values.double())
 
 
 class Pipeline:
-    def __init__(self, device: str, use_triton: bool | None, mover: str, method: str):
+    def __init__(self, device: str, use_triton: bool | None, mover: str, method: str,
+                 layer_windows: tuple[int, ...] = ()):
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(7)
-        self.layout = PageLayout(LAYERS, KV_HEADS, HEAD_SIZE, PAGE_SIZE, 4, total_pages=200)
+        self.layout = PageLayout(LAYERS, KV_HEADS, HEAD_SIZE, PAGE_SIZE, 4, total_pages=200,
+                                 layer_windows=layer_windows)
         self.manager = PageManager(self.layout)
         self.state = WorkerKVState(self.layout, self.device)
         self.pool = torch.zeros(200, 2, PAGE_SIZE, HEAD_SIZE, device=self.device)
@@ -89,6 +95,7 @@ class Pipeline:
         """One step: pages, mirror, batch, then every layer written and attended; returns the
         batch, this step's queries and the attention outputs per layer."""
         for request_id, new, done in zip(self.req_ids, num_new, computed):
+            self.manager.drop_outside_window(request_id, done)  # as the scheduler does
             assert self.manager.allocate(request_id, done + new)
         self.state.apply_deltas(self.manager.take_deltas())
         for request_id in self.req_ids:
@@ -113,7 +120,8 @@ class Pipeline:
                     self.keys[r, row] = torch.cat([old_k, key[start:stop, head]])
                     self.values[r, row] = torch.cat([old_v, value[start:stop, head]])
             output = torch.empty_like(query)
-            attend_layer(metadata, layer, query, key, value, self.pool, output, SCALE)
+            attend_layer(metadata, layer, query, key, value, self.pool, output, SCALE,
+                         sliding_window=self.layout.window_of(layer) or None)
             queries.append(query)
             outputs.append(output)
         self.state.finish_step(step)
@@ -133,7 +141,8 @@ class Pipeline:
                         keys, values = keys[positions], values[positions]
                         first = keys.shape[0] - (stop - start)
                     query = queries[layer][start:stop, head * GROUP:(head + 1) * GROUP]
-                    want = dense_attention(query, keys, values, first)
+                    want = dense_attention(query, keys, values, first,
+                                           self.layout.window_of(layer))
                     got = outputs[layer][start:stop, head * GROUP:(head + 1) * GROUP]
                     torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
 
@@ -206,6 +215,57 @@ def test_prefill_compact_decode(monkeypatch, device, use_triton, mover, method):
     step, queries, outputs = pipeline.step([1] * len(PROMPTS), PROMPTS)
     pipeline.check_attention(step, queries, outputs, kept)
     pipeline.check_pages()
+    for request_id in pipeline.req_ids:
+        pipeline.manager.free(request_id)
+    assert pipeline.manager.num_free == pipeline.layout.total_pages
+
+
+@pytest.mark.parametrize(("device", "use_triton"), target_params())
+def test_sliding_window_layer_drops_pages_and_is_never_compacted(monkeypatch, device,
+                                                                   use_triton):
+    """Layer 0 slides (window 8), layer 1 is full attention. Prompts prefill in chunks of 20,
+    the scheduler side drops the sliding rows' dead leading pages before each step, and
+    attention stays the dense windowed one; a completed prompt is compacted by the policy on
+    the full-attention rows only, then decodes; pages accounted every step."""
+    if use_triton and device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sliding = 8
+    pipeline = Pipeline(device, use_triton, "kernel", "pyramidkv", layer_windows=(sliding, 0))
+    computed, kept = [0] * len(PROMPTS), {}
+    dropped = 0
+    for _ in range(8):
+        num_new = [min(20, prompt - done) if done < prompt else 1
+                   for prompt, done in zip(PROMPTS, computed)]
+        free_before = pipeline.manager.num_free
+        step, queries, outputs = pipeline.step(num_new, computed)
+        dropped += pipeline.manager.num_free < free_before
+        pipeline.check_attention(step, queries, outputs, kept)
+        # The runtime compacts completed prompts after the forward; the scheduler frees.
+        for request_id, compaction in compact_completed_prompts(
+                pipeline.state, step, pipeline.pool, pipeline.mover).items():
+            pipeline.manager.release_after_compression(request_id, compaction.logical_len,
+                                                       compaction.physical_lengths)
+            r = pipeline.req_ids.index(request_id)
+            request = pipeline.state.requests[request_id]
+            assert request.window_scores is None and request.compressed
+            for row in range(KV_HEADS, ROWS):  # full-attention rows: the policy's budget
+                assert request.lengths[row] == BUDGET
+            # Kept prompt positions per full-attention row, read back from the pool.
+            for row in range(KV_HEADS, ROWS):
+                slots = torch.as_tensor(request.table.pages[row].astype(np.int64))
+                positions = torch.arange(BUDGET)
+                slots = slots[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+                stored, _ = GPU_PAGE_FORMAT.read_tokens(pipeline.pool, slots.to(pipeline.device))
+                history = pipeline.keys[r, row][:PROMPTS[r], 0]
+                kept[r, row] = sorted(int((history == value).nonzero()[0, 0])
+                                      for value in stored[:, 0])
+        pipeline.check_pages()
+        computed = [done + new for done, new in zip(computed, num_new)]
+        for r, request_id in enumerate(pipeline.req_ids):
+            lengths = pipeline.manager.physical_lengths(request_id)
+            # A sliding row: its window, less than a page of dead slack, this step's chunk.
+            assert (lengths[:KV_HEADS] <= sliding - 1 + PAGE_SIZE - 1 + 20).all()
+    assert dropped and {r for r, _ in kept} == {0, 1, 2}  # the 12-token prompt fits
     for request_id in pipeline.req_ids:
         pipeline.manager.free(request_id)
     assert pipeline.manager.num_free == pipeline.layout.total_pages
