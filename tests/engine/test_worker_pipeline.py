@@ -261,7 +261,7 @@ def test_sliding_window_layer_drops_pages_and_is_never_compacted(monkeypatch, de
                                       for value in stored[:, 0])
         pipeline.check_pages()
         computed = [done + new for done, new in zip(computed, num_new)]
-        for r, request_id in enumerate(pipeline.req_ids):
+        for request_id in pipeline.req_ids:
             lengths = pipeline.manager.physical_lengths(request_id)
             # A sliding row: its window, less than a page of dead slack, this step's chunk.
             assert (lengths[:KV_HEADS] <= sliding - 1 + PAGE_SIZE - 1 + 20).all()
