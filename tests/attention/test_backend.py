@@ -31,14 +31,29 @@ def _impl(**overrides) -> KVCompressAttentionImpl:
     return KVCompressAttentionImpl(**(arguments | overrides))
 
 
-def test_soft_capping_and_sinks_are_taken_sliding_windows_still_refused():
+def test_soft_capping_sinks_and_sliding_windows_are_taken_alibi_refused():
     _impl(logits_soft_cap=50.0)
     _impl(sinks=torch.zeros(HEADS * GROUP))
-    with pytest.raises(NotImplementedError, match="sliding-window attention"):
-        _impl(sliding_window=128, logits_soft_cap=50.0)
+    assert _impl(sliding_window=128, logits_soft_cap=50.0).sliding_window == 128
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        _impl(alibi_slopes=[0.5] * (HEADS * GROUP))
 
 
-def test_the_cuda_backend_passes_vllm_selection_for_models_with_sinks():
+def test_a_layer_window_the_page_layout_does_not_know_stops_the_step():
+    case = build_case(CPU_PAGE_FORMAT, [[0] * HEADS], [8], num_layers=1, num_kv_heads=HEADS,
+                      group=GROUP, head_size=HEAD_SIZE, page_size=16, dtype=torch.float32)
+    kernel = CpuPagedKernel(case.layout, torch.float32)
+    metadata = PagedAttentionMetadata(
+        step=case.step, num_actual_tokens=8, kernel=kernel,
+        kernel_args=kernel.prepare(case.step), layer_index={"layers.0.attn": 0},
+    )
+    with pytest.raises(RuntimeError, match="attention window 16 but the page layout has full"):
+        _impl(sliding_window=16).forward(
+            SimpleNamespace(layer_name="layers.0.attn"), case.query, case.new_keys,
+            case.new_values, case.pool, metadata, torch.empty_like(case.query))
+
+
+def test_the_cuda_backend_passes_vllm_selection_for_sinks_and_sliding_windows():
     from vllm.platforms.interface import DeviceCapability
 
     common = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
@@ -47,7 +62,7 @@ def test_the_cuda_backend_passes_vllm_selection_for_models_with_sinks():
                   attn_type="decoder")
     assert KVCompressCudaAttentionBackend.validate_configuration(**common) == []
     assert KVCompressCudaAttentionBackend.validate_configuration(
-        **{**common, "has_sliding_window": True})
+        **{**common, "has_sliding_window": True}) == []
 
 
 @pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
