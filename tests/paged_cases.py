@@ -92,9 +92,10 @@ def build_case(
 
 
 def dense_attention(case: PagedCase, layer: int, scale: float, soft_cap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Loop reference: each query head against its KV head's dense history + new tokens, with
-    the model's softmax: logits soft-capped, a sink logit per query head in the denominator."""
+    the model's softmax: logits soft-capped, a sink logit per query head in the denominator.
+    ``window``: a query at row position q sees only ``max(0, q - W + 1) .. q``."""
     heads = case.layout.num_kv_heads
     group = case.query.shape[1] // heads
     out = torch.zeros(case.query.shape, dtype=torch.float64)
@@ -108,14 +109,16 @@ def dense_attention(case: PagedCase, layer: int, scale: float, soft_cap: float |
                                 case.new_values[first:last, row]]).double()
             before = case.old_keys[r, row].shape[0]
             for i in range(last - first):
+                position = before + i
+                lo = 0 if window is None else max(0, position - window + 1)
                 for g in range(group):
                     q = case.query[first + i, head * group + g].double()
-                    logits = keys[: before + i + 1] @ q * scale
+                    logits = keys[lo : position + 1] @ q * scale
                     if soft_cap:
                         logits = soft_cap * torch.tanh(logits / soft_cap)
                     sink = -torch.inf if sinks is None else float(sinks[head * group + g])
                     probs = torch.softmax(torch.cat([logits, logits.new_tensor([sink])]), 0)
-                    out[first + i, head * group + g] = probs[:-1] @ values[: before + i + 1]
+                    out[first + i, head * group + g] = probs[:-1] @ values[lo : position + 1]
     return out
 
 

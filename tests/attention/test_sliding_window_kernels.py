@@ -16,7 +16,13 @@ from kvcompress.attention import cpu_kernel as cpu_kernel_module
 from kvcompress.attention.cpu_kernel import CpuPagedKernel
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
-from tests.paged_cases import MODEL_SOFTMAXES, PagedCase, build_case, model_softmax
+from tests.paged_cases import (
+    MODEL_SOFTMAXES,
+    PagedCase,
+    build_case,
+    dense_attention,
+    model_softmax,
+)
 
 # (row lengths before the step [R][layers * heads], new tokens per request), 2 layers x 2 heads.
 SLIDING_LAYOUTS = {
@@ -31,35 +37,10 @@ WINDOWS = [1, 3, 16, 37, 1000]
 
 
 def dense_band_attention(case: PagedCase, layer: int, scale: float, window: int | None,
-                         soft_cap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Loop reference in float64: query i of request r at row position q = before + i over
-    its KV head's dense history + new tokens, keys ``max(0, q - W + 1) .. q`` (all with
-    ``window`` None), with the model's softmax (soft-cap, a sink logit per query head)."""
-    heads = case.layout.num_kv_heads
-    group = case.query.shape[1] // heads
-    out = torch.zeros(case.query.shape, dtype=torch.float64)
-    starts = case.step.query_start_loc
-    for r in range(case.step.num_reqs):
-        first, last = starts[r], starts[r + 1]
-        for head in range(heads):
-            row = layer * heads + head
-            keys = torch.cat([case.old_keys[r, row], case.new_keys[first:last, row]]).double()
-            values = torch.cat([case.old_values[r, row],
-                                case.new_values[first:last, row]]).double()
-            before = case.old_keys[r, row].shape[0]
-            for i in range(last - first):
-                q_pos = before + i
-                lo = 0 if window is None else max(0, q_pos - window + 1)
-                for g in range(group):
-                    q = case.query[first + i, head * group + g].double()
-                    logits = keys[lo : q_pos + 1] @ q * scale
-                    if soft_cap:
-                        logits = soft_cap * torch.tanh(logits / soft_cap)
-                    sink = -torch.inf if sinks is None else float(sinks[head * group + g])
-                    probs = torch.softmax(torch.cat([logits, logits.new_tensor([sink])]), 0)
-                    out[first + i, head * group + g] = probs[:-1] @ values[lo : q_pos + 1]
-    return out
+                         **softmax) -> torch.Tensor:
+    """The loop reference (``paged_cases.dense_attention``) over keys ``max(0, q - W + 1) ..
+    q`` (all with ``window`` None), with the model's softmax."""
+    return dense_attention(case, layer, scale, window=window, **softmax)
 
 
 def run_cpu_kernel(case: PagedCase, dtype: torch.dtype, window: int | None,

@@ -94,3 +94,23 @@ def random_prompts(lengths: Iterable[int], seed: int = 0) -> dict[str, list[int]
 
 def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def run_vanilla_and_kvcompress(model: str, prompts: dict[str, list[int]], params: SamplingParams,
+                               settings: dict, **engine_kwargs: Any) -> dict[str, tuple]:
+    """The same prompts through a vanilla engine and one with ``settings``: per engine
+    (``"vanilla"``, ``"kvcompress"``) the outputs and the preemption count. Afterwards every
+    page of the kvcompress engine is free again and its invariants hold."""
+    results = {}
+    for name, compression in (("vanilla", None), ("kvcompress", settings)):
+        harness = EngineHarness(model, compression, **engine_kwargs)
+        try:
+            results[name] = (harness.generate(prompts, params), harness.stats.preemptions)
+            if compression:
+                manager = harness.page_manager
+                assert manager.num_free == manager.total_pages
+                manager.check_invariants()
+                assert harness.scheduler.kv_cache_manager.usage == 0.0
+        finally:
+            harness.shutdown()
+    return results

@@ -3,7 +3,7 @@ through chunked prefill and preemption, and every page comes back."""
 
 import pytest
 
-from .harness import EngineHarness, greedy, random_prompts
+from .harness import greedy, random_prompts, run_vanilla_and_kvcompress
 
 pytestmark = pytest.mark.slow
 
@@ -11,20 +11,7 @@ NO_EVICTION = {"kv_compression": "pyramidkv", "kv_budget": 100_000}
 
 
 def run_both(model, prompts, params, settings=NO_EVICTION, **engine_kwargs):
-    results = {}
-    for name, compression in (("vanilla", None), ("kvcompress", settings)):
-        harness = EngineHarness(model, compression, **engine_kwargs)
-        try:
-            results[name] = (harness.generate(prompts, params), harness.stats.preemptions)
-            if compression:
-                # Every request finished: all pages are free again, on both sides.
-                manager = harness.page_manager
-                assert manager.num_free == manager.total_pages
-                manager.check_invariants()
-                assert harness.scheduler.kv_cache_manager.usage == 0.0
-        finally:
-            harness.shutdown()
-    return results
+    return run_vanilla_and_kvcompress(model, prompts, params, settings, **engine_kwargs)
 
 
 def test_tiny_llama_identical_with_chunked_prefill_and_preemption(tiny_llama):

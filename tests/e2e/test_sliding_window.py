@@ -8,7 +8,7 @@ import requests
 
 from tests.e2e.serving import client, long_question, metric, running_server
 
-from .harness import EngineHarness, greedy, random_prompts
+from .harness import EngineHarness, greedy, random_prompts, run_vanilla_and_kvcompress
 
 pytestmark = pytest.mark.slow
 
@@ -19,18 +19,7 @@ ENGINE = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, ma
 
 
 def run_both(model, prompts, params, settings=NO_EVICTION, **engine_kwargs):
-    results = {}
-    for name, compression in (("vanilla", None), ("kvcompress", settings)):
-        harness = EngineHarness(model, compression, **engine_kwargs)
-        try:
-            results[name] = (harness.generate(prompts, params), harness.stats.preemptions)
-            if compression:
-                manager = harness.page_manager
-                assert manager.num_free == manager.total_pages
-                manager.check_invariants()
-        finally:
-            harness.shutdown()
-    return results
+    return run_vanilla_and_kvcompress(model, prompts, params, settings, **engine_kwargs)
 
 
 def test_tiny_gemma3_identical_to_vanilla_with_chunked_prefill(tiny_gemma3):
