@@ -183,3 +183,14 @@ def model_softmax(kind: str, num_query_heads: int) -> dict:
 
 
 MODEL_SOFTMAXES = ["soft_cap", "sinks", "both"]
+
+
+def run_attention(case: PagedCase, kernel, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernel`` (reference or Triton) over the case: (out, lse), both NaN where unwritten."""
+    out = torch.full_like(case.query, float("nan"))
+    lse = torch.full(case.query.shape[:2], float("nan"), device=case.query.device)
+    kernel(
+        case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc, case.scale,
+        out, lse_out=lse, **kwargs,
+    )
+    return out, lse

@@ -11,10 +11,10 @@ from kvcompress.kernels import paged_attention, paged_attention_ref, paged_atten
 from tests.kernels.kernel_cases import (
     MODEL_SOFTMAXES,
     TOLERANCES,
-    PagedCase,
     dense_attention,
     make_case,
     model_softmax,
+    run_attention,
 )
 
 # (query_lens, per-head context lengths before the new tokens) with 2 KV heads: decode rows,
@@ -22,16 +22,6 @@ from tests.kernels.kernel_cases import (
 # request with no query rows in this batch (query_len 0).
 MIXED = ([1, 6, 1, 0, 11], [[25, 9], [0, 3], [40, 17], [5, 2], [13, 13]])
 DECODE = ([1, 1, 1], [[70, 5], [0, 33], [18, 64]])
-
-
-def run_attention(case: PagedCase, kernel, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full_like(case.query, float("nan"))
-    lse = torch.full(case.query.shape[:2], float("nan"), device=case.query.device)
-    kernel(
-        case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc, case.scale,
-        out, lse_out=lse, **kwargs,
-    )
-    return out, lse
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from kvcompress.kernels import paged_attention, paged_attention_ref, paged_attention_triton
-from tests.kernels.aot_compile import capture_launches
 from tests.kernels.kernel_cases import (
     MODEL_SOFTMAXES,
     TOLERANCES,
@@ -22,8 +21,8 @@ from tests.kernels.kernel_cases import (
     make_case,
     model_logits,
     model_softmax,
+    run_attention,
 )
-from tests.kernels.test_sm90_compile import _has_ptxas, compile_all
 
 # (query_lens, per-head context lengths before the new tokens), 2 KV heads.
 SCENARIOS = {
@@ -68,16 +67,6 @@ def dense_band_attention(case: PagedCase, window: int | None, soft_cap: float | 
                 probs = torch.softmax(logits, dim=-1)[:, :-1]
                 out[rows, hq] = probs @ values
                 lse[rows, hq] = torch.logsumexp(logits, dim=-1)
-    return out, lse
-
-
-def run_attention(case: PagedCase, kernel, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full_like(case.query, float("nan"))
-    lse = torch.full(case.query.shape[:2], float("nan"), device=case.query.device)
-    kernel(
-        case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc, case.scale,
-        out, lse_out=lse, **kwargs,
-    )
     return out, lse
 
 
@@ -258,22 +247,3 @@ def test_dispatch_passes_the_window(device):
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
     assert not math.isclose(
         float((out - run_attention(case, paged_attention_ref)[0]).abs().max()), 0.0)
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="triton NVIDIA backend not available")
-@pytest.mark.parametrize(
-    "query_lens, num_splits, window",
-    [([1, 1], 4, 512), ([9, 1], 1, 1), ([1], 2, 1)],  # split-K decode; prefill; W - 1 == 0
-)
-def test_windowed_kernel_compiles_for_sm90(monkeypatch, query_lens, num_splits, window):
-    """What the interpreter lets through (types of the scan start, constexpr branches)."""
-    case = make_case(query_lens, [[30, 20]] * len(query_lens), group=4, head_size=128,
-                     page_size=16, dtype=torch.bfloat16, poison=False)
-    with capture_launches(monkeypatch) as launches:
-        paged_attention_triton(
-            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
-            case.scale, torch.empty_like(case.query), lse_out=torch.empty(case.query.shape[:2]),
-            soft_cap=50.0, sinks=torch.zeros(8, dtype=torch.bfloat16), num_splits=num_splits,
-            sliding_window=window,
-        )
-    compile_all(launches)

@@ -68,10 +68,14 @@ def test_paged_attention_compiles(
 
 
 @pytest.mark.parametrize(
-    "query_lens, num_splits",
-    [([1, 1], 4), ([9, 1], 1)],  # split-K decode + combine; prefill tile
+    "query_lens, num_splits, window",
+    [([1, 1], 4, None), ([9, 1], 1, None),  # split-K decode + combine; prefill tile
+     # with a sliding window (types of the scan start, constexpr branches): split-K decode,
+     # prefill, and W - 1 == 0
+     ([1, 1], 4, 512), ([9, 1], 1, 1), ([1], 2, 1)],
 )
-def test_paged_attention_with_soft_cap_and_sinks_compiles(monkeypatch, query_lens, num_splits):
+def test_paged_attention_with_soft_cap_and_sinks_compiles(monkeypatch, query_lens, num_splits,
+                                                          window):
     case = make_case(query_lens, [[30, 20]] * len(query_lens), group=4, head_size=128,
                      page_size=16, dtype=torch.bfloat16, poison=False)
     with capture_launches(monkeypatch) as launches:
@@ -79,6 +83,7 @@ def test_paged_attention_with_soft_cap_and_sinks_compiles(monkeypatch, query_len
             case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
             case.scale, torch.empty_like(case.query), lse_out=torch.empty(case.query.shape[:2]),
             soft_cap=50.0, sinks=torch.zeros(8, dtype=torch.bfloat16), num_splits=num_splits,
+            sliding_window=window,
         )
     compile_all(launches)
 
