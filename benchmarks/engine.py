@@ -34,11 +34,18 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         # Same for every configuration: kvcompress switches prefix caching off, so vanilla
         # must too (otherwise repeated prompt prefixes would favour it).
         enable_prefix_caching=False,
-        distributed_executor_backend=None if settings.multiprocess else "uni",
+        tensor_parallel_size=settings.tensor_parallel_size,
+        distributed_executor_backend=_executor(settings),
         disable_log_stats=not stat_loggers,
         additional_config=spec.additional_config(settings.compression_options),
     )
     return LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
+
+
+def _executor(settings: EngineSettings) -> str | None:
+    if settings.tensor_parallel_size > 1:
+        return "mp"  # a worker process per rank
+    return None if settings.multiprocess else "uni"
 
 
 def shutdown_engine(engine: Any) -> None:

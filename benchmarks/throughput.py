@@ -9,6 +9,7 @@ made once, here), and runs in its own worker process, one after the other:
         --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
     python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
     python -m benchmarks.throughput --long-generation   # 256 in / 1024 out, decode eviction
+    python -m benchmarks.throughput --tensor-parallel-size 2 --model .models/random-llama-kv4
 
 Configurations: ``vanilla``, ``METHOD:BUDGET`` (tokens kept per layer and KV head) or
 ``METHOD:r=RATIO`` (fraction of each prompt evicted: r=0.875 is 8x prompt compression), either
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "converted to bytes for the dtype; the default holds 3 default requests")
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV-cache bytes; overrides --kv-cache-tokens")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks per engine; --kv-cache-tokens is then split over the "
+                             "ranks (each holds its KV heads' share); on CPU one core each")
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int, default=None,
@@ -298,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_dir()
     prompts = make_prompts(args, model)
     settings, per_token = build_settings(args, model, device, prompts)
-    capacity = settings.kv_cache_memory_bytes // per_token
+    capacity = settings.kv_cache_memory_bytes * settings.tensor_parallel_size // per_token
     threads = None if device != "cpu" else args.threads or default_threads()
+    if settings.tensor_parallel_size > 1:
+        threads = None  # vLLM binds each rank's threads (VLLM_CPU_OMP_THREADS_BIND)
     workdir = make_workdir("throughput")
     prompts_path = workdir / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
@@ -330,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in pools:
         pool_settings = settings
         if args.sweep_kv_memory:
-            pool_settings = dataclasses.replace(settings, kv_cache_memory_bytes=tokens * per_token)
+            pool_settings = dataclasses.replace(
+                settings, kv_cache_memory_bytes=tokens * per_token // settings.tensor_parallel_size)
         jobs.extend(
             {"id": memory_sweep.job_id(tokens, spec.label) if args.sweep_kv_memory
              else spec.label,
@@ -342,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
         units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
-        env=worker_env(args.verbose, args.multiprocess_engine, threads), desc="throughput",
+        env=worker_env(args.verbose, args.multiprocess_engine, threads,
+                       ranks=settings.tensor_parallel_size if device == "cpu" else 1),
+        desc="throughput",
         show_progress=not args.no_progress,
     )
     rows = []
@@ -386,11 +395,16 @@ def build_settings(args: argparse.Namespace, model: str, device: str,
     dtype = resolve_dtype(args.dtype, device)
     longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
     per_token = kv_bytes_per_token(model, dtype)
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise SystemExit(f"--tensor-parallel-size must be >= 1, got {tp}")
     settings = EngineSettings(
         model=model, dtype=dtype, max_model_len=args.max_model_len or longest,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes or args.kv_cache_tokens * per_token,
+        # vLLM's KV-cache memory is per rank: each rank holds 1/tp of every token's KV.
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes or args.kv_cache_tokens * per_token // tp,
         enforce_eager=not args.compile, seed=args.seed, multiprocess=args.multiprocess_engine,
+        tensor_parallel_size=tp,
         compression_options=parse_kv_options(args.kv_option),
     )
     return settings, per_token

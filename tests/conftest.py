@@ -67,6 +67,31 @@ TINY_SHAPE = dict(
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_kv4(tmp_path_factory, embedded_model) -> str:
+    """tiny_llama with 4 KV heads (8 query heads): 2 KV heads per rank at tensor parallel 2."""
+    return _tiny_llama_with_heads(tmp_path_factory, embedded_model, query_heads=8, kv_heads=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv1(tmp_path_factory, embedded_model) -> str:
+    """tiny_llama with one KV head (4 query heads): replicated on both ranks at tensor
+    parallel 2."""
+    return _tiny_llama_with_heads(tmp_path_factory, embedded_model, query_heads=4, kv_heads=1)
+
+
+def _tiny_llama_with_heads(tmp_path_factory, embedded_model, query_heads, kv_heads) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp(f"tiny-llama-kv{kv_heads}")
+    config = LlamaConfig(**{**TINY_SHAPE, "num_attention_heads": query_heads,
+                            "num_key_value_heads": kv_heads})
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    return _save_with_embedded_tokenizer(model, path, embedded_model)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, embedded_model) -> str:
     """A tiny random Qwen2: q/k/v projections with biases (random, not the zeros of a fresh
     model, so they matter)."""

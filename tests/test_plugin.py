@@ -84,9 +84,9 @@ def test_argparse_rejects_bad_choices_and_types(embedded_model, flags, capsys):
 
 
 def test_unsupported_combinations_are_refused_by_name(embedded_model):
-    engine_args = EngineArgs(model=embedded_model, tensor_parallel_size=2,
+    engine_args = EngineArgs(model=embedded_model, pipeline_parallel_size=2,
                              additional_config={"kv_compression": "snapkv"})
-    with pytest.raises(NotImplementedError, match="--tensor-parallel-size"):
+    with pytest.raises(NotImplementedError, match=r"--pipeline-parallel-size 2 \(only 1"):
         engine_args.create_engine_config()
 
 

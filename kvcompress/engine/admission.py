@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.paging import PageManager
+from kvcompress.paging import PageManager, ShardedPageManager
 from kvcompress.policies.budgets import layer_budgets
 
 
@@ -100,7 +100,7 @@ class AdmissionPlanner:
 
     def __init__(
         self,
-        pages: PageManager,
+        pages: PageManager | ShardedPageManager,
         engine_config: KVCompressionConfig,
         *,
         max_model_len: int,

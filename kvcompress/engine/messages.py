@@ -1,8 +1,10 @@
 """What the scheduler and the workers tell each other beyond vLLM's own messages.
 
 Both travel as extra attributes on vLLM's step messages (pickled whole across the
-process boundary): page-table deltas on the SchedulerOutput, the worker's report
-(compactions, failed requests, timings) on the ModelRunnerOutput.
+process boundary): page-table deltas on the SchedulerOutput (one set per tensor-parallel
+rank), the worker's report (compactions, failed requests, timings) on the
+ModelRunnerOutput. vLLM returns one rank's output only, so under tensor parallelism the
+ranks' reports are gathered first and merged (``merge_rank_reports``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ REPORT_ATTR = "kvcompress_report"
 @dataclass
 class Compaction:
     """After this step, ``logical_len`` logical tokens of the request occupy
-    ``physical_lengths[row]`` slots in each (layer, KV head) row. ``kind``: "prompt" (the
+    ``physical_lengths[row]`` slots in each (layer, KV head) row (every rank's rows,
+    rank-major, once the ranks' reports are merged). ``kind``: "prompt" (the
     policy compressed the prompt) or "decode" (the decode window trimmed generated tokens)."""
 
     logical_len: int
@@ -52,12 +55,48 @@ class WorkerReport:
         self.compaction_seconds += later.compaction_seconds
 
 
-def attach_page_deltas(scheduler_output: Any, deltas: dict[str, PageTableDelta]) -> None:
-    setattr(scheduler_output, PAGE_DELTAS_ATTR, deltas)
+def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
+    """One report of every tensor-parallel rank's, in rank order: compactions join their
+    rows rank-major; a request that failed on any rank failed. Times are the slowest
+    rank's (the ranks work in parallel)."""
+    if len(reports) == 1:
+        return reports[0]
+    merged = WorkerReport(
+        failures={request_id: reason for report in reports
+                  for request_id, reason in report.failures.items()},
+        score_seconds=max(report.score_seconds for report in reports),
+        compaction_seconds=max(report.compaction_seconds for report in reports),
+    )
+    for request_id, first in reports[0].compactions.items():
+        if request_id in merged.failures:
+            continue
+        parts = [report.compactions.get(request_id) for report in reports]
+        if any(part is None or (part.logical_len, part.kind) != (first.logical_len, first.kind)
+               for part in parts):
+            merged.failures[request_id] = ("tensor-parallel ranks disagree on a compaction "
+                                           f"of {request_id}")
+            continue
+        merged.compactions[request_id] = Compaction(
+            first.logical_len,
+            np.concatenate([part.physical_lengths for part in parts]),  # type: ignore[union-attr]
+            first.kind,
+        )
+    for report in reports[1:]:
+        for request_id in report.compactions.keys() - reports[0].compactions.keys():
+            merged.failures.setdefault(request_id, "tensor-parallel ranks disagree on a "
+                                                   f"compaction of {request_id}")
+    return merged
 
 
-def page_deltas(scheduler_output: Any) -> dict[str, PageTableDelta]:
-    return getattr(scheduler_output, PAGE_DELTAS_ATTR, None) or {}
+def attach_page_deltas(scheduler_output: Any,
+                       deltas_by_rank: list[dict[str, PageTableDelta]]) -> None:
+    setattr(scheduler_output, PAGE_DELTAS_ATTR, deltas_by_rank)
+
+
+def page_deltas(scheduler_output: Any, rank: int = 0) -> dict[str, PageTableDelta]:
+    """The page-table changes for tensor-parallel ``rank``'s pool."""
+    deltas_by_rank = getattr(scheduler_output, PAGE_DELTAS_ATTR, None)
+    return deltas_by_rank[rank] if deltas_by_rank else {}
 
 
 def worker_report(model_runner_output: Any) -> WorkerReport:

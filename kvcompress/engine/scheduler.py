@@ -21,7 +21,7 @@ from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv
 from kvcompress.engine.scoring_memory import ScoringGate
 from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
 from kvcompress.log import get_logger
-from kvcompress.paging import PageManager
+from kvcompress.paging import ShardedPageManager
 from kvcompress.paging.page_table import pages_for_lengths
 
 logger = get_logger(__name__)
@@ -48,7 +48,9 @@ class KVCompressScheduler(Scheduler):
             max_model_len=vllm_config.model_config.max_model_len,
         )
         super().__init__(vllm_config, virtual_config, *args, **kwargs)
-        self.page_manager = PageManager(layout)
+        # Tensor parallelism: every rank holds its own KV heads in its own pool.
+        self.page_manager = ShardedPageManager(
+            layout, vllm_config.parallel_config.tensor_parallel_size)
         self.admission = AdmissionPlanner(
             self.page_manager, self.compression_config,
             max_model_len=vllm_config.model_config.max_model_len,
@@ -137,15 +139,16 @@ class KVCompressScheduler(Scheduler):
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:  # vllm_hooks gave SchedulerStats this field
-            setattr(stats, STATS_FIELD, self.figures.take(self.page_manager.num_free,
-                                                          self.page_manager.total_pages))
+            manager = self.page_manager
+            setattr(stats, STATS_FIELD, self.figures.take(manager.free_pages_all_ranks,
+                                                          manager.total_pages_all_ranks))
         return stats
 
     def _release(self, request_id: str, compaction: Compaction) -> None:
         manager = self.page_manager
         if request_id not in manager:
             return  # finished or aborted while the step ran: its pages are free already
-        before = manager.physical_lengths(request_id)
+        before = manager.all_physical_lengths(request_id)
         self.num_pages_freed_by_compression += manager.release_after_compression(
             request_id, compaction.logical_len, compaction.physical_lengths
         )
@@ -170,14 +173,16 @@ class KVCompressScheduler(Scheduler):
             ))
 
     def check_pages(self) -> None:
-        """Every page free or owned once, only by requests the scheduler still knows, and
-        each request holding exactly ceil(length / page_size) pages per row."""
-        manager = self.page_manager
-        manager.check_invariants()
-        leaked = manager.request_ids() - set(self.requests)
-        assert not leaked, f"pages held by requests the scheduler forgot: {sorted(leaked)}"
-        for request_id in manager.request_ids():
-            needed = int(pages_for_lengths(manager.physical_lengths(request_id),
-                                           manager.layout.page_size).sum())
-            held = manager.owned_pages(request_id)
-            assert held == needed, f"request {request_id} holds {held} pages, needs {needed}"
+        """On every rank: every page free or owned once, only by requests the scheduler
+        still knows, and each request holding exactly ceil(length / page_size) pages per
+        row."""
+        self.page_manager.check_invariants()
+        for rank, manager in enumerate(self.page_manager.shards):
+            leaked = manager.request_ids() - set(self.requests)
+            assert not leaked, f"pages held by requests the scheduler forgot: {sorted(leaked)}"
+            for request_id in manager.request_ids():
+                needed = int(pages_for_lengths(manager.physical_lengths(request_id),
+                                               manager.layout.page_size).sum())
+                held = manager.owned_pages(request_id)
+                assert held == needed, (f"request {request_id} holds {held} pages on rank "
+                                        f"{rank}, needs {needed}")

@@ -18,7 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.log import get_logger
-from kvcompress.paging import PageManager
+from kvcompress.paging import ShardedPageManager
 
 logger = get_logger(__name__)
 
@@ -49,7 +49,7 @@ def virtual_kv_cache_config(
 class PagedKVCacheManager:
     """Wraps a vLLM KVCacheManager; everything not overridden here goes to it."""
 
-    def __init__(self, inner: KVCacheManager, pages: PageManager, watermark: float,
+    def __init__(self, inner: KVCacheManager, pages: ShardedPageManager, watermark: float,
                  admission: AdmissionPlanner, max_num_batched_tokens: int) -> None:
         self.inner = inner
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -9,11 +9,12 @@ from copy import copy
 from typing import Any
 
 import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
+from kvcompress.engine.messages import REPORT_ATTR, WorkerReport, merge_rank_reports
 from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
@@ -49,7 +50,8 @@ class PagedKVRunnerMixin:
         layer_names = attention_layer_names(kv_cache_config)
         dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
         runtime = PagedKVRuntime(
-            config, layout, layer_names, self.make_kernel(layout, dtype), dtype, self.device
+            config, layout, layer_names, self.make_kernel(layout, dtype), dtype, self.device,
+            rank=get_tensor_model_parallel_rank(),
         )
         runtime.bind_runner(self)
         self.paged_runtime = runtime
@@ -73,7 +75,7 @@ class PagedKVRunnerMixin:
             runtime.begin_step(scheduler_output)
         result = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         if runtime is not None:
-            self._pending_report.merge(runtime.end_step())
+            self._pending_report.merge(_gather_over_ranks(runtime.end_step()))
             if isinstance(result, ModelRunnerOutput):
                 result = self._attach_report(result)
         return result
@@ -108,6 +110,17 @@ class PagedKVRunnerMixin:
         setattr(output, REPORT_ATTR, self._pending_report)
         self._pending_report = WorkerReport()
         return output
+
+def _gather_over_ranks(report: WorkerReport) -> WorkerReport:
+    """Every tensor-parallel rank's report, merged, on every rank: vLLM hands the
+    scheduler one rank's output, and each rank compacted only its own KV heads."""
+    group = get_tp_group()
+    if group.world_size == 1:
+        return report
+    reports: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(reports, report, group=group.cpu_group)
+    return merge_rank_reports(reports)
+
 
 def require_v1_model_runner(uses_v2_model_runner: bool) -> None:
     if uses_v2_model_runner:

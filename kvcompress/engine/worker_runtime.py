@@ -40,8 +40,11 @@ class PagedKVRuntime:
         kernel: PlatformKernel,
         dtype: torch.dtype,
         device: torch.device,
+        rank: int = 0,
     ) -> None:
+        """``rank``: the tensor-parallel rank whose KV heads (and pool) this is."""
         self.config = config
+        self.rank = rank
         self.layout = layout
         self.kernel = kernel
         self.layer_index = {name: index for index, name in enumerate(layer_names)}
@@ -89,7 +92,7 @@ class PagedKVRuntime:
         self.step, self._metadata = None, None
         self.state.drop(scheduler_output.finished_req_ids)
         self.state.drop(scheduler_output.preempted_req_ids or ())
-        self.state.apply_deltas(page_deltas(scheduler_output))
+        self.state.apply_deltas(page_deltas(scheduler_output, self.rank))
 
     def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata:
         if self._metadata is not None:

@@ -3,5 +3,6 @@
 from kvcompress.paging.layout import PageLayout
 from kvcompress.paging.page_manager import PageManager, PageTableDelta
 from kvcompress.paging.page_table import HeadPageTable
+from kvcompress.paging.sharded import ShardedPageManager
 
-__all__ = ["HeadPageTable", "PageLayout", "PageManager", "PageTableDelta"]
+__all__ = ["HeadPageTable", "PageLayout", "PageManager", "PageTableDelta", "ShardedPageManager"]

@@ -36,7 +36,12 @@ class EngineHarness:
 
     @property
     def page_manager(self) -> Any:
+        """The scheduler's pages over every tensor-parallel rank (``ShardedPageManager``)."""
         return self.scheduler.page_manager
+
+    def rank_pages(self, rank: int = 0) -> Any:
+        """One rank's ``PageManager``."""
+        return self.scheduler.page_manager.shards[rank]
 
     def internal_id(self, request_id: str) -> str:
         matches = [rid for rid in self.scheduler.requests if rid.startswith(request_id + "-")]

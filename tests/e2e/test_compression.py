@@ -66,7 +66,7 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
             prompts[name] = random_prompts([length], seed=30 + offset)["p0"]
             harness.add(name, prompts[name], greedy(40, extra_args=dict(overrides)))
         step_until_first_token(harness, prompts)
-        manager = harness.page_manager
+        manager = harness.rank_pages()
         for name, (overrides, length) in MIXED_REQUESTS.items():
             internal = harness.internal_id(name)
             # The newest sampled token is not in the cache yet; earlier ones are.
@@ -140,7 +140,7 @@ def test_evicted_pages_are_freed_and_reused_by_other_requests(tiny_llama):
         kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
     )
     try:
-        manager = harness.page_manager
+        manager = harness.rank_pages()
         first = random_prompts([800], seed=4)
         harness.add("p0", first["p0"], greedy(4))
         free_before = manager.num_free
@@ -255,7 +255,7 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
             if not pending and not harness.engine.has_unfinished_requests():
                 break
             harness.step()
-        manager = harness.page_manager
+        manager = harness.rank_pages()
         assert not harness.engine.has_unfinished_requests()
         assert manager.num_free == manager.total_pages
         assert harness.stats.preemptions > 0, "the pool was meant to force preemptions"
@@ -284,7 +284,7 @@ def run_checking_generated_parts(harness, names, num_tokens):
     per request and step since its prefill: (generated tokens each head holds, generated
     tokens in the cache without eviction, shape of its decode scores or None)."""
     history = {name: [] for name in names}
-    manager = harness.page_manager
+    manager = harness.rank_pages()
     while harness.engine.has_unfinished_requests():
         harness.step()
         for name in names:

@@ -54,7 +54,7 @@ def test_sliding_rows_hold_only_their_window(tiny_gemma3):
         assert sliding.sum() == 6 * layout.num_kv_heads and layout.compressed_layers == (3, 7)
         prompt_len = 300
         harness.add("r", random_prompts([prompt_len], seed=13)["p0"], greedy(40))
-        manager, internal = harness.page_manager, harness.internal_id("r")
+        manager, internal = harness.rank_pages(), harness.internal_id("r")
         seen_decode = 0
         while harness.engine.has_unfinished_requests():
             harness.step()
@@ -91,7 +91,7 @@ def test_compression_touches_only_full_attention_rows(tiny_gemma3):
         for name, tokens in prompts.items():
             harness.add(name, tokens, greedy(20))
         internal_ids = {name: harness.internal_id(name) for name in prompts}
-        manager = harness.page_manager
+        manager = harness.rank_pages()
         checked = 0
         while harness.engine.has_unfinished_requests():
             harness.step()
@@ -132,7 +132,7 @@ def test_decode_budget_with_sliding_layers(tiny_gemma3, policy):
         sliding = layout.row_windows > 0
         prompt_len = 200
         harness.add("r", random_prompts([prompt_len], seed=15)["p0"], greedy(120))
-        manager, internal = harness.page_manager, harness.internal_id("r")
+        manager, internal = harness.rank_pages(), harness.internal_id("r")
         prompt_part, evictions = None, 0
         while harness.engine.has_unfinished_requests():
             harness.step()
@@ -176,7 +176,7 @@ def test_gemma3_270m_compression_saves_pages(gemma3_270m):
     harness = EngineHarness(gemma3_270m, {"kv_compression": "pyramidkv", "kv_budget": 128},
                             **GEMMA3)
     try:
-        manager = harness.page_manager
+        manager = harness.rank_pages()
         layout = manager.layout
         assert layout.compressed_layers == (5, 11, 17) and layout.num_kv_heads == 1
         prompt_len = 1500
@@ -228,7 +228,7 @@ def test_mistral_style_all_sliding_identical_and_bounded(tiny_mistral_sliding):
         layout = harness.page_manager.layout
         assert layout.compressed_layers == () and (layout.row_windows == WINDOW).all()
         harness.add("r", prompts["p0"], greedy(20))
-        manager, internal = harness.page_manager, harness.internal_id("r")
+        manager, internal = harness.rank_pages(), harness.internal_id("r")
         while harness.engine.has_unfinished_requests():
             harness.step()
             if internal in manager and manager._requests[internal].logical_len > 300:

@@ -38,7 +38,7 @@ def runtime_with(extra_args: dict[str, dict],
     for request_id in req_ids:
         manager.allocate(request_id, 20)
     runtime.begin_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(),
-                                       kvcompress_page_deltas=manager.take_deltas()))
+                                       kvcompress_page_deltas=[manager.take_deltas()]))
     return runtime
 
 

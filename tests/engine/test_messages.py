@@ -1,0 +1,38 @@
+"""Merging the tensor-parallel ranks' worker reports into the one the scheduler reads."""
+
+import numpy as np
+
+from kvcompress.engine.messages import Compaction, WorkerReport, merge_rank_reports
+
+
+def report(compactions, failures=None, score=0.0, compaction=0.0):
+    return WorkerReport(dict(compactions), dict(failures or {}), score, compaction)
+
+
+def test_compactions_join_their_rows_rank_major_and_times_are_the_slowest_rank():
+    rank0 = report({"a": Compaction(90, np.array([10, 11])),
+                    "d": Compaction(70, np.array([5, 5]), "decode")}, score=0.2, compaction=0.5)
+    rank1 = report({"a": Compaction(90, np.array([12, 13])),
+                    "d": Compaction(70, np.array([6, 6]), "decode")}, score=0.3, compaction=0.1)
+    merged = merge_rank_reports([rank0, rank1])
+    assert merged.compactions["a"].physical_lengths.tolist() == [10, 11, 12, 13]
+    assert merged.compactions["d"].kind == "decode"
+    assert merged.compactions["d"].physical_lengths.tolist() == [5, 5, 6, 6]
+    assert (merged.score_seconds, merged.compaction_seconds) == (0.3, 0.5)
+    assert not merged.failures
+
+
+def test_a_request_failed_or_compacted_differently_on_one_rank_fails():
+    rank0 = report({"a": Compaction(90, np.array([10])), "b": Compaction(50, np.array([4])),
+                    "c": Compaction(40, np.array([3]))})
+    rank1 = report({"b": Compaction(51, np.array([4])), "c": Compaction(40, np.array([3])),
+                    "e": Compaction(30, np.array([2]))}, failures={"a": "boom"})
+    merged = merge_rank_reports([rank0, rank1])
+    assert set(merged.compactions) == {"c"}
+    assert merged.failures["a"] == "boom"
+    assert "disagree" in merged.failures["b"] and "disagree" in merged.failures["e"]
+
+
+def test_one_rank_is_passed_through():
+    single = report({"a": Compaction(9, np.array([1]))})
+    assert merge_rank_reports([single]) is single
