@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.jobs import read_results, run_jobs, worker_env
+import pytest
+
+from benchmarks.jobs import cpu_binding, read_results, run_jobs, worker_env
 
 FAKE_WORKER = "tests.benchmarks.fake_worker"
 
@@ -52,3 +54,13 @@ def test_run_jobs_reports_a_worker_that_cannot_start(tmp_path):
     results = run_fake(tmp_path, [{"id": "x"}, {"id": "y"}], timeout=10, FAKE_WORKER_EXIT="5")
     assert set(results) == {"x", "y"}
     assert all("status 5" in r.error for r in results.values())
+
+
+def test_tensor_parallel_ranks_get_their_own_cores(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3, 5})
+    assert cpu_binding(2) == "0,1|2,3"
+    assert worker_env(False, False, ranks=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in worker_env(False, False)
+    with pytest.raises(SystemExit, match="6 tensor-parallel ranks need at least 6"):
+        cpu_binding(6)
