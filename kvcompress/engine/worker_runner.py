@@ -111,6 +111,7 @@ class PagedKVRunnerMixin:
         self._pending_report = WorkerReport()
         return output
 
+
 def _gather_over_ranks(report: WorkerReport) -> WorkerReport:
     """Every tensor-parallel rank's report, merged, on every rank: vLLM hands the
     scheduler one rank's output, and each rank compacted only its own KV heads."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcompress.engine import scheduler as scheduler_module
 from kvcompress.faults import ENV
+from kvcompress.paging import PageManager
 from tests.e2e.harness import EngineHarness, greedy, random_prompts
 
 TINY = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8,
@@ -51,13 +51,13 @@ def test_an_injected_fault_ends_only_its_request(tiny_llama, monkeypatch, stage)
 @pytest.mark.slow
 def test_a_compaction_report_the_scheduler_rejects_ends_only_its_request(tiny_llama,
                                                                          monkeypatch):
-    real = scheduler_module.PageManager.release_after_compression
+    real = PageManager.release_after_compression
 
     def reject_one(self, request_id, logical_len, physical_lengths):
         if logical_len == FAULTY_LEN:
             physical_lengths = np.full_like(physical_lengths, logical_len + 1)  # impossible
         return real(self, request_id, logical_len, physical_lengths)
 
-    monkeypatch.setattr(scheduler_module.PageManager, "release_after_compression", reject_one)
+    monkeypatch.setattr(PageManager, "release_after_compression", reject_one)
     outputs, reasons = run(tiny_llama, random_prompts([200, FAULTY_LEN, 250], seed=3))
     assert reasons == {"p0": "length", "p1": "error", "p2": "length"}

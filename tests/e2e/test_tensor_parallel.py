@@ -152,3 +152,30 @@ def test_dp2_served_over_http_each_engine_its_own_pool(tiny_llama_kv4, tmp_path)
     assert metric(text, "kvcompress:compressed_requests_total") == 4
     engines = set(re.findall(r'^kvcompress:pages_total\{[^}]*engine="(\d+)"', text, re.M))
     assert engines == {"0", "1"}
+
+
+def test_tp2_a_fault_on_one_rank_ends_the_request_on_all(tiny_llama_kv4):
+    """Rank 1 alone fails to plan the 300-token prompt (rank 0 compacts it): the request
+    ends with an error, its pages come back on both ranks, the other requests finish."""
+    harness = EngineHarness(
+        tiny_llama_kv4, {"kv_compression": "pyramidkv", "kv_budget": 32},
+        max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8,
+        kv_cache_memory_bytes=8 << 20, **TP2,
+    )
+
+    def inject_on_rank_1(worker):
+        import os
+
+        from kvcompress.faults import ENV
+        if worker.model_runner.paged_runtime.rank == 1:
+            os.environ[ENV] = "plan:300"
+        return worker.model_runner.paged_runtime.rank
+
+    try:
+        assert sorted(harness.on_workers(inject_on_rank_1)) == [0, 1]
+        outputs = harness.generate(random_prompts([200, 300, 250], seed=3), greedy(8))
+        assert harness.finish_reasons == {"p0": "length", "p1": "error", "p2": "length"}
+        assert len(outputs["p0"]) == len(outputs["p2"]) == 8
+        assert_every_rank_free(harness)
+    finally:
+        harness.shutdown()
