@@ -17,7 +17,7 @@ from tests.e2e.serving import client, kv_usage, long_question, metric, running_s
 
 pytestmark = pytest.mark.slow
 
-CLIENTS = 12
+CLIENTS = 9
 WORKERS = 6  # requests in flight at once
 # ~1700 uncompressed tokens of the embedded model in float32 (92M: 80M of pages plus ~12M of
 # window-score reserve, see kvcompress/engine/scoring_memory.py). Half the chats keep their whole

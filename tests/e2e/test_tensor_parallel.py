@@ -65,10 +65,12 @@ def test_tp2_with_replicated_kv_head_identical_to_vanilla(tiny_llama_kv1):
     assert results["kvcompress"][0] == results["vanilla"][0]
 
 
-def test_tp2_each_rank_holds_exactly_its_policy_budget(tiny_llama_kv4):
+def test_tp2_exact_budgets_on_every_rank_and_a_fault_on_one_rank_ends_its_request(
+        tiny_llama_kv4):
     """Every method in one batch: each rank's heads hold exactly their layer budgets (Ada-KV:
-    each rank shares a layer's total among its own heads), the workers' mirrors agree with
-    their rank's shard, an abort and the finished requests free every rank's pages."""
+    each rank shares a layer's total among its own heads), decode budgets bound the
+    generated part on every rank, the workers' mirrors agree with their rank's shard, an
+    abort and the finished requests free every rank's pages. Then a fault on one rank."""
     window, page, layers, heads = 8, 16, 4, 2  # heads per rank
     harness = EngineHarness(
         tiny_llama_kv4, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window},
@@ -77,7 +79,8 @@ def test_tp2_each_rank_holds_exactly_its_policy_budget(tiny_llama_kv4):
     )
     try:
         prompts = {}
-        for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
+        for offset, (name, (overrides, length)) in enumerate(
+                [*MIXED_REQUESTS.items(), *DECODE_REQUESTS.items()]):
             prompts[name] = random_prompts([length], seed=30 + offset)["p0"]
             harness.add(name, prompts[name], greedy(40, extra_args=dict(overrides)))
         step_until_first_token(harness, prompts)
@@ -108,14 +111,65 @@ def test_tp2_each_rank_holds_exactly_its_policy_budget(tiny_llama_kv4):
             if overrides.get("kv_compression") == "adakv":
                 ada_differs_across_ranks |= not np.array_equal(per_rank[0], per_rank[1])
         assert ada_differs_across_ranks, "Ada-KV's per-head counts should depend on the rank"
+        check_decode_budgets_on_every_rank(harness, layers, window)
         harness.abort(["snap"])
         harness.step()
         assert harness.internal_id("pyramid") in manager
         harness.run_until_done()
         assert all(len(harness.outputs[name]) == 40 for name in prompts if name != "snap")
         assert_every_rank_free(harness)
+        # Rank 1 alone fails to plan 301-token prompts (rank 0 compacts them): such a
+        # request ends with an error on both ranks, the others finish (same engine: one
+        # startup less).
+        assert sorted(harness.on_workers(inject_plan_fault_on_rank_1)) == [0, 1]
+        outputs = harness.generate(random_prompts([200, 301, 250], seed=3), greedy(8))
+        assert {name: harness.finish_reasons[name] for name in outputs} == {
+            "p0": "length", "p1": "error", "p2": "length"}
+        assert len(outputs["p0"]) == len(outputs["p2"]) == 8
+        assert_every_rank_free(harness)
     finally:
         harness.shutdown()
+
+
+def inject_plan_fault_on_rank_1(worker):
+    import os
+
+    from kvcompress.faults import ENV
+    if worker.model_runner.paged_runtime.rank == 1:
+        os.environ[ENV] = "plan:301"
+    return worker.model_runner.paged_runtime.rank
+
+
+# Decode-time eviction: each head keeps at most budget + interval generated tokens.
+DECODE_REQUESTS = {
+    "h2o_decode": ({"kv_decode_policy": "h2o", "kv_decode_budget": 12,
+                    "kv_decode_interval": 4}, 320),
+    "snap_decode": ({"kv_decode_policy": "snapkv", "kv_decode_budget": 12,
+                     "kv_decode_interval": 4}, 280),
+}
+
+
+def check_decode_budgets_on_every_rank(harness, layers, window):
+    """Step until the decode-budgeted requests have generated 30 tokens: on each rank every
+    head holds its prompt budget plus the same bounded generated part, as its worker does."""
+    names = list(DECODE_REQUESTS)
+    for _ in range(100):
+        if all(len(harness.outputs[name]) >= 30 for name in names):
+            break
+        harness.step()
+    for name in names:
+        overrides, length = DECODE_REQUESTS[name]
+        internal = harness.internal_id(name)
+        prompt_part = np.repeat(expected_layer_budgets(overrides, length, layers, window), 2)
+        in_cache = len(harness.outputs[name]) - 1
+        worker_lengths = harness.on_workers(
+            lambda worker, rid=internal: worker.model_runner.paged_runtime.state.requests[
+                rid].lengths.tolist())
+        for rank, shard in enumerate(harness.page_manager.shards):
+            generated = shard.physical_lengths(internal) - prompt_part
+            assert generated.min() == generated.max(), (name, rank)
+            assert 0 < generated.max() <= 12 + 4 < in_cache, (name, rank, generated.max())
+            assert worker_lengths[rank] == shard.physical_lengths(internal).tolist(), name
 
 
 def serve_and_compress(model, tmp_path, *flags):
@@ -153,29 +207,3 @@ def test_dp2_served_over_http_each_engine_its_own_pool(tiny_llama_kv4, tmp_path)
     engines = set(re.findall(r'^kvcompress:pages_total\{[^}]*engine="(\d+)"', text, re.M))
     assert engines == {"0", "1"}
 
-
-def test_tp2_a_fault_on_one_rank_ends_the_request_on_all(tiny_llama_kv4):
-    """Rank 1 alone fails to plan the 300-token prompt (rank 0 compacts it): the request
-    ends with an error, its pages come back on both ranks, the other requests finish."""
-    harness = EngineHarness(
-        tiny_llama_kv4, {"kv_compression": "pyramidkv", "kv_budget": 32},
-        max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8,
-        kv_cache_memory_bytes=8 << 20, **TP2,
-    )
-
-    def inject_on_rank_1(worker):
-        import os
-
-        from kvcompress.faults import ENV
-        if worker.model_runner.paged_runtime.rank == 1:
-            os.environ[ENV] = "plan:300"
-        return worker.model_runner.paged_runtime.rank
-
-    try:
-        assert sorted(harness.on_workers(inject_on_rank_1)) == [0, 1]
-        outputs = harness.generate(random_prompts([200, 300, 250], seed=3), greedy(8))
-        assert harness.finish_reasons == {"p0": "length", "p1": "error", "p2": "length"}
-        assert len(outputs["p0"]) == len(outputs["p2"]) == 8
-        assert_every_rank_free(harness)
-    finally:
-        harness.shutdown()
