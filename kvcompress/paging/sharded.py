@@ -30,10 +30,6 @@ class ShardedPageManager:
         self.layout = layout  # of one rank
         self.shards = [PageManager(layout) for _ in range(num_shards)]
 
-    @property
-    def num_shards(self) -> int:
-        return len(self.shards)
-
     # ------------------------------------------------------ the tightest rank
     @property
     def total_pages(self) -> int:
