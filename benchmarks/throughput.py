@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args, model)
     settings, per_token = build_settings(args, model, device, prompts)
     capacity = settings.kv_cache_memory_bytes * settings.tensor_parallel_size // per_token
-    threads = None if device != "cpu" else args.threads or default_threads()
-    if settings.tensor_parallel_size > 1:
-        threads = None  # vLLM binds each rank's threads (VLLM_CPU_OMP_THREADS_BIND)
+    # Tensor parallelism: vLLM binds each rank's threads (VLLM_CPU_OMP_THREADS_BIND).
+    one_cpu_engine = device == "cpu" and settings.tensor_parallel_size == 1
+    threads = (args.threads or default_threads()) if one_cpu_engine else None
     workdir = make_workdir("throughput")
     prompts_path = workdir / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))

@@ -54,6 +54,29 @@ def expected_layer_budgets(overrides, prompt_len, layers, window):
                          ratio=overrides.get("kv_compression_ratio"), window=window)
 
 
+def assert_holds_policy_budget(manager, internal, name, overrides, prompt_len, since, window,
+                               page, layers, heads):
+    """The request's rows in ``manager`` (one rank's ``PageManager``) hold exactly its
+    policy's layer budgets plus the ``since`` generated tokens already cached, in whole
+    pages; returns the prompt part per [layer, head]. ``name`` labels failures."""
+    lengths = manager.physical_lengths(internal).reshape(layers, heads) - since
+    expected = expected_layer_budgets(overrides, prompt_len, layers, window)
+    if overrides.get("kv_compression") == "adakv":
+        # Heads of a layer share its total; every head keeps at least its window.
+        assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
+        floor = overrides.get("kv_adakv_floor", 0.2)
+        head_floor = [math.ceil(floor * (b - window)) + window for b in expected]
+        assert (lengths >= np.array(head_floor)[:, None]).all(), name
+    else:
+        assert lengths.tolist() == [[b] * heads for b in expected], name
+    if "kv_compression_ratio" not in overrides and overrides.get("kv_compression") != "none":
+        amount = overrides.get("kv_budget", 48)
+        assert lengths.sum() == layers * heads * amount, name  # exact total, no slack
+    pages = manager._requests[internal].table.num_pages.reshape(layers, heads)
+    assert (pages == (lengths + since + page - 1) // page).all(), name
+    return lengths
+
+
 def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama):
     window, page, layers, heads = 8, 16, 4, 2
     harness = EngineHarness(
@@ -71,23 +94,10 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
             internal = harness.internal_id(name)
             # The newest sampled token is not in the cache yet; earlier ones are.
             since = len(harness.outputs[name]) - 1
-            lengths = manager.physical_lengths(internal).reshape(layers, heads) - since
-            expected = expected_layer_budgets(overrides, length, layers, window)
+            lengths = assert_holds_policy_budget(manager, internal, name, overrides, length,
+                                                 since, window, page, layers, heads)
             if overrides.get("kv_compression") == "adakv":
-                # Heads of a layer share its total; every head keeps at least its window.
-                assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
-                floor = overrides.get("kv_adakv_floor", 0.2)
-                head_floor = [math.ceil(floor * (b - window)) + window for b in expected]
-                assert (lengths >= np.array(head_floor)[:, None]).all(), name
                 assert (lengths[:, 0] != lengths[:, 1]).any(), "adakv should differ per head"
-            else:
-                assert lengths.tolist() == [[b] * heads for b in expected], name
-            if "kv_compression_ratio" not in overrides and name != "full":
-                amount = overrides.get("kv_budget", 48)
-                assert lengths.sum() == layers * heads * amount  # exact total, no slack
-            table = manager._requests[internal].table
-            pages = table.num_pages.reshape(layers, heads)
-            assert (pages == (lengths + since + page - 1) // page).all(), name
             # The worker's mirror agrees (uniproc executor: same process).
             worker_lengths = harness.on_workers(
                 lambda worker, rid=internal: worker.model_runner.paged_runtime.state.requests[

@@ -5,7 +5,6 @@ method; every rank's pages come back after finish, abort and preemption (the sch
 checks the invariants of every rank after each step, KVCOMPRESS_CHECK_PAGES=1). Served over
 HTTP at tensor parallel 2 and at data parallel 2 (each engine its own pool)."""
 
-import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,12 @@ import requests
 from tests.e2e.serving import client, long_question, metric, running_server
 
 from .harness import EngineHarness, greedy, random_prompts, run_vanilla_and_kvcompress
-from .test_compression import MIXED_REQUESTS, expected_layer_budgets, step_until_first_token
+from .test_compression import (
+    MIXED_REQUESTS,
+    assert_holds_policy_budget,
+    expected_layer_budgets,
+    step_until_first_token,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,24 +93,15 @@ def test_tp2_exact_budgets_on_every_rank_and_a_fault_on_one_rank_ends_its_reques
         for name, (overrides, length) in MIXED_REQUESTS.items():
             internal = harness.internal_id(name)
             since = len(harness.outputs[name]) - 1  # generated tokens already in the cache
-            expected = expected_layer_budgets(overrides, length, layers, window)
             worker_lengths = harness.on_workers(
                 lambda worker, rid=internal: worker.model_runner.paged_runtime.state.requests[
                     rid].lengths.tolist()
             )
             per_rank = []
             for rank, shard in enumerate(manager.shards):
-                lengths = shard.physical_lengths(internal).reshape(layers, heads) - since
+                lengths = assert_holds_policy_budget(shard, internal, (name, rank), overrides,
+                                                     length, since, window, page, layers, heads)
                 per_rank.append(lengths)
-                if overrides.get("kv_compression") == "adakv":
-                    assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
-                    floor = overrides.get("kv_adakv_floor", 0.2)
-                    head_floor = [math.ceil(floor * (b - window)) + window for b in expected]
-                    assert (lengths >= np.array(head_floor)[:, None]).all(), name
-                else:
-                    assert lengths.tolist() == [[b] * heads for b in expected], (name, rank)
-                pages = shard._requests[internal].table.num_pages.reshape(layers, heads)
-                assert (pages == (lengths + since + page - 1) // page).all(), (name, rank)
                 assert worker_lengths[rank] == (lengths + since).reshape(-1).tolist(), name
             if overrides.get("kv_compression") == "adakv":
                 ada_differs_across_ranks |= not np.array_equal(per_rank[0], per_rank[1])
