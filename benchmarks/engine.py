@@ -31,8 +31,8 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         enforce_eager=settings.enforce_eager,
         seed=settings.seed,
-        # Same for every configuration: kvcompress switches prefix caching off, so vanilla
-        # must too (otherwise repeated prompt prefixes would favour it).
+        # Same for every configuration: no reuse of repeated prompt prefixes (this also
+        # switches kvcompress's --kv-reuse off); benchmarks.multi_turn measures reuse.
         enable_prefix_caching=False,
         tensor_parallel_size=settings.tensor_parallel_size,
         distributed_executor_backend=_executor(settings),

@@ -29,7 +29,7 @@ def held_bytes(engine: Any, compressed: bool, memory: int) -> int:
     scheduler = engine.engine_core.engine_core.scheduler
     if compressed:
         pages = scheduler.page_manager
-        return (pages.total_pages - pages.num_free) * pages.layout.page_bytes
+        return (pages.total_pages - pages.num_available) * pages.layout.page_bytes
     pool = scheduler.kv_cache_manager.block_pool
     used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # less vLLM's null block
     return used * (memory // pool.num_gpu_blocks)

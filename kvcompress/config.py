@@ -57,6 +57,7 @@ PAGE_SIZE_RANGE = (4, 256)
 # Decode growth reserved per running request when admitting a prefill: most answers are
 # shorter, and a longer one that outgrows it is preempted (the cheapest to recompute first).
 DEFAULT_ADMISSION_LOOKAHEAD = 512
+REUSE_CHOICES = ("on", "off")
 
 
 class KVCompressionConfigError(ValueError):
@@ -182,11 +183,19 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "sooner). 0 admits whenever the pages are free now, as vLLM does. >= 0; default "
         f"{DEFAULT_ADMISSION_LOOKAHEAD}.",
     ),
+    FlagSpec(
+        "kv_reuse", "--kv-reuse", "reuse", str,
+        "Multi-turn reuse: a finished request's compressed cache stays in the pool (evicted "
+        "least-recently-used when pages are needed) and a later prompt that starts with its "
+        "tokens adopts it and prefills only the rest (vLLM reports them as cached tokens). "
+        "'on' (default) or 'off'; --no-enable-prefix-caching also turns it off.",
+        REUSE_CHOICES,
+    ),
 )
 CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
 # Settings a single request may override (``SamplingParams.extra_args`` offline,
 # ``vllm_xargs`` over HTTP). The page size and admission shape the shared pool: engine-wide.
-REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead"}
+REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead", "kv_reuse"}
 _SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 
 
@@ -210,6 +219,7 @@ class KVCompressionConfig:
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
     admission_lookahead: int = DEFAULT_ADMISSION_LOOKAHEAD
+    reuse: str = "on"
 
     @property
     def enabled(self) -> bool:
@@ -314,6 +324,8 @@ class KVCompressionConfig:
         if self.gqa_reduce not in GQA_REDUCES:
             _fail("kv_gqa_reduce", f"got {self.gqa_reduce!r}; allowed: {', '.join(GQA_REDUCES)}")
         self._validate_decode()
+        if self.reuse not in REUSE_CHOICES:
+            _fail("kv_reuse", f"got {self.reuse!r}; allowed: {', '.join(REUSE_CHOICES)}")
         if self.admission_lookahead < 0:
             _fail("kv_admission_lookahead",
                   f"got {self.admission_lookahead}; allowed: an integer >= 0")

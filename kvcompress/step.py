@@ -52,7 +52,10 @@ class WindowQueries:
     first_query: int  # offset within the request's queries in this step
     num_queries: int
     prompt_len: int
-    scores: torch.Tensor  # the request's accumulator, [L, H, prompt_len]
+    # The request's accumulator [L, H, width] by physical slot of each row: width is the
+    # prompt length, or for an adopter of a cached context its longest adopted row plus
+    # its new prompt tokens (RequestKV.score_width). Keys past the width are not scored.
+    scores: torch.Tensor
     # Whether the whole window is in this step (else earlier chunks already added to scores).
     starts_in_step: bool = True
     # How the query heads of a KV head combine (the request's --kv-gqa-reduce).

@@ -47,6 +47,14 @@ mm_cache_stats
 engine_idx
 _.waiting  # recorded per step with running and KV usage, for whoever reads the samples
 
+# vLLM's KVCacheManager interface (engine/scheduler_kv_cache.py): its scheduler asks.
+_.get_computed_blocks
+_.record_prefix_cache_stats
+_.make_prefix_cache_stats
+
+# ReuseFigures fields go to /metrics by name (dataclasses.asdict, engine/metrics.py).
+_.handovers
+
 # vLLM's workers and model runners (engine/worker_*.py).
 _.model_runner
 _._make_model_runner

@@ -53,6 +53,7 @@ def test_other_plugins_keys_are_ignored_but_unknown_kv_keys_are_not():
          "0 < R < 1"),
         ({"kv_compression": "snapkv", "kv_page_size": 24}, "--kv-page-size", "power of two"),
         ({"kv_compression": "snapkv", "kv_page_size": 512}, "--kv-page-size", "power of two"),
+        ({"kv_compression": "snapkv", "kv_reuse": "maybe"}, "--kv-reuse", "on, off"),
         ({"kv_compression": "snapkv", "kv_pooling": "median"}, "--kv-pooling", "max"),
         ({"kv_compression": "snapkv", "kv_pooling_kernel": 4}, "--kv-pooling-kernel", "odd"),
         ({"kv_compression": "snapkv", "kv_pyramid_beta": 0.5}, "--kv-pyramid-beta", ">= 1"),
@@ -130,6 +131,7 @@ def test_request_overrides_replace_the_amount_and_keep_the_rest():
     [
         ({"kv_budget": 4}, "'kv_window'"),  # engine window 8 > request budget 4
         ({"kv_page_size": 32}, "whole engine"),
+        ({"kv_reuse": "off"}, "whole engine"),
         ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exclusive"),
         ({"kv_sink_tokens": -2}, "'kv_sink_tokens'"),
         ({"kv_buget": 10}, "kv_buget"),
@@ -173,7 +175,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
         "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
         "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
-        "kv_gqa_reduce": "max",
+        "kv_gqa_reduce": "max", "kv_reuse": "off",
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:

@@ -3,8 +3,10 @@
 On a request's last prefill chunk(s) the queries of its observation window (the last W
 prompt positions) score every earlier prompt key: fp32 softmax probabilities, reduced
 over the query heads of each KV head, summed over the window queries, added into the
-request's ``[layers, kv_heads, prompt_len]`` accumulator. Only those W queries are
-scored, never the whole chunk. The probabilities are the model's own
+request's ``[layers, kv_heads, width]`` accumulator, indexed by the key's physical slot in its
+row. Only those W queries are scored, never the whole chunk. Rows may differ in length (a
+request that adopted a cached context keeps each head's own share of it): each row's keys
+are exactly its own, slots past its length get nothing. The probabilities are the model's own
 (``kvcompress.kernels.logits.attention_probs``): soft-capped logits, and with attention
 sinks the sink's share is missing, so a query's probabilities over real keys sum to < 1.
 """
@@ -45,8 +47,10 @@ def accumulate_window_scores(
         first = start + window.first_query
         queries = query[first : first + window.num_queries].float()  # [w, Hq, D]
         lengths_before = step.lengths_before[index, rows]
-        # Host copies for the shapes: no device->host copy in a step.
-        num_keys = min(window.prompt_len, int(step.host_lengths_after[index, rows].min()))
+        # Host copies for the shapes: no device->host copy in a step. Up to the longest row
+        # (capped by the accumulator: a resumed request's rows also hold generated tokens);
+        # a shorter row's slots past its own keys are masked below like future keys.
+        num_keys = min(window.scores.shape[-1], int(step.host_lengths_after[index, rows].max()))
         if key is not None and int(step.host_lengths_before[index, rows].max()) == 0:
             # The whole prompt is in this step (no earlier chunk): its keys are at hand.
             keys = key[start : start + num_keys].transpose(0, 1)
@@ -55,7 +59,8 @@ def accumulate_window_scores(
         group = queries.shape[1] // num_kv_heads
         grouped = queries.view(window.num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
         logits = torch.matmul(grouped, keys.float().transpose(-1, -2)[:, None]) * scale
-        # [H, G, w, S]: query i of head h sees physical positions <= before[h] + offset + i.
+        # [H, G, w, S]: query i of head h sees physical positions <= before[h] + offset + i,
+        # always below the row's length: what a shorter row's gather read past it is masked.
         query_pos = lengths_before[:, None] + window.first_query
         query_pos = query_pos + torch.arange(window.num_queries, device=query_pos.device)
         key_pos = torch.arange(num_keys, device=query_pos.device)

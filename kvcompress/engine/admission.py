@@ -145,7 +145,13 @@ class AdmissionPlanner:
             prefill_steps = 0
         else:
             generated = tokens - prompt_len  # resumed after preemption: outputs kept whole
-            lengths = self._kept_after_prompt(config, prompt_len) + generated
+            adoption = self.pages.adoption(request_id)
+            if adoption is None:
+                lengths = self._kept_after_prompt(config, prompt_len) + generated
+            else:  # the adopted rows stay; only the new part of the prompt is compacted
+                hit, adopted_rows = adoption
+                lengths = adopted_rows + self._kept_after_prompt(config, prompt_len - hit)
+                lengths = lengths + generated
             held = self.pages.owned_pages(request_id) + self.pages.pages_needed_for_sequence(
                 request_id, tokens, self.max_num_batched_tokens)
             prefill_steps = -(-(tokens - computed) // self.max_num_batched_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -31,13 +32,15 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
     if not config.enabled:
         return config
     _refuse_unsupported(engine_args)
+    explicit = "kv_reuse" in (engine_args.additional_config or {})
+    if engine_args.enable_prefix_caching is False and not explicit:
+        # vLLM's own switch for reusing cached prefixes also switches off ours (unless
+        # --kv-reuse says otherwise; a second call finds the setting made by the first).
+        config = dataclasses.replace(config, reuse="off")
     # Workers and the scheduler re-read the fully resolved settings, defaults included.
     engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping()}
-    if engine_args.enable_prefix_caching:
-        logger.info(
-            "kvcompress: prefix caching switched off (compacted pages cannot be shared "
-            "between requests)"
-        )
+    # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
+    # its own cache of finished requests' pages (--kv-reuse) and answers vLLM's lookups.
     engine_args.enable_prefix_caching = False
     # Freed pages must reach the scheduler before it plans the next step.
     engine_args.async_scheduling = False

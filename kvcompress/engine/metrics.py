@@ -102,6 +102,19 @@ class _Metrics:
                                 labels, multiprocess_mode="mostrecent")
         self.pages_total = Gauge("kvcompress:pages_total", "Pages in the per-head page pool",
                                  labels, multiprocess_mode="mostrecent")
+        self.pages_cached = Gauge("kvcompress:pages_cached",
+                                  "Pages held by finished requests' cached caches (evicted "
+                                  "least-recently-used when pages are needed)",
+                                  labels, multiprocess_mode="mostrecent")
+        self.adopted_tokens = Counter("kvcompress:adopted_tokens",
+                                      "Prompt tokens taken from a cached conversation instead "
+                                      "of being prefilled (multi-turn reuse)", labels)
+        self.adoptions = Counter("kvcompress:adoptions",
+                                 "Cached caches adopted by a new request: copied (the entry "
+                                 "stays cached) or handed over", labels + ["mode"])
+        self.evicted_entries = Counter("kvcompress:cache_evicted_entries",
+                                       "Cached caches evicted because running requests needed "
+                                       "their pages", labels)
 
 
 _METRICS: _Metrics | None = None
@@ -141,6 +154,11 @@ class KVCompressStatLogger(StatLoggerBase):
                 histogram.labels(engine).observe(value)
         metrics.pages_free.labels(engine).set(figures["pages_free"])
         metrics.pages_total.labels(engine).set(figures["pages_total"])
+        metrics.pages_cached.labels(engine).set(figures.get("pages_cached", 0))
+        metrics.adopted_tokens.labels(engine).inc(figures.get("adopted_tokens", 0))
+        metrics.adoptions.labels(engine, "copy").inc(figures.get("copies", 0))
+        metrics.adoptions.labels(engine, "handover").inc(figures.get("handovers", 0))
+        metrics.evicted_entries.labels(engine).inc(figures.get("evicted_entries", 0))
 
     def log_engine_initialized(self) -> None:
         pass

@@ -17,6 +17,7 @@ from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import Compaction, attach_page_deltas, worker_report
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.request_settings import resolve
+from kvcompress.engine.reuse import ContinuationCache
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.scoring_memory import ScoringGate
 from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
@@ -58,9 +59,14 @@ class KVCompressScheduler(Scheduler):
             lookahead=self.compression_config.admission_lookahead,
             running=lambda: self.running,
         )
+        self.reuse = ContinuationCache(self.page_manager, self.compression_config)
+        if self.compression_config.reuse == "on" and not self.reuse.enabled:
+            logger.info("kvcompress: multi-turn reuse is off for models with sliding-window "
+                        "layers")
         self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark,
-            self.admission, self.scheduler_config.max_num_batched_tokens,
+            self.admission, self.scheduler_config.max_num_batched_tokens, self.reuse,
+            log_stats=self.log_stats,
         )
         self.num_pages_freed_by_compression = 0
         self.scoring_gate = ScoringGate(reserve.scored_tokens)
@@ -140,8 +146,11 @@ class KVCompressScheduler(Scheduler):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:  # vllm_hooks gave SchedulerStats this field
             manager = self.page_manager
-            setattr(stats, STATS_FIELD, self.figures.take(manager.free_pages_all_ranks,
-                                                          manager.total_pages_all_ranks))
+            figures = self.figures.take(manager.free_pages_all_ranks,
+                                        manager.total_pages_all_ranks)
+            figures.update(self.reuse.figures.take(),
+                           pages_cached=manager.cached_pages_all_ranks)
+            setattr(stats, STATS_FIELD, figures)
         return stats
 
     def _release(self, request_id: str, compaction: Compaction) -> None:
@@ -150,7 +159,7 @@ class KVCompressScheduler(Scheduler):
             return  # finished or aborted while the step ran: its pages are free already
         before = manager.all_physical_lengths(request_id)
         self.num_pages_freed_by_compression += manager.release_after_compression(
-            request_id, compaction.logical_len, compaction.physical_lengths
+            request_id, compaction.logical_len, compaction.physical_lengths, compaction.kind
         )
         if self.log_stats:
             self.figures.add_compaction(compaction, before)
@@ -173,10 +182,14 @@ class KVCompressScheduler(Scheduler):
             ))
 
     def check_pages(self) -> None:
-        """On every rank: every page free or owned once, only by requests the scheduler
-        still knows, and each request holding exactly ceil(length / page_size) pages per
-        row."""
+        """On every rank: every page free, owned or cached once, only by requests the
+        scheduler still knows and entries its index can find, and each request or entry
+        holding exactly ceil(length / page_size) pages per row."""
         self.page_manager.check_invariants()
+        entry_ids = self.page_manager.entry_ids()
+        index = self.reuse.index
+        assert len(index) == len(entry_ids) and all(e in index for e in entry_ids), (
+            f"cached entries {entry_ids} and the {len(index)} indexed ones differ")
         for rank, manager in enumerate(self.page_manager.shards):
             leaked = manager.request_ids() - set(self.requests)
             assert not leaked, f"pages held by requests the scheduler forgot: {sorted(leaked)}"
@@ -186,3 +199,10 @@ class KVCompressScheduler(Scheduler):
                 held = manager.owned_pages(request_id)
                 assert held == needed, (f"request {request_id} holds {held} pages on rank "
                                         f"{rank}, needs {needed}")
+            for entry_id in entry_ids:
+                entry = manager.entry(entry_id)
+                needed = int(pages_for_lengths(entry.logical_len - entry.evicted,
+                                               manager.layout.page_size).sum())
+                assert entry.table.total_pages == needed, (
+                    f"cached entry {entry_id} holds {entry.table.total_pages} pages on rank "
+                    f"{rank}, needs {needed}")

@@ -4,6 +4,11 @@ vLLM's own manager is kept, wrapped, over a *virtual* block pool that is large e
 never to be the limit: it keeps doing the logical bookkeeping the scheduler relies on
 (block ids, per-request block lists), but no memory stands behind those blocks. Memory
 lives in the page pool, and whether a request may run is decided here, in pages.
+
+vLLM's prefix-cache questions are answered here too, from kvcompress's own cache of
+finished requests' pages (``kvcompress.engine.reuse``): a lookup returns the adopted
+tokens with no vLLM blocks; the adoption happens in ``allocate_slots``, which hands the
+inner manager those tokens as already computed ("external") so it keeps its logical blocks.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from typing import Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvcompress.engine.admission import AdmissionPlanner
+from kvcompress.engine.reuse import ContinuationCache, Match
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
 
@@ -50,13 +57,19 @@ class PagedKVCacheManager:
     """Wraps a vLLM KVCacheManager; everything not overridden here goes to it."""
 
     def __init__(self, inner: KVCacheManager, pages: ShardedPageManager, watermark: float,
-                 admission: AdmissionPlanner, max_num_batched_tokens: int) -> None:
+                 admission: AdmissionPlanner, max_num_batched_tokens: int,
+                 reuse: ContinuationCache, log_stats: bool = False) -> None:
         self.inner = inner
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pages = pages
         self.watermark_pages = int(watermark * pages.total_pages)
         self.admission = admission
+        self.reuse = reuse
         self.window_freed_pages = 0  # sliding-window pages freed (cumulative)
+        # Lookups waiting for their request's allocation, by request id.
+        self._matches: dict[str, Match] = {}
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -64,6 +77,35 @@ class PagedKVCacheManager:
     @property
     def usage(self) -> float:
         return self.pages.usage
+
+    # ------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """The tokens of the longest cached entry the request continues; no vLLM blocks
+        (the pages are adopted in ``allocate_slots``)."""
+        match = self.reuse.lookup(request)
+        if match is None:
+            self._matches.pop(request.request_id, None)
+            return self.inner.empty_kv_cache_blocks, 0, 0
+        self._matches[request.request_id] = match
+        return self.inner.empty_kv_cache_blocks, match.hit, 0
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if self.prefix_cache_stats is None or not self.reuse.enabled:
+            return
+        if request.skip_reading_prefix_cache:
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        stats = self.prefix_cache_stats
+        if stats is not None:
+            self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        self.reuse.clear()
+        return self.inner.reset_prefix_cache()
 
     def allocate_slots(
         self,
@@ -78,8 +120,18 @@ class PagedKVCacheManager:
         has_scheduled_reqs: bool = True,
         **kwargs: Any,
     ) -> KVCacheBlocks | None:
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        computed += num_external_computed_tokens
+        match = self._matches.pop(request.request_id, None)
+        if num_new_computed_tokens:
+            if match is None or match.hit != num_new_computed_tokens:
+                raise RuntimeError(f"request {request.request_id}: vLLM adopts "
+                                   f"{num_new_computed_tokens} cached tokens kvcompress did "
+                                   "not offer")
+            # vLLM's blocks for them are new ones (no vLLM block holds them): "external".
+            num_external_computed_tokens += num_new_computed_tokens
+            num_new_computed_tokens, new_computed_blocks = 0, None
+        else:
+            match = None
+        computed = request.num_computed_tokens + num_external_computed_tokens
         logical_len = min(
             computed + num_new_tokens + num_lookahead_tokens, self.inner.max_model_len
         )
@@ -96,9 +148,17 @@ class PagedKVCacheManager:
             full_len = min(request.num_tokens, self.inner.max_model_len)
             needed = self.pages.pages_needed_for_sequence(request_id, full_len,
                                                           self.max_num_batched_tokens)
-            if needed + reserve > self.pages.num_free:
+            if needed + reserve > self.pages.num_available:
                 return None
-        if self.pages.pages_needed(request_id, logical_len) + reserve > self.pages.num_free:
+        copy = False
+        if match is not None:
+            # A copy keeps the entry for another continuation; a handover when only that fits.
+            copy = self.pages.can_adopt(match.entry_id, match.hit, logical_len, True, reserve)
+            if not copy and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,
+                                                     False, reserve):
+                return None
+        elif (self.pages.pages_needed(request_id, logical_len) + reserve
+              > self.pages.num_available):
             return None
         if admitting and not self.admission.admits(request, reserve):
             return None  # fits now, but not beside the running requests' growth
@@ -116,14 +176,24 @@ class PagedKVCacheManager:
         )
         if blocks is None:
             return None
+        if match is not None:
+            self.reuse.adopt(request_id, match, copy)
         allocated = self.pages.allocate(request_id, logical_len, reserve=0)
         assert allocated, "page check and allocation disagree"
+        self.reuse.forget_evicted()
         return blocks
 
     def free(self, request: Request) -> None:
         self.inner.free(request)
-        self.pages.free(request.request_id)
+        self._release_pages(request)
 
     def pop_blocks_for_free(self, request: Request) -> Any:
-        self.pages.free(request.request_id)
+        self._release_pages(request)
         return self.inner.pop_blocks_for_free(request)
+
+    def _release_pages(self, request: Request) -> None:
+        """A finished request's pages become a cached entry (when reuse is on and they
+        are worth it); a preempted or failed one's are freed."""
+        self._matches.pop(request.request_id, None)
+        if not (request.is_finished() and self.reuse.retire(request)):
+            self.pages.free(request.request_id)

@@ -3,16 +3,19 @@ evict generated tokens of requests over their decode budget.
 
 For every request whose prompt completed the policy picks the tokens each (layer, KV head)
 keeps, the survivors are compacted into the head's first pages (only kept tokens above the
-new length move, into the holes below it). For every request whose generated part reached
-its decode budget plus interval, its decode policy picks the generated tokens each head
-keeps and they shift down in order. The new per-row lengths are reported to the scheduler,
+new length move, into the holes below it). A request that adopted a cached context keeps
+that context as it is and has only its new prompt tokens planned (the policy's budget for
+that many tokens, no attention sinks: those are in the adopted part), so each turn of a
+conversation adds at most a budget's worth per head. For every request whose generated
+part reached its decode budget plus interval, its decode policy picks the generated tokens
+each head keeps and they shift down in order. The new per-row lengths are reported to the scheduler,
 which frees the trailing pages before the next step.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -25,6 +28,7 @@ from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.policies import KeepPlan, plan_keep
 from kvcompress.policies.decode import DecodeEviction
+from kvcompress.policies.selection import PAD_INDEX
 from kvcompress.step import KVMover, StepBatch
 
 logger = get_logger(__name__)
@@ -56,26 +60,31 @@ def compact_completed_prompts(
     already failed in this step, is left as it is and recorded in ``step.failures``; if the
     moves themselves fail, every request they were for is.
     """
-    groups: dict[KVCompressionConfig, list[str]] = defaultdict(list)
+    # Adopters plan their new segment (other lengths, no sinks): a group of their own.
+    groups: dict[tuple[KVCompressionConfig, bool], list[str]] = defaultdict(list)
     for index in step.completing_prompt:
         request_id = step.req_ids[index]
         if request_id in step.failures:
             continue
-        config = state.requests[request_id].config
-        assert config is not None, "configs are resolved when the step is prepared"
-        groups[config].append(request_id)
+        request = state.requests[request_id]
+        assert request.config is not None, "configs are resolved when the step is prepared"
+        groups[request.config, request.adopted_rows is not None].append(request_id)
     compactions: dict[str, Compaction] = {}
     moves = MoveBatch(state.layout.page_size)
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     # Only full-attention rows are planned; sliding-window rows stay as they are.
     rows = state.layout.compressed_rows
-    for config, req_ids in groups.items():
-        for request_id, counts, indices in _plan_isolated(state, config, req_ids, step):
+    for (config, adopters), req_ids in groups.items():
+        for request_id, counts, indices in _plan_isolated(state, config, req_ids, step,
+                                                          adopters):
             request = state.requests[request_id]
+            counts, indices = counts.reshape(len(rows)), indices.reshape(len(rows), -1)
             try:
+                if adopters:
+                    counts, indices = _after_adopted(counts, indices,
+                                                     request.adopted_rows[rows])
                 row_moves, kept_lengths = plan_prompt_moves(
-                    counts.reshape(len(rows)), indices.reshape(len(rows), -1),
-                    request.lengths[rows], request.prompt_len,
+                    counts, indices, request.lengths[rows], request.prompt_end()[rows],
                 )
             except Exception as error:
                 _record_failure(step, [request_id], "planning the moves", error)
@@ -89,9 +98,8 @@ def compact_completed_prompts(
                 stats.tokens_moved += len(row_moves)
                 stats.tokens_evicted += int((request.lengths - new_lengths).sum())
             compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
-            request.prompt_kept = np.full(state.layout.num_rows, request.prompt_len,
-                                          dtype=np.int64)
-            request.prompt_kept[rows] = counts.reshape(len(rows)).numpy()
+            request.prompt_kept = request.prompt_end()
+            request.prompt_kept[rows] = counts.numpy()
     _apply(state, step, compactions, moves, pool, mover)
     for request_id in compactions:
         request = state.requests[request_id]
@@ -223,12 +231,42 @@ def _apply(state: WorkerKVState, step: StepBatch, compactions: dict[str, Compact
         request.lengths = compaction.physical_lengths.copy()
 
 
+def _after_adopted(counts: torch.Tensor, indices: torch.Tensor,
+                   adopted: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """An adopter's plan of its new segment (``counts [rows]``, ``indices [rows, K]``
+    segment positions) as a plan of its whole rows: every adopted slot ``[0, adopted[row])``
+    kept where it is, then the kept segment tokens, which sit after them."""
+    adopted_t = torch.as_tensor(adopted, dtype=torch.long)[:, None]
+    full_counts = adopted_t[:, 0] + counts
+    column = torch.arange(int(full_counts.max()))[None, :]
+    if indices.shape[1]:
+        segment = indices.gather(1, (column - adopted_t).clamp(0, indices.shape[1] - 1))
+    else:  # nothing kept of any segment
+        segment = torch.zeros_like(column)
+    full = torch.where(column < adopted_t, column,
+                       torch.where(column < full_counts[:, None], adopted_t + segment,
+                                   PAD_INDEX))
+    return full_counts, full
+
+
+def _segment_scores(request: RequestKV) -> torch.Tensor:
+    """``[L, H, N]`` window scores of an adopter's ``N`` new prompt tokens: row ``(l, h)``'s
+    token ``j`` sits at physical slot ``adopted_rows[l, h] + j`` of the accumulator."""
+    scores = request.window_scores
+    assert scores is not None and request.adopted_rows is not None
+    segment = request.new_prompt_tokens(request.prompt_len)
+    first = torch.as_tensor(request.adopted_rows, device=scores.device).view(*scores.shape[:2], 1)
+    return scores.gather(-1, first + torch.arange(segment, device=scores.device))
+
+
 def _plan_isolated(
-    state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str], step: StepBatch
+    state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str], step: StepBatch,
+    adopters: bool = False,
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(request id, counts, indices) on the host for every request whose planning worked:
     the group in one policy call or, if that fails, each request alone, so that only the
-    culprits fail."""
+    culprits fail. ``adopters``: the requests adopted cached contexts, their new prompt
+    tokens are planned (positions within that segment)."""
     layout = state.layout
 
     def plan_for(batch: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -236,8 +274,8 @@ def _plan_isolated(
         maybe_fail("plan", [request.prompt_len for request in requests])
         # The plan is made where the window scores live (the runner's device); moves are
         # planned on the host, next to the page tables: one transfer per plan.
-        plan = _plan(config, requests, layout.compressed_layers,
-                     layout.num_kv_heads).to("cpu")
+        plan = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
+                     adopters).to("cpu")
         return [(request_id, plan.counts[number], plan.indices[number])
                 for number, request_id in enumerate(batch)]
 
@@ -263,20 +301,25 @@ def _record_failure(step: StepBatch, request_ids: list[str], stage: str,
 
 
 def _plan(config: KVCompressionConfig, requests: list[RequestKV],
-          layers: tuple[int, ...], num_kv_heads: int) -> KeepPlan:
+          layers: tuple[int, ...], num_kv_heads: int, adopters: bool = False) -> KeepPlan:
     """The policy's plan over the compressed ``layers`` (full attention, depth order): their
-    budgets follow the policy's schedule as if they were the only layers."""
+    budgets follow the policy's schedule as if they were the only layers. ``adopters``: of
+    the requests' new prompt tokens only, without attention sinks (the adopted context
+    holds them)."""
     policy = config.policy
+    if adopters:
+        policy = replace(policy, sink_tokens=0)
     needs_scores = policy.compression_method.needs_scores
     scores = None
     if needs_scores:
-        scores = [request.window_scores for request in requests]
+        scores = [_segment_scores(request) if adopters else request.window_scores
+                  for request in requests]
         if len(layers) != scores[0].shape[0]:
             index = torch.as_tensor(layers, device=scores[0].device)
             scores = [score.index_select(0, index) for score in scores]
     return plan_keep(
         policy,
-        [request.prompt_len for request in requests],
+        [request.new_prompt_tokens(request.prompt_len) for request in requests],
         scores,
         num_layers=len(layers),
         num_kv_heads=num_kv_heads,

@@ -5,7 +5,8 @@ prefill: the policy's kept prompt tokens, plus the generated tail of a resumed r
 ``plan_generated_keep`` (``--kv-decode-budget``: the decode policy's kept generated tokens
 shifted down, in order).
 ``MoveBatch`` turns the moves of all requests of a step into pool slots and runs them in one
-call of the platform's mover (or request by request, to isolate a failure).
+call of the platform's mover (or request by request, to isolate a failure). ``copy_pages``
+copies whole pages (an adopted cached context onto the adopter's own pages).
 
 Moves have parallel-move semantics: every token is read before any is written. A mover that
 copies in parallel (the Triton and CUDA kernels) honours that only when no destination is also
@@ -39,17 +40,26 @@ class RowMoves:
 
 
 def plan_prompt_moves(
-    counts: torch.Tensor, indices: torch.Tensor, lengths: np.ndarray, prompt_len: int
+    counts: torch.Tensor, indices: torch.Tensor, lengths: np.ndarray,
+    prompt_end: int | np.ndarray,
 ) -> tuple[RowMoves, np.ndarray]:
     """Moves that leave each row holding its kept prompt positions (``indices[row,
     :counts[row]]``, ascending, host tensors) and then, for a request resumed after
     preemption (rows longer than the prompt), its whole generated tail in order.
 
-    Returns the moves and the new per-row lengths. Without a tail, kept tokens above the new
-    length fill the holes below it (only those move); with one, the compaction preserves
-    order (the decode window relies on generated tokens sitting after the prompt part).
+    ``prompt_end``: where the prompt part of the rows ends, one for all or per row (an
+    adopter of a cached context: its adopted slots plus its new prompt tokens); the tail is
+    ``[prompt_end, lengths)``. Returns the moves and the new per-row lengths. Without a
+    tail, kept tokens above the new length fill the holes below it (only those move); with
+    one, the compaction preserves order (the decode window relies on generated tokens sitting
+    after the prompt part).
     """
-    tail = torch.as_tensor(lengths) - prompt_len  # >= 0, equal in every row
+    ends = torch.as_tensor(np.broadcast_to(np.asarray(prompt_end, dtype=np.int64),
+                                           (len(lengths),)).copy())
+    tail = torch.as_tensor(lengths) - ends  # equal in every row
+    if int(tail.min()) < 0:
+        raise ValueError(f"rows of {np.asarray(lengths).tolist()} tokens end before their "
+                         f"prompt part ({ends.tolist()})")
     max_tail = int(tail.max())
     if not max_tail:
         rows, src, dst = plan_hole_filling_moves(indices, counts).flat_moves()
@@ -59,7 +69,7 @@ def plan_prompt_moves(
     prompt_part = torch.zeros(len(lengths), width, dtype=indices.dtype)
     prompt_part[:, : indices.shape[1]] = indices[:, :width]
     # Each row: its kept prompt positions, then the whole tail after them.
-    tail_values = prompt_len + (column - counts[:, None])
+    tail_values = ends[:, None] + (column - counts[:, None])
     is_tail = (column >= counts[:, None]) & (column < (counts + tail)[:, None])
     sources = torch.where(column < counts[:, None], prompt_part,
                           torch.where(is_tail, tail_values, 0))
@@ -90,6 +100,26 @@ def plan_generated_keep(
     moving = src != dst
     rows, _ = np.nonzero(moving)
     return RowMoves(rows, src[moving], dst[moving]), prompt_kept + kept.shape[1]
+
+
+# Bytes of pages gathered at once by ``copy_pages``: the gathered copy is memory vLLM's
+# profiling never saw, so a long adopted context is copied in slices.
+COPY_SLICE_BYTES = 64 << 20
+
+
+def copy_pages(pool: torch.Tensor, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+    """``pool[dst[i]] = pool[src[i]]``, whole pages (K and V, every page format: a page is the
+    pool's first dimension). No destination may be a source (an adopter's new pages, a
+    cached entry's): the copy runs in slices."""
+    if not len(src_pages):
+        return
+    src = torch.from_numpy(np.asarray(src_pages, dtype=np.int64)).to(pool.device)
+    dst = torch.from_numpy(np.asarray(dst_pages, dtype=np.int64)).to(pool.device)
+    page_bytes = pool[0].numel() * pool.element_size()
+    step = max(1, COPY_SLICE_BYTES // page_bytes)
+    for first in range(0, len(src), step):
+        pool.index_copy_(0, dst[first : first + step],
+                         pool.index_select(0, src[first : first + step]))
 
 
 @dataclass

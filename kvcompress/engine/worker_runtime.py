@@ -1,7 +1,8 @@
 """Worker-side paged-KV runtime: the pool, the page-table mirror, per-step metadata and
 the compression step, bound to one vLLM model runner.
 
-It runs stages 2-7 of a step (``kvcompress.step``): ``begin_step`` applies the page deltas,
+It runs stages 2-7 of a step (``kvcompress.step``): ``begin_step`` applies the page deltas
+and copies the pages of adopted cached contexts (multi-turn reuse),
 ``build_attention_metadata`` prepares the batch the attention layers write and attend
 over, ``end_step`` plans, moves and returns the worker's report (compactions, failed
 requests, timings). The attention
@@ -23,6 +24,7 @@ from kvcompress.engine.worker_compaction import (
     compact_completed_prompts,
     evict_generated_tokens,
 )
+from kvcompress.engine.worker_moves import copy_pages
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
@@ -88,11 +90,37 @@ class PagedKVRuntime:
 
     # ------------------------------------------------------------ per step
     def begin_step(self, scheduler_output: Any) -> None:
-        """Mirror the scheduler's page-table changes before the batch is prepared."""
+        """Mirror the scheduler's page-table changes before the batch is prepared, and copy
+        the pages of this step's adoptions before the forward reads them."""
         self.step, self._metadata = None, None
         self.state.drop(scheduler_output.finished_req_ids)
         self.state.drop(scheduler_output.preempted_req_ids or ())
         self.state.apply_deltas(page_deltas(scheduler_output, self.rank))
+        self._copy_adopted_pages()
+
+    def _copy_adopted_pages(self) -> None:
+        """Every adoption's page copies in one index copy on the pool; if that fails, each
+        request's alone, and those that fail again fail their request (reported with the
+        step, ``WorkerKVState.adoption_failures``). Re-running a copy is harmless: its
+        sources are a cached entry's pages, which nothing writes."""
+        copies = self.state.take_copies()
+        if not copies:
+            return
+        try:
+            copy_pages(self.pool, np.concatenate([src for src, _ in copies.values()]),
+                       np.concatenate([dst for _, dst in copies.values()]))
+            return
+        except Exception:
+            logger.exception("kvcompress: copying adopted pages failed; retrying request by "
+                             "request")
+        for request_id, (src, dst) in copies.items():
+            try:
+                copy_pages(self.pool, src, dst)
+            except Exception as error:
+                logger.exception("kvcompress: copying the adopted pages of request %s failed",
+                                 request_id)
+                self.state.adoption_failures[request_id] = (
+                    f"copying the adopted pages failed: {error!r}")
 
     def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata:
         if self._metadata is not None:
@@ -109,22 +137,29 @@ class PagedKVRuntime:
         configs = [self.request_config(request_id) for request_id in req_ids]
         # A model whose layers all slide has nothing for a policy to compress.
         policy_layers = bool(self.layout.compressed_layers)
+        failed_adoptions = self.state.adoption_failures
+        requests = [self.state.requests[request_id] for request_id in req_ids]
         step = self.state.prepare_step(
             req_ids,
             num_new,
             num_computed,
             prompt_lens,
             observation_windows=[config.window for config in configs],
+            # An adopter compresses only its new prompt tokens: a short segment is kept whole.
             wants_compression=[
-                policy_layers and config.compresses(int(n))
+                policy_layers and config.compresses(request.new_prompt_tokens(int(n)))
+                and request_id not in failed_adoptions
                 and not self._ends_this_step(request_id)
-                for request_id, config, n in zip(req_ids, configs, prompt_lens)
+                for request_id, request, config, n in zip(req_ids, requests, configs,
+                                                          prompt_lens)
             ],
         )
         self.state.prepare_decode_scoring(step)
         for request_id in req_ids:
             if request_id in self.rejected_settings:
                 step.fail([request_id], self.rejected_settings.pop(request_id))
+            if request_id in failed_adoptions:
+                step.fail([request_id], failed_adoptions.pop(request_id))
         self.step = step
         self._metadata = PagedAttentionMetadata(
             step=step,

@@ -5,6 +5,12 @@ tokens each (layer, KV head) row physically stores, while its observation window
 processed, the window-score accumulator, and with h2o / snapkv decode eviction, the
 decode-score accumulator. ``prepare_step`` (then ``prepare_decode_scoring``) turns it into the
 step's ``kvcompress.step.StepBatch``. No vLLM imports: testable alone.
+
+Multi-turn reuse: a request may start from a cached context (``PageTableDelta.adopted_lengths``):
+its rows already hold ``adopted_rows[row]`` physical tokens standing for its first
+``adopted_len`` logical ones, vLLM prefills only the rest of the prompt (the *new segment*,
+``new_prompt_tokens``), and only that segment is scored and compressed. Pages to copy for an
+adoption wait in ``take_copies`` for the runtime, which copies them before the forward.
 """
 
 from __future__ import annotations
@@ -30,17 +36,40 @@ class RequestKV:
     prompt_len: int = 0
     # Compression already happened since the request was (re)admitted.
     compressed: bool = False
-    # [num_layers, num_kv_heads, prompt_len] summed window probabilities, fp32.
+    # [num_layers, num_kv_heads, score_width()] summed window probabilities by physical slot
+    # of the row, fp32.
     window_scores: torch.Tensor | None = None
     # This request's compression config (engine config + its own overrides).
     config: KVCompressionConfig | None = None
     # Per row: slots [0, prompt_kept) hold prompt tokens, the rest generated tokens in
-    # generation order (None until the prompt completes: then it is the prompt length or
+    # generation order (None until the prompt completes: then it is ``prompt_end()`` or
     # what compaction kept).
     prompt_kept: np.ndarray | None = None
     # [num_layers, num_kv_heads, decode budget + interval] fp32 scores of the generated
     # tokens by offset (h2o / snapkv decode eviction), from the first scored decode step.
     decode_scores: torch.Tensor | None = None
+    # Multi-turn reuse: logical tokens of a cached context the request started from (vLLM
+    # computed them before this request), and per row the physical slots [0, adopted_rows)
+    # that hold them (rows differ: each head kept its own). None / 0: no adoption.
+    adopted_len: int = 0
+    adopted_rows: np.ndarray | None = None
+
+    def new_prompt_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the request prefills itself: all of them, or those after the adopted
+        context. Compression decisions (compress? score?) are about these."""
+        return max(0, prompt_len - self.adopted_len)
+
+    def prompt_end(self) -> np.ndarray:
+        """Per row: where the prompt part ends before any compaction of it (int64): the
+        prompt length, or for an adopter its adopted slots plus the new prompt tokens."""
+        if self.adopted_rows is None:
+            return np.full_like(self.lengths, self.prompt_len)
+        return self.adopted_rows + self.new_prompt_tokens(self.prompt_len)
+
+    def score_width(self) -> int:
+        """Physical slots the window-score accumulator covers: every slot a prompt key can
+        sit in (the adopted ones too: the softmax runs over them)."""
+        return int(self.prompt_end().max())
 
 
 @dataclass
@@ -61,12 +90,26 @@ class WorkerKVState:
         self.layout = layout
         self.device = device
         self.requests: dict[str, RequestKV] = {}
-        self.peak_scored_tokens = 0  # most prompt tokens holding window scores at once
+        self.peak_scored_tokens = 0  # most key slots holding window scores at once
+        # Adopters whose adoption failed (id -> reason) until the runtime reports them: they
+        # run uncompressed from an empty context and the scheduler ends them.
+        self.adoption_failures: dict[str, str] = {}
+        # Adopters' page copies (src, dst page ids, int64) not yet run on the pool.
+        self._copies: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._batch_tables: _BatchTables | None = None
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+            self.adoption_failures.pop(request_id, None)
+            self._copies.pop(request_id, None)
+
+    def take_copies(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The page copies of the adoptions applied since the last call, by request:
+        ``(src_page_ids, dst_page_ids)`` int64, ``pool[dst[i]] = pool[src[i]]``, to run
+        before the next forward. Checked against the pool and the request's table."""
+        copies, self._copies = self._copies, {}
+        return copies
 
     def apply_deltas(self, deltas: Mapping[str, PageTableDelta]) -> None:
         """Mirror the scheduler's page-table changes. A delta that extends a table this worker
@@ -85,6 +128,8 @@ class WorkerKVState:
                     lengths=np.zeros(rows, dtype=np.int64),
                 )
                 self.requests[request_id] = state
+                self.adoption_failures.pop(request_id, None)
+                self._copies.pop(request_id, None)
             if delta.drops is not None:
                 state.table.drop_leading(delta.drops)
                 state.lengths = state.lengths - delta.drops.astype(np.int64) * self.layout.page_size
@@ -95,6 +140,22 @@ class WorkerKVState:
                     )
             for counts, page_ids in delta.appends:
                 state.table.append(counts, page_ids)
+            if delta.fresh and delta.adopted_lengths is not None:
+                self._adopt(request_id, state, delta)
+
+    def _adopt(self, request_id: str, state: RequestKV, delta: PageTableDelta) -> None:
+        """Start a fresh request from a cached context. A malformed adoption fails only this
+        request (``adoption_failures``): it keeps an empty context meanwhile."""
+        problem = _adoption_problem(state, delta, self.layout)
+        if problem is not None:
+            self.adoption_failures[request_id] = f"adopting a cached context failed: {problem}"
+            return
+        state.lengths = np.asarray(delta.adopted_lengths, dtype=np.int64).copy()
+        state.adopted_len = int(delta.adopted_len)
+        state.adopted_rows = state.lengths.copy()
+        if delta.copies is not None and len(delta.copies[0]):
+            src, dst = (np.asarray(ids, dtype=np.int64) for ids in delta.copies)
+            self._copies[request_id] = (src, dst)
 
     def prepare_step(
         self,
@@ -139,15 +200,17 @@ class WorkerKVState:
                 continue
             if start < prompt_len <= stop:
                 completing.append(index)
-            if state.config is not None and not scores_prompt(state.config, prompt_len):
+            new_prompt = state.new_prompt_tokens(prompt_len)
+            if state.config is not None and not scores_prompt(state.config, new_prompt):
                 continue  # compacted without window scores (StreamingLLM)
-            window_start = max(0, prompt_len - observation_windows[index])
+            # An adopter's window lies in its new segment: the adopted queries are gone.
+            window_start = max(state.adopted_len, prompt_len - observation_windows[index])
             first = max(start, window_start)
             last = min(stop, prompt_len)
             if first < last:
                 if state.window_scores is None:
                     state.window_scores = self.to_device(torch.zeros(
-                        layout.num_layers, layout.num_kv_heads, prompt_len,
+                        layout.num_layers, layout.num_kv_heads, state.score_width(),
                         dtype=torch.float32,
                     ))
                 window_queries.append(
@@ -157,7 +220,7 @@ class WorkerKVState:
                 )
 
         if window_queries:  # the scheduler's ScoringGate bounds this (scoring_memory)
-            held = sum(state.prompt_len for state in self.requests.values()
+            held = sum(state.window_scores.shape[-1] for state in self.requests.values()
                        if state.window_scores is not None)
             self.peak_scored_tokens = max(self.peak_scored_tokens, held)
         return StepBatch(
@@ -183,7 +246,7 @@ class WorkerKVState:
             request.lengths = batch.host_lengths_after[index].copy()
             if request.prompt_kept is None and batch.logical_after[index] >= request.prompt_len:
                 # Prompt complete and not compacted (yet): every prompt token is kept.
-                request.prompt_kept = np.full_like(request.lengths, request.prompt_len)
+                request.prompt_kept = request.prompt_end()
 
     def prepare_decode_scoring(self, step: StepBatch) -> None:
         """Fill ``step.decode_queries``: every request decoding one token whose decode policy
@@ -256,6 +319,36 @@ class WorkerKVState:
         rows = torch.arange(page_tables.shape[1])
         pages = page_tables[request_of_token[:, None], rows[None, :], position // page_size]
         return pages * page_size + position % page_size
+
+
+def _adoption_problem(state: RequestKV, delta: PageTableDelta,
+                      layout: PageLayout) -> str | None:
+    """Why ``delta``'s adoption cannot be applied to the fresh ``state`` (None: it can)."""
+    adopted = np.asarray(delta.adopted_lengths)
+    if adopted.shape != (layout.num_rows,) or adopted.dtype.kind not in "iu":
+        return (f"expected {layout.num_rows} integer adopted lengths, got "
+                f"{adopted.dtype} {list(adopted.shape)}")
+    if delta.adopted_len < 1 or (adopted < 0).any() or (adopted > delta.adopted_len).any():
+        return (f"adopted lengths {int(adopted.min())}..{int(adopted.max())} do not fit "
+                f"{delta.adopted_len} adopted logical tokens")
+    if state.table.pages_missing(adopted.astype(np.int64)).any():
+        return "the adopted tokens have no pages (scheduler and worker tables disagree)"
+    if delta.copies is None:
+        return None
+    src, dst = (np.asarray(ids) for ids in delta.copies)
+    if src.ndim != 1 or src.shape != dst.shape:
+        return f"page copies of shapes {list(src.shape)} -> {list(dst.shape)}"
+    if len(src) and (min(src.min(), dst.min()) < 0
+                     or max(src.max(), dst.max()) >= layout.total_pages):
+        return f"page copies outside the pool of {layout.total_pages} pages"
+    # A copy may only write the request's own pages, each once, from pages it does not own
+    # (a cached entry's): anything else overwrites other tokens or reads half-copied pages.
+    own = state.table.all_pages()
+    if len(np.unique(dst)) != len(dst) or not np.isin(dst, own).all():
+        return "page copies write pages the request does not own"
+    if np.isin(src, own).any():
+        return "page copies read pages the request itself holds"
+    return None
 
 
 def _gqa_reduce(config: KVCompressionConfig | None) -> str:

@@ -1,11 +1,15 @@
 """Scheduler-side owner of the page pool: who holds which page, and how many are free.
 
-Admission and preemption are decided in pages. Every page is either on the free stack or
-in exactly one request's page table; ``check_invariants`` verifies it.
+Admission and preemption are decided in pages. Every page is on the free stack, in exactly
+one request's page table, or in exactly one cached entry (a finished request's pages kept for
+a later prompt that continues it, multi-turn reuse); ``check_invariants`` verifies it.
+Cached pages count as available: they are evicted, least recently used first, only when
+the free stack runs short.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,11 +27,20 @@ class PageTableDelta:
     that fell out of the row's sliding window (``HeadPageTable.drop_leading``), applied
     before the appends (a request drops when it is scheduled, before it grows). Each append
     is a pair ``(counts[rows], page_ids)`` for ``HeadPageTable.append``.
+
+    A fresh table may start from a cached context (multi-turn reuse): ``adopted_lengths[row]``
+    physical tokens that stand for the first ``adopted_len`` logical tokens are already in
+    the row's first pages (the first append). ``copies = (src_page_ids, dst_page_ids)``:
+    pages to copy, ``pool[dst[i]] = pool[src[i]]``, before this step's forward (the adopted
+    pages are a copy of a cached entry's; without copies they were handed over as they are).
     """
 
     fresh: bool
     appends: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     drops: np.ndarray | None = None
+    adopted_lengths: np.ndarray | None = None
+    adopted_len: int = 0
+    copies: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -41,9 +54,63 @@ class _RequestPages:
     # (one token per row, a page every page_size steps) and skip the per-row arithmetic.
     headroom: int = 0
 
+    # Per row: logical tokens evicted by the prompt's compaction only (decode eviction and
+    # sliding windows excluded), and whether the generated tokens still sit after the
+    # prompt part in order, one slot per position (no decode eviction ran).
+    prompt_evicted: np.ndarray | None = None
+    tail_in_order: bool = True
+    # Started from a cached entry: logical tokens adopted, and their per-row physical ones.
+    adopted: tuple[int, np.ndarray] | None = None
+
     def refresh_headroom(self, page_size: int) -> None:
         slots = self.table.num_pages.astype(np.int64) * page_size
         self.headroom = int((slots - (self.logical_len - self.evicted)).min())
+
+
+@dataclass
+class CachedEntry:
+    """A finished request's pages, kept for a prompt that continues it."""
+
+    table: HeadPageTable
+    logical_len: int  # tokens whose K/V the rows hold (the request's computed tokens)
+    evicted: np.ndarray  # per row, logical tokens without a slot
+    prompt_len: int
+    prompt_evicted: np.ndarray  # per row, evicted by the prompt's compaction
+    tail_in_order: bool
+
+    @property
+    def exact_prompt(self) -> bool:
+        """Whether its prompt part kept every token (so it can be cut anywhere inside)."""
+        return not self.prompt_evicted.any()
+
+    @property
+    def first_cut(self) -> int:
+        return 1 if self.exact_prompt else self.prompt_len
+
+    def best_hit(self, shared: int) -> int:
+        """The longest cut at most ``shared`` tokens long (0: none)."""
+        shared = min(shared, self.logical_len)
+        if shared > self.prompt_len and not self.tail_in_order:
+            shared = self.prompt_len
+        if shared < self.prompt_len and not self.exact_prompt:
+            return 0
+        return shared
+
+    def lengths_at(self, hit: int) -> np.ndarray | None:
+        """Per-row physical tokens that stand for the first ``hit`` logical tokens, or None
+        when the rows cannot be cut there (the slots of those tokens are not known)."""
+        if hit > self.logical_len:
+            return None
+        if hit < self.prompt_len:
+            # Inside the prompt: only where the prompt kept every token.
+            return np.full_like(self.evicted, hit) if self.exact_prompt else None
+        if hit == self.prompt_len:
+            lengths = self.prompt_len - self.prompt_evicted
+        elif self.tail_in_order:
+            lengths = hit - self.evicted
+        else:
+            return None
+        return None if (lengths < 0).any() else lengths
 
 
 class PageManager:
@@ -53,6 +120,11 @@ class PageManager:
         self._num_free = layout.total_pages
         self._requests: dict[str, _RequestPages] = {}
         self._pending: dict[str, PageTableDelta] = {}
+        # Cached entries by id, least recently used first, and the pages they hold.
+        self._entries: OrderedDict[int, CachedEntry] = OrderedDict()
+        self._num_cached = 0
+        # Entries evicted for pages since the owner last asked (take_evicted_entries).
+        self._evicted_entries: list[int] = []
 
     # ----------------------------------------------------------------- figures
     @property
@@ -64,8 +136,19 @@ class PageManager:
         return self._num_free
 
     @property
+    def num_cached(self) -> int:
+        """Pages held by cached entries (evictable)."""
+        return self._num_cached
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation may take: free ones, then cached ones (evicted for it)."""
+        return self._num_free + self._num_cached
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self._num_free / self.layout.total_pages
+        # As vLLM counts its prefix cache: evictable cached pages are not in use.
+        return 1.0 - self.num_available / self.layout.total_pages
 
     def owned_pages(self, request_id: str | None = None) -> int:
         if request_id is not None:
@@ -80,6 +163,11 @@ class PageManager:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def adoption(self, request_id: str) -> tuple[int, np.ndarray] | None:
+        """(logical tokens, per-row physical tokens) the request took from a cached entry."""
+        state = self._requests.get(request_id)
+        return None if state is None else state.adopted
 
     def request_ids(self) -> set[str]:
         return set(self._requests)
@@ -130,7 +218,7 @@ class PageManager:
             return True
         missing = state.table.pages_missing(logical_len - state.evicted)
         needed = int(missing.sum())
-        if needed + reserve > self._num_free:
+        if needed + reserve > self.num_available:
             return False
         page_ids = self._pop(needed)
         state.table.append(missing, page_ids)
@@ -175,10 +263,13 @@ class PageManager:
         return total
 
     def release_after_compression(
-        self, request_id: str, logical_len: int, physical_lengths: np.ndarray
+        self, request_id: str, logical_len: int, physical_lengths: np.ndarray,
+        kind: str = "prompt",
     ) -> int:
         """The worker compacted the request: ``logical_len`` logical tokens now occupy
-        ``physical_lengths[row]`` slots. Free the trailing pages; return how many."""
+        ``physical_lengths[row]`` slots. Free the trailing pages; return how many.
+        ``kind``: "prompt" (the prompt part was compacted, a generated tail kept whole) or
+        "decode" (generated tokens were evicted: their slots no longer follow positions)."""
         state = self._requests.get(request_id)
         if state is None:
             return 0  # finished or aborted while the step ran; already freed
@@ -194,6 +285,10 @@ class PageManager:
                 f"{state.logical_len} reserved logical tokens"
             )
         state.evicted = logical_len - physical_lengths
+        if kind == "decode":
+            state.tail_in_order = False
+        else:
+            state.prompt_evicted = state.evicted.copy()
         freed = state.table.truncate(state.logical_len - state.evicted)
         state.refresh_headroom(self.layout.page_size)
         self._push(freed)
@@ -212,19 +307,134 @@ class PageManager:
         deltas, self._pending = self._pending, {}
         return deltas
 
+    # ---------------------------------------------------------- cached entries
+    def retire(self, request_id: str, entry_id: int, logical_len: int, prompt_len: int) -> bool:
+        """The request finished: keep the K/V of its first ``logical_len`` tokens as cached
+        entry ``entry_id`` (most recently used) instead of freeing it; pages beyond them are
+        freed. False (everything freed) when the rows do not hold those tokens."""
+        state = self._requests.get(request_id)
+        if state is None or logical_len <= 0 or logical_len > state.logical_len:
+            self.free(request_id)
+            return False
+        del self._requests[request_id]
+        self._pending.pop(request_id, None)
+        lengths = logical_len - state.evicted
+        if (lengths < 0).any():
+            self._push(state.table.all_pages())
+            return False
+        self._push(state.table.truncate(lengths))
+        prompt_evicted = (state.prompt_evicted if state.prompt_evicted is not None
+                          else np.zeros_like(state.evicted))
+        self._entries[entry_id] = CachedEntry(
+            state.table, logical_len, state.evicted.copy(), prompt_len, prompt_evicted.copy(),
+            state.tail_in_order)
+        self._num_cached += state.table.total_pages
+        return True
+
+    def entry(self, entry_id: int) -> CachedEntry | None:
+        return self._entries.get(entry_id)
+
+    def entry_ids(self) -> list[int]:
+        """Cached entries, least recently used first."""
+        return list(self._entries)
+
+    def can_adopt(self, entry_id: int, hit: int, logical_len: int, copy: bool,
+                  reserve: int = 0) -> bool:
+        """Whether ``adopt(..., hit, copy)`` and the growth to ``logical_len`` logical
+        tokens fit, leaving ``reserve`` pages available."""
+        entry = self._entries.get(entry_id)
+        lengths = None if entry is None else entry.lengths_at(hit)
+        if lengths is None:
+            return False
+        grown = -(-(lengths + (logical_len - hit)) // self.layout.page_size)
+        # A copy takes new pages for every row while the entry stays cached; a handover
+        # keeps the entry's first pages and frees the rest, so only growth costs pages.
+        available = self.num_available - (entry.table.total_pages if copy else 0)
+        return int(grown.sum()) + reserve <= available
+
+    def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
+        """Start ``request_id`` from the entry's first ``hit`` logical tokens; all or
+        nothing. ``copy``: onto new pages (the worker copies them before the next forward)
+        and the entry stays cached for another continuation; otherwise the entry's pages are
+        handed over and the entry ends. The request then grows with ``allocate``."""
+        entry = self._entries.get(entry_id)
+        if request_id in self._requests or entry is None:
+            return False
+        lengths = entry.lengths_at(hit)
+        if lengths is None:
+            return False
+        page_size = self.layout.page_size
+        counts = (-(-lengths // page_size)).astype(np.int32)
+        source = HeadPageTable(self.layout.num_rows, page_size)
+        source.append(entry.table.num_pages, entry.table.all_pages())
+        source.truncate(lengths)
+        table = HeadPageTable(self.layout.num_rows, page_size)
+        copies = None
+        if copy:
+            needed = int(counts.sum())
+            if needed > self.num_available - entry.table.total_pages:
+                return False
+            self._entries.move_to_end(entry_id)
+            page_ids = self._pop(needed, keep=entry_id)
+            copies = (source.all_pages(), page_ids)
+        else:
+            del self._entries[entry_id]
+            self._num_cached -= entry.table.total_pages
+            self._push(entry.table.truncate(lengths))
+            page_ids = entry.table.all_pages()
+        table.append(counts, page_ids)
+        state = _RequestPages(table=table, logical_len=hit, evicted=hit - lengths,
+                              prompt_evicted=hit - lengths, adopted=(hit, lengths.copy()))
+        state.refresh_headroom(page_size)
+        self._requests[request_id] = state
+        self._pending[request_id] = PageTableDelta(
+            fresh=True, appends=[(counts, page_ids)] if len(page_ids) else [],
+            adopted_lengths=lengths.copy(), adopted_len=hit, copies=copies)
+        return True
+
+    def drop_entry(self, entry_id: int) -> int:
+        """Free a cached entry's pages; return how many."""
+        entry = self._entries.pop(entry_id, None)
+        if entry is None:
+            return 0
+        pages = entry.table.all_pages()
+        self._num_cached -= len(pages)
+        self._push(pages)
+        return len(pages)
+
+    def take_evicted_entries(self) -> list[int]:
+        evicted, self._evicted_entries = self._evicted_entries, []
+        return evicted
+
     # -------------------------------------------------------------- checking
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every page is free or owned exactly once."""
+        """Raise AssertionError unless every page is free, owned or cached exactly once."""
         owned = [state.table.all_pages() for state in self._requests.values()]
-        everything = np.concatenate([self._free_stack[: self._num_free], *owned])
+        cached = [entry.table.all_pages() for entry in self._entries.values()]
+        num_cached = sum(len(pages) for pages in cached)
+        assert num_cached == self._num_cached, (
+            f"cached entries hold {num_cached} pages, counted {self._num_cached}")
+        everything = np.concatenate([self._free_stack[: self._num_free], *owned, *cached])
         assert len(everything) == self.layout.total_pages, (
-            f"free {self._num_free} + owned {len(everything) - self._num_free} "
-            f"!= total {self.layout.total_pages}"
+            f"free {self._num_free} + owned {len(everything) - self._num_free - num_cached} "
+            f"+ cached {num_cached} != total {self.layout.total_pages}"
         )
         assert len(np.unique(everything)) == self.layout.total_pages, "a page is held twice"
 
     # ------------------------------------------------------------ free stack
-    def _pop(self, count: int) -> np.ndarray:
+    def _pop(self, count: int, keep: int | None = None) -> np.ndarray:
+        """``count`` free pages, evicting cached entries (least recently used first, never
+        entry ``keep``) only as far as the free stack falls short."""
+        if count > self._num_free:
+            for entry_id in list(self._entries):
+                if self._num_free >= count:
+                    break
+                if entry_id != keep:
+                    self.drop_entry(entry_id)
+                    self._evicted_entries.append(entry_id)
+            if count > self._num_free:
+                raise RuntimeError(f"{count} pages wanted, {self._num_free} free after "
+                                   "evicting every cached entry")
         start = self._num_free - count
         page_ids = self._free_stack[start : self._num_free].copy()
         self._num_free = start

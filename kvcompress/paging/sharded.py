@@ -29,6 +29,7 @@ class ShardedPageManager:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
         self.layout = layout  # of one rank
         self.shards = [PageManager(layout) for _ in range(num_shards)]
+        self._evicted: list[int] = []  # entries evicted for pages, until taken
 
     # ------------------------------------------------------ the tightest rank
     @property
@@ -42,8 +43,13 @@ class ShardedPageManager:
         return min(shard.num_free for shard in self.shards)
 
     @property
+    def num_available(self) -> int:
+        """Free plus cached (evictable) pages of the fullest rank."""
+        return min(shard.num_available for shard in self.shards)
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self.num_free / self.layout.total_pages
+        return 1.0 - self.num_available / self.layout.total_pages
 
     def owned_pages(self, request_id: str | None = None) -> int:
         """Pages the request (or all requests) hold on the rank where they hold most."""
@@ -54,6 +60,14 @@ class ShardedPageManager:
         if len(self.shards) == 1:
             return self.shards[0].physical_lengths(request_id)
         return np.max([shard.physical_lengths(request_id) for shard in self.shards], axis=0)
+
+    def adoption(self, request_id: str) -> tuple[int, np.ndarray] | None:
+        """What the request took from a cached entry: the logical tokens, and per row of one
+        rank the longest of that row over the ranks."""
+        adoptions = [shard.adoption(request_id) for shard in self.shards]
+        if adoptions[0] is None:
+            return None
+        return adoptions[0][0], np.max([rows for _, rows in adoptions], axis=0)
 
     def pages_needed(self, request_id: str, logical_len: int) -> int:
         return max(shard.pages_needed(request_id, logical_len) for shard in self.shards)
@@ -67,6 +81,10 @@ class ShardedPageManager:
     @property
     def free_pages_all_ranks(self) -> int:
         return sum(shard.num_free for shard in self.shards)
+
+    @property
+    def cached_pages_all_ranks(self) -> int:
+        return sum(shard.num_cached for shard in self.shards)
 
     @property
     def total_pages_all_ranks(self) -> int:
@@ -85,11 +103,12 @@ class ShardedPageManager:
     def allocate(self, request_id: str, logical_len: int, reserve: int = 0) -> bool:
         """All ranks or none; ``reserve`` pages must stay free on each."""
         if len(self.shards) > 1 and (
-            self.pages_needed(request_id, logical_len) + reserve > self.num_free
+            self.pages_needed(request_id, logical_len) + reserve > self.num_available
         ):
             return False
         allocated = [shard.allocate(request_id, logical_len, reserve) for shard in self.shards]
         assert all(allocated) or not any(allocated), "ranks disagree on an allocation"
+        self._sync_evictions()
         return allocated[0]
 
     def drop_outside_window(self, request_id: str, processed: int) -> int:
@@ -97,7 +116,7 @@ class ShardedPageManager:
         return sum(shard.drop_outside_window(request_id, processed) for shard in self.shards)
 
     def release_after_compression(self, request_id: str, logical_len: int,
-                                  physical_lengths: np.ndarray) -> int:
+                                  physical_lengths: np.ndarray, kind: str = "prompt") -> int:
         """``physical_lengths``: every rank's rows, rank-major. Pages freed over all ranks."""
         physical_lengths = np.asarray(physical_lengths)
         expected = (self.layout.num_rows * len(self.shards),)
@@ -106,11 +125,54 @@ class ShardedPageManager:
                              f"ranks x {self.layout.num_rows} rows), got "
                              f"{physical_lengths.shape}")
         per_rank = physical_lengths.reshape(len(self.shards), self.layout.num_rows)
-        return sum(shard.release_after_compression(request_id, logical_len, lengths)
+        return sum(shard.release_after_compression(request_id, logical_len, lengths, kind)
                    for shard, lengths in zip(self.shards, per_rank))
 
     def free(self, request_id: str) -> int:
         return sum(shard.free(request_id) for shard in self.shards)
+
+    # ------------------------------------------------------- cached entries
+    def retire(self, request_id: str, entry_id: int, logical_len: int, prompt_len: int) -> bool:
+        """Keep the finished request's pages as entry ``entry_id`` on every rank, or free
+        them on every rank."""
+        kept = [shard.retire(request_id, entry_id, logical_len, prompt_len)
+                for shard in self.shards]
+        if all(kept):
+            return True
+        for shard in self.shards:
+            shard.drop_entry(entry_id)
+        return False
+
+    def can_adopt(self, entry_id: int, hit: int, logical_len: int, copy: bool,
+                  reserve: int = 0) -> bool:
+        return all(shard.can_adopt(entry_id, hit, logical_len, copy, reserve)
+                   for shard in self.shards)
+
+    def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
+        """On every rank (``can_adopt`` first: ranks cannot roll an adoption back)."""
+        adopted = [shard.adopt(request_id, entry_id, hit, copy) for shard in self.shards]
+        assert all(adopted) or not any(adopted), "ranks disagree on an adoption"
+        self._sync_evictions()
+        return adopted[0]
+
+    def drop_entry(self, entry_id: int) -> int:
+        return sum(shard.drop_entry(entry_id) for shard in self.shards)
+
+    def entry_ids(self) -> list[int]:
+        return self.shards[0].entry_ids()
+
+    def take_evicted_entries(self) -> list[int]:
+        """Entries evicted for pages (on any rank) since the last call; gone on every rank."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _sync_evictions(self) -> None:
+        """An entry evicted on one rank (ranks can differ in pages) leaves every rank."""
+        evicted = {entry_id for shard in self.shards for entry_id in shard.take_evicted_entries()}
+        if len(self.shards) > 1:
+            for entry_id in evicted:
+                self.drop_entry(entry_id)
+        self._evicted.extend(sorted(evicted))
 
     def take_deltas(self) -> list[dict[str, PageTableDelta]]:
         """Each rank's page-table changes, indexed by rank."""
@@ -122,4 +184,7 @@ class ShardedPageManager:
             shard.check_invariants()
             assert shard.request_ids() == self.shards[0].request_ids(), (
                 f"rank {rank} holds pages of other requests than rank 0"
+            )
+            assert shard.entry_ids() == self.shards[0].entry_ids(), (
+                f"rank {rank} caches other entries than rank 0"
             )

@@ -28,6 +28,7 @@ class EngineHarness:
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
         self.finish_reasons: dict[str, str | None] = {}
+        self.cached_tokens: dict[str, int] = {}  # RequestOutput.num_cached_tokens
 
     # ---------------------------------------------------------------- access
     @property
@@ -59,6 +60,8 @@ class EngineHarness:
         outputs = self.engine.step()
         for output in outputs:
             self.outputs[output.request_id] = list(output.outputs[0].token_ids)
+            if output.num_cached_tokens is not None:
+                self.cached_tokens[output.request_id] = output.num_cached_tokens
             if output.finished:
                 self.finished.add(output.request_id)
                 self.finish_reasons[output.request_id] = output.outputs[0].finish_reason
@@ -113,7 +116,9 @@ def run_vanilla_and_kvcompress(model: str, prompts: dict[str, list[int]], params
             results[name] = (harness.generate(prompts, params), harness.stats.preemptions)
             if compression:
                 manager = harness.page_manager
-                assert manager.num_free == manager.total_pages
+                # Nothing owned: every page free, or cached for a continuation.
+                assert not manager.request_ids()
+                assert manager.num_available == manager.total_pages
                 manager.check_invariants()
                 assert harness.scheduler.kv_cache_manager.usage == 0.0
         finally:

@@ -115,7 +115,7 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
             after = manager.physical_lengths(harness.internal_id(name))
             assert (after - before[name] == grown).all(), name
         harness.run_until_done()
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()
 
@@ -139,7 +139,7 @@ def test_bad_per_request_settings_are_rejected_before_the_engine(tiny_llama):
                 harness.add(f"bad{number}", [5, 6, 7], greedy(2, extra_args=extra_args))
         # The engine is unharmed: a good request still runs to the end.
         assert harness.generate({"ok": [5, 6, 7] * 50}, greedy(4))["ok"]
-        assert harness.page_manager.num_free == harness.page_manager.total_pages
+        assert harness.page_manager.num_available == harness.page_manager.total_pages
     finally:
         harness.shutdown()
 
@@ -176,7 +176,7 @@ def test_evicted_pages_are_freed_and_reused_by_other_requests(tiny_llama):
                               .tolist())
         assert pages_of_second & recently_freed, "pages freed by compaction were not reused"
         harness.run_until_done()
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()
 
@@ -213,7 +213,7 @@ def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
         try:
             outputs = harness.generate(prompts, greedy(200))
             assert all(len(tokens) == 200 for tokens in outputs.values())
-            assert harness.page_manager.num_free == harness.page_manager.total_pages
+            assert harness.page_manager.num_available == harness.page_manager.total_pages
             figures[lookahead] = (harness.stats.preemptions,
                                   max(sample.running for sample in harness.stats.samples))
         finally:
@@ -267,7 +267,7 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
             harness.step()
         manager = harness.rank_pages()
         assert not harness.engine.has_unfinished_requests()
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
         assert harness.stats.preemptions > 0, "the pool was meant to force preemptions"
         assert harness.scheduler.num_pages_freed_by_compression > 0
         assert aborted
@@ -307,7 +307,7 @@ def run_checking_generated_parts(harness, names, num_tokens):
             # the newest sampled token is not in the cache yet
             history[name].append((int(part.max()), len(harness.outputs[name]) - 1, scores))
     assert all(len(harness.outputs[name]) == num_tokens for name in names)
-    assert manager.num_free == manager.total_pages
+    assert manager.num_available == manager.total_pages
     return history
 
 
@@ -418,7 +418,7 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
         assert max(outputs_when_preempted.values(), default=0) > budget + interval, (
             "the pool was meant to preempt a budgeted request late in its generation")
         assert all(len(harness.outputs[name]) == tokens for name in prompts)
-        assert harness.page_manager.num_free == harness.page_manager.total_pages
+        assert harness.page_manager.num_available == harness.page_manager.total_pages
     finally:
         harness.shutdown()
 

@@ -43,6 +43,6 @@ def test_prompts_at_max_model_len_score_their_windows_within_the_reserve(tiny_ll
         assert 0 < held <= reserve
         assert harness.scheduler.num_pages_freed_by_compression > 0
         assert not gate.scoring and gate.tokens_in_flight == 0
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(embedded_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("serve")
-    flags = ("--kv-compression", "pyramidkv", "--kv-budget", "64")
+    flags = ("--kv-compression", "pyramidkv", "--kv-budget", "64",
+             "--enable-prompt-tokens-details")
     with running_server(embedded_model, log_dir, *flags) as (base, log_path):
         yield base, embedded_model, log_path
 
@@ -81,6 +82,32 @@ def test_compression_shows_in_metrics(server):
     total = metric(text, "kvcompress:pages_total")
     assert total > 0 and 0 < metric(text, "kvcompress:pages_free") <= total
     assert metric(text, "kvcompress:failed_requests_total") == 0
+
+
+def test_next_chat_turn_reports_the_previous_turn_as_cached(server):
+    """Multi-turn reuse over HTTP: the second turn adopts the first turn's compressed cache
+    (its whole prompt and answer, as far as the chat template re-renders them alike)."""
+    base, model, _ = server
+    before = requests.get(f"{base}/metrics", timeout=10).text
+    messages = [{"role": "user", "content": long_question()}]
+    first = client(base).chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the grass? One word."}]
+    second = client(base).chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    assert second.choices[0].message.content.strip()
+    text = requests.get(f"{base}/metrics", timeout=10).text
+
+    def grew(name: str) -> float:
+        return metric(text, name) - (metric(before, name) if name in before else 0)
+
+    assert grew("vllm:prefix_cache_hits_total") >= cached
+    assert grew("kvcompress:adopted_tokens_total") >= cached
+    assert metric(text, "kvcompress:pages_cached") > 0
+    assert kv_usage(base) == 0.0  # cached pages are evictable, not in use
 
 
 def assert_bad_budget_is_http_400(base: str, model: str) -> None:

@@ -74,7 +74,7 @@ def test_sliding_rows_hold_only_their_window(tiny_gemma3):
         assert seen_decode > 30
         assert harness.scheduler.kv_cache_manager.window_freed_pages > 0
         assert harness.stats.window_freed_pages > 0
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()
 
@@ -114,7 +114,7 @@ def test_compression_touches_only_full_attention_rows(tiny_gemma3):
                 assert (lengths[sliding_rows] <= WINDOW - 1 + PAGE).all()
                 checked += 1
         assert checked > 10
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()
 
@@ -150,7 +150,7 @@ def test_decode_budget_with_sliding_layers(tiny_gemma3, policy):
             evictions += held[0] < min(generated, 24 + 8)
             assert (lengths[sliding] <= WINDOW - 1 + PAGE).all()
         assert evictions > 0
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()
 
@@ -194,7 +194,7 @@ def test_gemma3_270m_compression_saves_pages(gemma3_270m):
                 held = manager.owned_pages(internal)
         uncompressed = layout.pages_for_tokens(prompt_len)
         assert held is not None and held * 3 < uncompressed, (held, uncompressed)
-        assert manager.num_free == manager.total_pages
+        assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()
 

@@ -150,3 +150,22 @@ def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_ru
         assert runtime_for(fake.vllm_config) is fake.paged_runtime  # and back afterwards
     finally:
         register_runtime(fake.vllm_config, None)
+
+
+@pytest.mark.parametrize("prefix_caching, explicit, expected", [
+    (None, None, "on"), (True, None, "on"), (False, None, "off"), (False, "on", "on"),
+    (None, "off", "off"),
+])
+def test_reuse_follows_vllms_prefix_caching_switch_unless_given(monkeypatch, prefix_caching,
+                                                                 explicit, expected):
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cpu"))
+    config = {"kv_compression": "pyramidkv"}
+    if explicit:
+        config["kv_reuse"] = explicit
+    engine_args = EngineArgs(model="unused", additional_config=config,
+                             enable_prefix_caching=prefix_caching)
+    assert setup.prepare_engine_args(engine_args).reuse == expected
+    # vLLM's block-level cache stays off; kvcompress answers its lookups.
+    assert engine_args.enable_prefix_caching is False
+    assert engine_args.additional_config["kv_reuse"] == expected
+    assert setup.prepare_engine_args(engine_args).reuse == expected  # idempotent

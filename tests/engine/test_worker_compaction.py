@@ -2,6 +2,9 @@
 requests keep their generated tail in order, decode eviction keeps each policy's generated
 tokens in order (and h2o's scores follow them)."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -180,3 +183,132 @@ def test_a_resumed_request_is_compressed_then_evicted_to_its_newest_tokens(polic
         assert all(token < 100 for token in slots[:24])
         assert slots[24:] == list(range(119, 129))
     assert request.decode_scores is None
+
+
+# ------------------------------------------------------------------ multi-turn reuse
+ADOPTED_ROWS = [6, 20, 3, 8]  # per row: slots of the adopted context (each head its own)
+ADOPTED_LEN = 20  # logical tokens they stand for
+
+
+def adopted_label(slot: int) -> int:
+    return 1000 + slot
+
+
+def adopter_case(new_tokens, settings, after=0, chunk=1):
+    """One request that adopted ``ADOPTED_ROWS`` and has ``new_tokens`` new prompt tokens:
+    adopted slot s of a row is labelled ``1000 + s``, logical position p >= ADOPTED_LEN is
+    labelled p. Its step ends ``after`` tokens past the prompt and holds its last ``chunk``
+    tokens; then the step is finished."""
+    adopted = np.array(ADOPTED_ROWS)
+    totals = adopted + new_tokens + after
+    prompt_len = ADOPTED_LEN + new_tokens
+    case = build_case(FORMAT, [(totals - chunk).tolist()], [chunk], num_layers=2,
+                      num_kv_heads=2, group=1, head_size=32, page_size=16,
+                      dtype=torch.float32)
+    request = case.state.requests["req0"]
+    request.adopted_len, request.adopted_rows = ADOPTED_LEN, adopted.copy()
+    request.config = settings
+    case.step = case.state.prepare_step(
+        ["req0"], np.array([chunk]), np.array([prompt_len + after - chunk]),
+        np.array([prompt_len]), observation_windows=[settings.window],
+        wants_compression=[after == 0 or chunk > after])
+    for row in range(4):
+        positions = torch.arange(int(totals[row]))
+        labels = torch.where(positions < adopted[row], 1000 + positions,
+                             ADOPTED_LEN + positions - adopted[row]).float()
+        keys = torch.randn(len(positions), 32)
+        keys[:, 0] = labels
+        slots = (torch.as_tensor(request.table.pages[row], dtype=torch.long)[positions // 16]
+                 * 16 + positions % 16)
+        FORMAT.write_tokens(case.pool, keys, torch.randn(len(positions), 32), slots)
+    case.state.finish_step(case.step)
+    width = int(adopted.max()) + new_tokens
+    request.window_scores = torch.rand(2, 2, width, generator=torch.Generator().manual_seed(1))
+    return case, request
+
+
+def segment_plan(settings, scores, new_tokens):
+    """What the policy keeps of the new segment, by the scores at each row's segment slots,
+    without attention sinks: counts [4], kept segment positions per row."""
+    segment = torch.stack([scores.reshape(4, -1)[row, start : start + new_tokens]
+                           for row, start in enumerate(ADOPTED_ROWS)]).reshape(2, 2, -1)
+    plan = plan_keep(dataclasses.replace(settings.policy, sink_tokens=0), [new_tokens],
+                     [segment], num_layers=2, num_kv_heads=2)
+    counts = plan.counts[0].reshape(4)
+    return counts, [plan.indices[0].reshape(4, -1)[row, : counts[row]].tolist()
+                    for row in range(4)]
+
+
+@pytest.mark.parametrize("tail", [0, 7], ids=["completed", "resumed"])
+def test_an_adopter_keeps_its_context_and_compresses_its_new_prompt_tokens(tail):
+    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 16,
+                                                 "kv_window": 4})
+    new_tokens = 50
+    case, request = adopter_case(new_tokens, settings, after=tail, chunk=tail + 1)
+    assert request.prompt_kept.tolist() == [p + new_tokens for p in ADOPTED_ROWS]
+    scores = request.window_scores.clone()
+    assert case.step.completing_prompt == [0]
+    compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
+    counts, kept = segment_plan(settings, scores, new_tokens)
+    assert counts.tolist() == [16] * 4  # the budget applies to the segment
+    assert len(set(map(tuple, kept))) > 1, "rows should choose differently"
+    full_counts = [adopted + 16 for adopted in ADOPTED_ROWS]
+    assert compactions["req0"].physical_lengths.tolist() == [c + tail for c in full_counts]
+    assert compactions["req0"].logical_len == ADOPTED_LEN + new_tokens + tail
+    assert request.lengths.tolist() == [c + tail for c in full_counts]
+    assert request.prompt_kept.tolist() == full_counts
+    for row, adopted in enumerate(ADOPTED_ROWS):
+        slots = token_ids_in_slots(case, request, row)
+        # the adopted context stays where it was, slot for slot
+        assert slots[:adopted] == [adopted_label(slot) for slot in range(adopted)]
+        segment = slots[adopted : adopted + 16]
+        want = [ADOPTED_LEN + position for position in kept[row]]
+        if tail:  # order kept, then the generated tail in order
+            assert segment == want
+            first_generated = ADOPTED_LEN + new_tokens
+            assert slots[adopted + 16 :] == list(range(first_generated, first_generated + tail))
+        else:
+            assert sorted(segment) == want
+    assert request.compressed and request.window_scores is None
+
+
+def test_an_adopters_segment_gets_no_attention_sinks():
+    # StreamingLLM on the segment: its newest tokens only; the sinks are in the context.
+    settings = KVCompressionConfig.from_mapping(
+        {"kv_compression": "streamingllm", "kv_budget": 16, "kv_window": 4})
+    case, request = adopter_case(40, settings)
+    compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
+    for row, adopted in enumerate(ADOPTED_ROWS):
+        slots = token_ids_in_slots(case, request, row)
+        assert slots[:adopted] == [adopted_label(slot) for slot in range(adopted)]
+        assert sorted(slots[adopted:]) == list(range(ADOPTED_LEN + 24, ADOPTED_LEN + 40))
+
+
+def test_an_adopter_with_a_short_segment_decodes_within_its_budget():
+    # 6 new prompt tokens are within the budget: nothing compacted, the prompt part is the
+    # context plus the segment; then the decode budget evicts only generated tokens.
+    settings = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 16, "kv_window": 4,
+         "kv_decode_policy": "window", "kv_decode_budget": 10, "kv_decode_interval": 5})
+    case, request = adopter_case(6, settings, after=15, chunk=1)
+    assert request.prompt_kept.tolist() == [p + 6 for p in ADOPTED_ROWS]
+    assert case.step.completing_prompt == []
+    compactions = evict_generated_tokens(case.state, case.step, case.pool, FORMAT)
+    assert compactions["req0"].physical_lengths.tolist() == [p + 6 + 10 for p in ADOPTED_ROWS]
+    first_generated = ADOPTED_LEN + 6
+    for row, adopted in enumerate(ADOPTED_ROWS):
+        assert token_ids_in_slots(case, request, row) == (
+            [adopted_label(slot) for slot in range(adopted)]
+            + list(range(ADOPTED_LEN, first_generated))
+            + list(range(first_generated + 5, first_generated + 15)))
+
+
+def test_a_failing_adopter_plan_fails_only_that_request():
+    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 16,
+                                                 "kv_window": 4})
+    case, request = adopter_case(50, settings)
+    request.window_scores = request.window_scores[:, :, :30]  # too narrow for its rows
+    lengths = request.lengths.copy()
+    assert compact_completed_prompts(case.state, case.step, case.pool, FORMAT) == {}
+    assert "planning the compression" in case.step.failures["req0"]
+    assert request.lengths.tolist() == lengths.tolist() and not request.compressed

@@ -261,3 +261,58 @@ def test_triton_mover_under_the_interpreter(monkeypatch, overlapping):
         for row, positions in enumerate(expected_rows):
             got = row_tokens(pool, pages, row, int(new_lengths[row]))
             assert got == original(before, pages, row, positions)
+
+
+def rows_plan(kept: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, kept))
+    indices = torch.full((len(kept), width), 2**31 - 1)
+    for row, positions in enumerate(kept):
+        indices[row, : len(positions)] = torch.tensor(positions)
+    return torch.tensor([len(positions) for positions in kept]), indices
+
+
+@pytest.mark.parametrize("tail", [0, 5], ids=["completed", "resumed"])
+def test_prompt_moves_with_a_prompt_end_per_row(tail):
+    # An adopter's rows: each its own adopted part (kept whole) plus 10 new prompt tokens,
+    # of which each keeps its own; a resumed one also holds a tail after its prompt part.
+    adopted = np.array([2, 20, 0])
+    ends = adopted + 10
+    kept = [[0, 1, 3, 7, 11], list(range(20)) + [21, 29], [1, 2, 6, 9]]
+    counts, indices = rows_plan(kept)
+    lengths = ends + tail
+    moves, new_lengths = plan_prompt_moves(counts, indices, lengths, ends)
+    assert new_lengths.tolist() == (counts.numpy() + tail).tolist()
+    pages, total = random_pages(lengths, 4, np.random.default_rng(5))
+    for name, mover in movers().items():
+        before, pool = run(moves, pages, total, 4, mover)
+        for row, positions in enumerate(kept):
+            got = row_tokens(pool, pages, row, int(new_lengths[row]))
+            want = original(before, pages, row, positions)
+            tail_tokens = original(before, pages, row, list(range(ends[row], lengths[row])))
+            # the adopted part never moves
+            assert got[: adopted[row]] == want[: adopted[row]], name
+            if tail:
+                assert got == want + tail_tokens, name
+            else:
+                assert sorted(got) == sorted(want), name
+
+
+def test_rows_shorter_than_their_prompt_part_are_refused():
+    counts, indices = rows_plan([[0, 1], [0, 1]])
+    with pytest.raises(ValueError, match="end before their prompt part"):
+        plan_prompt_moves(counts, indices, np.array([12, 9]), np.array([12, 10]))
+
+
+@pytest.mark.parametrize("slice_pages", [1, 3, 100])
+def test_page_copies_copy_whole_pages_in_slices(monkeypatch, slice_pages):
+    from kvcompress.engine import worker_moves
+
+    pool = torch.randn(12, 2, 4, HEAD_SIZE)
+    before = pool.clone()
+    page_bytes = pool[0].numel() * pool.element_size()
+    monkeypatch.setattr(worker_moves, "COPY_SLICE_BYTES", slice_pages * page_bytes)
+    src, dst = np.array([7, 2, 9, 8, 11]), np.array([0, 4, 1, 5, 3])
+    worker_moves.copy_pages(pool, src, dst)
+    assert torch.equal(pool[dst], before[src])  # K and V, every token of the page
+    untouched = [page for page in range(12) if page not in dst]
+    assert torch.equal(pool[untouched], before[untouched])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcompress.engine.worker_state import WorkerKVState
-from kvcompress.paging import PageLayout, PageManager
+from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=4, dtype_bytes=4,
                     total_pages=200)
@@ -75,3 +75,123 @@ def test_a_row_without_a_page_for_its_new_token_names_its_request():
         worker.prepare_step(["ok", "short"], np.array([1, 1]), np.array([3, 4]),
                             np.array([1, 1]), observation_windows=[1, 1],
                             wants_compression=[False, False])
+
+
+# ------------------------------------------------------------------ multi-turn reuse
+PAGE = LAYOUT.page_size
+
+
+def adopting_delta(adopted: list[int], adopted_len: int, new_tokens: int, first_page: int,
+                   source_first_page: int | None = 100):
+    """A fresh delta as the scheduler's adoption sends it: the adopted rows' pages first
+    (copies of a cached entry's pages from ``source_first_page`` on, if given), then the
+    pages the ``new_tokens`` need. Returns the delta and the adopted pages per row."""
+    adopted_np = np.array(adopted, dtype=np.int64)
+    first = (-(-adopted_np // PAGE)).astype(np.int32)
+    grown = (-(-(adopted_np + new_tokens) // PAGE)).astype(np.int32) - first
+    first_ids = np.arange(first_page, first_page + first.sum(), dtype=np.int32)
+    grown_ids = np.arange(first_ids[-1] + 1, first_ids[-1] + 1 + grown.sum(), dtype=np.int32)
+    copies = None
+    if source_first_page is not None:
+        source = np.arange(source_first_page, source_first_page + first.sum(), dtype=np.int32)
+        copies = (source, first_ids.copy())
+    delta = PageTableDelta(fresh=True, appends=[(first, first_ids), (grown, grown_ids)],
+                           adopted_lengths=adopted_np, adopted_len=adopted_len, copies=copies)
+    return delta
+
+
+def test_an_adopting_delta_starts_the_request_from_its_adopted_rows():
+    worker = WorkerKVState(LAYOUT, torch.device("cpu"))
+    adopted, adopted_len, new = [5, 3, 9, 1], 12, 6  # each head kept its own share of 12
+    delta = adopting_delta(adopted, adopted_len, new, first_page=0)
+    worker.apply_deltas({"a": delta})
+    request = worker.requests["a"]
+    assert request.lengths.tolist() == adopted and request.adopted_rows.tolist() == adopted
+    assert request.adopted_len == adopted_len
+    copies = worker.take_copies()
+    assert list(copies) == ["a"]
+    src, dst = copies["a"]
+    assert src.dtype == dst.dtype == np.int64
+    assert src.tolist() == delta.copies[0].tolist() and dst.tolist() == delta.copies[1].tolist()
+    assert worker.take_copies() == {}  # taken once
+
+    # vLLM prefills the new prompt tokens from logical position 12; each row writes from
+    # its own physical length on.
+    batch = worker.prepare_step(["a"], np.array([new]), np.array([adopted_len]),
+                                np.array([adopted_len + new]), observation_windows=[4],
+                                wants_compression=[False])
+    assert batch.host_lengths_before[0].tolist() == adopted
+    positions = batch.slot_mapping[0] % PAGE + 0  # first new token of each row
+    pages = batch.slot_mapping[0] // PAGE
+    for row, length in enumerate(adopted):
+        table = request.table.pages[row]
+        assert pages[row] == table[length // PAGE] and positions[row] == length % PAGE
+    worker.finish_step(batch)
+    assert request.lengths.tolist() == [length + new for length in adopted]
+    # the prompt part of an uncompacted adopter: its adopted slots and the new tokens
+    assert request.prompt_kept.tolist() == [length + new for length in adopted]
+    assert request.prompt_end().tolist() == request.prompt_kept.tolist()
+
+
+def test_an_adopters_window_stays_in_its_new_prompt_tokens_across_chunks():
+    worker = WorkerKVState(LAYOUT, torch.device("cpu"))
+    adopted, adopted_len = [5, 3, 9, 1], 12
+    worker.apply_deltas({"a": adopting_delta(adopted, adopted_len, 7, first_page=0)})
+    prompt_len = adopted_len + 7
+    # window 10 > 7 new tokens: it starts at the first new token, never in the adopted part
+    first = worker.prepare_step(["a"], np.array([3]), np.array([adopted_len]),
+                                np.array([prompt_len]), observation_windows=[10],
+                                wants_compression=[True])
+    (window,) = first.window_queries
+    assert (window.first_query, window.num_queries) == (0, 3)
+    assert window.scores.shape == (2, 2, max(adopted) + 7)  # by physical slot of the rows
+    assert first.completing_prompt == []
+    worker.finish_step(first)
+    second = worker.prepare_step(["a"], np.array([4]), np.array([adopted_len + 3]),
+                                 np.array([prompt_len]), observation_windows=[10],
+                                 wants_compression=[True])
+    (window2,) = second.window_queries
+    assert (window2.first_query, window2.num_queries) == (0, 4)
+    assert window2.scores is window.scores and not window2.starts_in_step
+    assert second.completing_prompt == [0]
+
+
+def test_the_window_of_a_long_new_segment_is_its_last_positions():
+    worker = WorkerKVState(LAYOUT, torch.device("cpu"))
+    worker.apply_deltas({"a": adopting_delta([5, 3, 9, 1], 12, 20, first_page=0)})
+    batch = worker.prepare_step(["a"], np.array([20]), np.array([12]), np.array([32]),
+                                observation_windows=[4], wants_compression=[True])
+    (window,) = batch.window_queries
+    assert (window.first_query, window.num_queries, window.prompt_len) == (16, 4, 32)
+    assert window.scores.shape[-1] == 9 + 20
+
+
+MALFORMED = {
+    "rows": lambda d: setattr(d, "adopted_lengths", d.adopted_lengths[:3]),
+    "longer_than_adopted": lambda d: setattr(d, "adopted_len", 4),
+    "negative": lambda d: d.adopted_lengths.__setitem__(1, -1),
+    "no_pages": lambda d: d.appends.pop(0) and setattr(d, "copies", None),
+    "copy_outside_pool": lambda d: d.copies[0].__setitem__(0, LAYOUT.total_pages),
+    "copy_into_foreign_page": lambda d: d.copies[1].__setitem__(0, 150),
+    "copy_twice_into_a_page": lambda d: d.copies[1].__setitem__(1, d.copies[1][0]),
+    "copy_from_own_page": lambda d: d.copies[0].__setitem__(2, d.appends[1][1][0]),
+}
+
+
+@pytest.mark.parametrize("problem", list(MALFORMED))
+def test_a_malformed_adoption_fails_only_its_request(problem):
+    worker = WorkerKVState(LAYOUT, torch.device("cpu"))
+    good = adopting_delta([5, 3, 9, 1], 12, 6, first_page=0, source_first_page=100)
+    bad = adopting_delta([6, 2, 8, 4], 12, 6, first_page=40, source_first_page=120)
+    MALFORMED[problem](bad)
+    worker.apply_deltas({"good": good, "bad": bad})
+    assert list(worker.adoption_failures) == ["bad"]
+    assert "adopting a cached context failed" in worker.adoption_failures["bad"]
+    assert worker.requests["bad"].lengths.tolist() == [0] * 4  # an empty context meanwhile
+    assert worker.requests["bad"].adopted_rows is None
+    assert worker.requests["good"].lengths.tolist() == [5, 3, 9, 1]
+    assert list(worker.take_copies()) == ["good"]
+    # the same id readmitted afresh (e.g. after preemption) starts clean
+    worker.apply_deltas({"bad": adopting_delta([6, 2, 8, 4], 12, 6, first_page=40)})
+    assert worker.adoption_failures == {}
+    assert worker.requests["bad"].lengths.tolist() == [6, 2, 8, 4]

@@ -1,0 +1,147 @@
+"""Multi-turn reuse (``--kv-reuse``): finished requests' compressed caches, continued.
+
+When a request ends, its pages become a cached entry (``PageManager.retire``) filed by its
+tokens (``ContinuationIndex``). vLLM asks the KV-cache manager for a waiting request's cached
+prefix; this answers with the longest entry the prompt continues (``lookup``), and the
+adoption happens when vLLM allocates the request's slots: the entry's rows are copied onto
+new pages (it stays cached for another continuation) or, when the pool is too short for a
+copy, handed over (``scheduler_kv_cache``). vLLM then prefills only the rest of the prompt,
+and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache metrics).
+
+Who may adopt an entry: a request with the same compression settings; or, when the entry's
+prompt part kept every token (its rows are exactly what a full cache holds), a request whose
+own settings would not compress a prompt as long as the adopted part (``none``, or a budget
+above it), so no request ends up holding more than it asked to keep. The adopted part is
+kept as it is; the worker compresses the new part of the prompt with the request's policy
+(``worker_compaction``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.v1.request import RequestStatus
+
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.request_settings import resolve
+from kvcompress.log import get_logger
+from kvcompress.paging import ShardedPageManager
+from kvcompress.paging.continuation_index import ContinuationIndex
+
+logger = get_logger(__name__)
+
+# A finished request's cache is worth keeping when it ended this way (an error may have
+# left its rows half compacted).
+_RETIRED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+                     RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class Match:
+    entry_id: int
+    hit: int  # logical tokens adopted
+
+
+@dataclass
+class ReuseFigures:
+    """Since the last take: adoptions and what they saved (for /metrics)."""
+
+    adopted_tokens: int = 0
+    copies: int = 0
+    handovers: int = 0
+    evicted_entries: int = 0
+
+    def take(self) -> dict[str, int]:
+        figures = dataclasses.asdict(self)
+        self.__init__()  # type: ignore[misc]
+        return figures
+
+
+class ContinuationCache:
+    def __init__(self, pages: ShardedPageManager, engine_config: KVCompressionConfig) -> None:
+        self.pages = pages
+        self.engine_config = engine_config
+        self.enabled = engine_config.reuse == "on" and not pages.layout.has_sliding_layers
+        self.index = ContinuationIndex()
+        self.figures = ReuseFigures()  # since the last /metrics update
+        self.totals = ReuseFigures()  # since the start
+        self._entry_ids = itertools.count(1)
+
+    def lookup(self, request: Any) -> Match | None:
+        """The longest cached entry the request's prompt continues (its last prompt token is
+        always computed: vLLM needs its logits)."""
+        if not self.enabled or not self._may_read(request):
+            return None
+        self.forget_evicted()
+        if not len(self.index):
+            return None
+        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        settings = resolve(self.engine_config, request.sampling_params)
+        best: Match | None = None
+        for entry_id, shared, same in self.index.candidates(
+                tokens, request.num_prompt_tokens - 1, settings):
+            hit = min(shard.entry(entry_id).best_hit(shared) for shard in self.pages.shards)
+            if not same and settings.compresses(hit):
+                continue  # an exact context longer than this request would keep
+            # Longest hit; among equals the most recent entry (ids grow).
+            if hit and (best is None or (hit, entry_id) > (best.hit, best.entry_id)):
+                best = Match(entry_id, hit)
+        return best
+
+    def retire(self, request: Any) -> bool:
+        """Keep a finished request's pages as an entry; False when they were freed."""
+        request_id = request.request_id
+        computed = request.num_computed_tokens
+        if (not self.enabled or request.status not in _RETIRED_STATUSES
+                or request_id not in self.pages or computed <= 0):
+            return False
+        entry_id = next(self._entry_ids)
+        if not self.pages.retire(request_id, entry_id, computed, request.num_prompt_tokens):
+            return False
+        entry = self.pages.shards[0].entry(entry_id)
+        exact = all(shard.entry(entry_id).exact_prompt for shard in self.pages.shards)
+        settings = resolve(self.engine_config, request.sampling_params)
+        tokens = np.asarray(request.all_token_ids[:computed], dtype=np.int64)
+        if not self.index.add(entry_id, tokens, 1 if exact else entry.first_cut, settings,
+                              exact):
+            self.pages.drop_entry(entry_id)  # too short to be worth a lookup
+            return False
+        return True
+
+    def adopt(self, request_id: str, match: Match, copy: bool) -> None:
+        """Start the request from the entry (``ShardedPageManager.can_adopt`` said it fits)."""
+        adopted = self.pages.adopt(request_id, match.entry_id, match.hit, copy)
+        assert adopted, "adoption check and adoption disagree"
+        self._count(adopted_tokens=match.hit, copies=int(copy), handovers=int(not copy))
+        if not copy:
+            self.index.remove(match.entry_id)  # its pages are the request's now
+        self.forget_evicted()
+
+    def forget_evicted(self) -> None:
+        """Entries whose pages went to running requests leave the index."""
+        evicted = self.pages.take_evicted_entries()
+        self._count(evicted_entries=len(evicted))
+        for entry_id in evicted:
+            self.index.remove(entry_id)
+
+    def clear(self) -> None:
+        """vLLM's reset_prefix_cache: every entry's pages are freed."""
+        for entry_id in self.pages.entry_ids():
+            self.pages.drop_entry(entry_id)
+            self.index.remove(entry_id)
+
+    def _count(self, **figures: int) -> None:
+        for counts in (self.figures, self.totals):
+            for name, value in figures.items():
+                setattr(counts, name, getattr(counts, name) + value)
+
+    @staticmethod
+    def _may_read(request: Any) -> bool:
+        """vLLM's own rule (prompt logprobs, pooling) plus what entries are not keyed by:
+        LoRA adapters, multimodal inputs and cache salts."""
+        return not (request.skip_reading_prefix_cache or request.lora_request is not None
+                    or request.has_encoder_inputs or getattr(request, "cache_salt", None))

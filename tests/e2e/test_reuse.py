@@ -1,0 +1,185 @@
+"""Multi-turn reuse (--kv-reuse): a prompt that continues a finished request adopts its
+cached pages and prefills only the rest; vLLM reports the adopted tokens as cached."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from .harness import EngineHarness, greedy
+
+pytestmark = pytest.mark.slow
+
+EXACT = {"kv_compression": "pyramidkv", "kv_budget": 100_000}
+ENGINE = dict(dtype="float32", max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8)
+
+
+def new_tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(100, 49000) for _ in range(count)]
+
+
+def converse(harness: EngineHarness, turns: int, conversations: int, user_tokens: int,
+             answer_tokens: int, seed: int = 0, **params_extra) -> list[list[dict]]:
+    """Turn k of every conversation runs together; turn k + 1's prompt is turn k's prompt,
+    its answer and a new user message. Per conversation and turn: prompt, output, cached."""
+    rng = random.Random(seed)
+    prompts = [new_tokens(rng, user_tokens + 40 * c) for c in range(conversations)]
+    history: list[list[dict]] = [[] for _ in range(conversations)]
+    for turn in range(turns):
+        ids = [f"c{c}t{turn}" for c in range(conversations)]
+        outputs = harness.generate(dict(zip(ids, prompts)),
+                                   greedy(answer_tokens, **params_extra))
+        for c, request_id in enumerate(ids):
+            history[c].append({"prompt": prompts[c], "output": outputs[request_id],
+                               "cached": harness.cached_tokens.get(request_id, 0)})
+            prompts[c] = prompts[c] + outputs[request_id] + new_tokens(rng, user_tokens)
+    return history
+
+
+def assert_pages_back(harness: EngineHarness) -> None:
+    pages = harness.page_manager
+    assert not pages.request_ids() and pages.num_available == pages.total_pages
+    harness.scheduler.check_pages()
+
+
+def test_conversation_identical_to_vanilla_with_prefix_caching(tiny_llama):
+    """Budget above every prompt: each turn adopts the previous turn's whole cache (prompt and
+    answer but its last token, which was never computed) and its tokens are vanilla's."""
+    histories = {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
+        harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True,
+                                kv_cache_memory_bytes=64 << 20, **ENGINE)
+        try:
+            histories[name] = converse(harness, turns=4, conversations=3, user_tokens=150,
+                                       answer_tokens=20)
+            if compression:
+                assert_pages_back(harness)
+                assert harness.page_manager.entry_ids(), "finished turns stay cached"
+        finally:
+            harness.shutdown()
+    ours, vanilla = histories["kvcompress"], histories["vanilla"]
+    for conversation, reference in zip(ours, vanilla):
+        assert [t["output"] for t in conversation] == [t["output"] for t in reference]
+        assert conversation[0]["cached"] == 0
+        for before, turn in zip(conversation, conversation[1:]):
+            assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
+        # vLLM caches whole blocks: fewer tokens than we adopt, but some.
+        assert all(0 < t["cached"] <= o["cached"] for t, o in zip(reference[1:],
+                                                                   conversation[1:]))
+
+
+def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
+    """Budget 64 with 200-token turns: each turn adopts the compressed cache of the last and
+    its rows grow by at most the budget of the new part; pages checked every step."""
+    settings = {"kv_compression": "snapkv", "kv_budget": 64}
+    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
+    try:
+        lengths = []
+        original_release = harness.scheduler._release
+
+        def record(request_id, compaction):
+            if compaction.kind == "prompt":
+                lengths.append((request_id, compaction.physical_lengths.copy()))
+            original_release(request_id, compaction)
+
+        harness.scheduler._release = record
+        history = converse(harness, turns=3, conversations=2, user_tokens=200,
+                           answer_tokens=12)
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+    for conversation in history:
+        for before, turn in zip(conversation, conversation[1:]):
+            assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
+    rows_by_turn = {}
+    for request_id, rows in lengths:
+        rows_by_turn[request_id.split("-")[0]] = rows
+    for c in range(2):
+        first, second, third = (rows_by_turn[f"c{c}t{t}"] for t in range(3))
+        assert np.all(first == 64)  # snapkv: every head keeps the budget
+        # The adopted part (first turn's 64 + its 11 computed answer tokens) stays; the
+        # 200-odd new tokens are compressed to the budget.
+        assert np.all(second == 64 + 11 + 64)
+        assert np.all(third == second + 11 + 64)
+
+
+def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(tiny_llama):
+    """A pool too small for 5 conversations' caches: entries are evicted for running
+    requests; four continuations of one entry copy it and, too long to run together, are
+    preempted and resume; an adopter is aborted mid-prefill. The page invariants hold after
+    every step (KVCOMPRESS_CHECK_PAGES) and every page comes back."""
+    settings = {"kv_compression": "snapkv", "kv_budget": 48, "kv_admission_lookahead": 0}
+    token_bytes = 4 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x fp32
+    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=1700 * token_bytes,
+                            **{**ENGINE, "max_model_len": 1024})
+    try:
+        history = converse(harness, turns=2, conversations=5, user_tokens=160,
+                           answer_tokens=40, seed=3)
+        reuse = harness.scheduler.reuse
+        assert sum(t["cached"] > 0 for c in history for t in c[1:]) >= 3
+        # Branches: two continuations of one finished turn (the newest entry) at once.
+        rng = random.Random(9)
+        last = history[0][-1]
+        prompt = last["prompt"] + last["output"] + new_tokens(rng, 20)
+        base = prompt + harness.generate({"again": prompt}, greedy(8))["again"]
+        # Five long answers do not fit together: adopters are preempted and resume.
+        branches = {f"b{i}": base + new_tokens(rng, 30) for i in range(5)}
+        harness.generate(branches, greedy(180))
+        cached = [harness.cached_tokens[b] for b in branches]
+        assert cached.count(len(base) - 1) >= 2, (cached, len(base))
+        assert harness.stats.preemptions > 0, "the branches were meant not to fit together"
+        # An adopter aborted right after its adoption step.
+        harness.add("aborted", base + new_tokens(rng, 300), greedy(8))
+        harness.step()
+        assert harness.scheduler.page_manager.shards[0].physical_lengths(
+            harness.internal_id("aborted")).min() > 0
+        harness.abort(["aborted"])
+        harness.run_until_done()
+        assert_pages_back(harness)
+        figures = vars(reuse.totals)
+    finally:
+        harness.shutdown()
+    assert figures["evicted_entries"] > 0, ("the pool was meant to be too small to keep all",
+                                            figures, harness.stats.preemptions)
+    assert figures["copies"] > 0
+
+
+def test_entries_are_adopted_only_under_the_same_settings(tiny_llama):
+    """A compressed entry is not adopted by a request compressed otherwise or not at all;
+    an exact one is adopted by anyone who would keep it whole (``none``, a larger budget);
+    --kv-reuse off adopts nothing."""
+    rng = random.Random(4)
+    long_prompt, short_prompt = new_tokens(rng, 300), new_tokens(rng, 40)
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64},
+                            kv_cache_memory_bytes=64 << 20, **ENGINE)
+    try:
+        first = harness.generate({"a": long_prompt, "s": short_prompt}, greedy(4))
+        follow = {name: prompt + first[name] + new_tokens(rng, 50)
+                  for name, prompt in (("a", long_prompt), ("s", short_prompt))}
+        # Submitted together: each looks up before any of the others has finished.
+        for name, extra in (("none", {"kv_compression": "none"}), ("other", {"kv_budget": 96}),
+                            ("same", {})):
+            for source in ("a", "s"):
+                harness.add(f"{source}-{name}", follow[source],
+                            greedy(4, extra_args=extra or None))
+        harness.run_until_done()
+        cached = harness.cached_tokens
+        assert cached["a-none"] == 0 and cached["a-other"] == 0
+        assert cached["a-same"] == len(long_prompt) + 3
+        for name in ("none", "other", "same"):  # the short prompt kept everything: exact
+            assert cached[f"s-{name}"] == len(short_prompt) + 3
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+    off = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
+                                     "kv_reuse": "off"},
+                        kv_cache_memory_bytes=64 << 20, **ENGINE)
+    try:
+        off.generate({"a": long_prompt}, greedy(4))
+        off.generate({"b": long_prompt + first["a"] + new_tokens(rng, 50)}, greedy(4))
+        assert off.cached_tokens.get("b", 0) == 0 and not off.page_manager.entry_ids()
+        assert off.page_manager.num_free == off.page_manager.total_pages
+    finally:
+        off.shutdown()

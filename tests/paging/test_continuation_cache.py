@@ -1,0 +1,314 @@
+"""Cached entries (multi-turn reuse): pages kept after a request ends, adopted by a prompt
+that continues it, evicted least-recently-used only when pages run short; every page free,
+owned or cached exactly once."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
+from kvcompress.paging.continuation_index import BLOCK_TOKENS, ContinuationIndex
+
+PAGE = 4
+
+
+def make_manager(total_pages=64, layers=2, heads=2) -> PageManager:
+    return PageManager(PageLayout(layers, heads, head_size=8, page_size=PAGE, dtype_bytes=2,
+                                  total_pages=total_pages))
+
+
+def finished(manager, request_id, entry_id, logical, prompt_len, physical=None):
+    """Allocate, optionally compact the prompt to ``physical`` per row, retire."""
+    assert manager.allocate(request_id, logical)
+    if physical is not None:
+        manager.release_after_compression(request_id, logical, np.asarray(physical))
+    manager.take_deltas()
+    assert manager.retire(request_id, entry_id, logical, prompt_len)
+
+
+def accounted(manager) -> int:
+    return manager.num_free + manager.owned_pages() + manager.num_cached
+
+
+def test_retired_pages_stay_cached_and_count_as_available():
+    manager = make_manager(total_pages=40)
+    finished(manager, "a", 1, logical=10, prompt_len=8)
+    assert manager.num_cached == 4 * 3 and "a" not in manager
+    assert manager.num_free == 40 - 12 and manager.num_available == 40
+    assert manager.usage == 0.0  # as vLLM counts its evictable prefix cache
+    manager.check_invariants()
+
+
+def test_cut_points_follow_what_the_rows_hold():
+    manager = make_manager()
+    # Prompt of 12 compacted to [5, 6, 7, 12] per row, then 4 generated tokens in order.
+    assert manager.allocate("a", 12)
+    manager.release_after_compression("a", 12, np.array([5, 6, 7, 12]))
+    assert manager.allocate("a", 16)
+    manager.retire("a", 1, 16, prompt_len=12)
+    entry = manager.entry(1)
+    assert entry.lengths_at(12).tolist() == [5, 6, 7, 12]
+    assert entry.lengths_at(14).tolist() == [7, 8, 9, 14]
+    assert entry.lengths_at(11) is None  # inside a compacted prompt: slots unknown
+    assert entry.lengths_at(17) is None
+    assert (entry.best_hit(11), entry.best_hit(15), entry.best_hit(99)) == (0, 15, 16)
+    # After a decode eviction only the prompt's end is a cut point.
+    assert manager.allocate("b", 12)
+    manager.release_after_compression("b", 12, np.array([5, 6, 7, 12]))
+    assert manager.allocate("b", 20)
+    manager.release_after_compression("b", 20, np.array([9, 10, 11, 16]), kind="decode")
+    manager.retire("b", 2, 20, prompt_len=12)
+    entry = manager.entry(2)
+    assert entry.lengths_at(13) is None and entry.best_hit(18) == 12
+    assert entry.lengths_at(12).tolist() == [5, 6, 7, 12]
+    # An exact prompt can be cut anywhere inside it.
+    finished(manager, "c", 3, logical=9, prompt_len=6)
+    assert manager.entry(3).lengths_at(3).tolist() == [3] * 4
+    manager.check_invariants()
+
+
+def test_copy_adoption_keeps_the_entry_and_lists_the_page_copies():
+    manager = make_manager(total_pages=60)
+    finished(manager, "a", 1, logical=12, prompt_len=12, physical=[5, 6, 7, 12])
+    source = manager.entry(1).table
+    assert manager.can_adopt(1, 12, logical_len=20, copy=True)
+    assert manager.adopt("b", 1, 12, copy=True)
+    assert manager.allocate("b", 20)
+    delta = manager.take_deltas()["b"]
+    assert delta.fresh and delta.adopted_len == 12
+    assert delta.adopted_lengths.tolist() == [5, 6, 7, 12]
+    src, dst = delta.copies
+    assert sorted(src.tolist()) == sorted(source.all_pages().tolist())
+    assert not set(dst.tolist()) & set(src.tolist())
+    assert manager.physical_lengths("b").tolist() == [13, 14, 15, 20]
+    assert manager.entry(1) is not None  # still cached for another continuation
+    manager.check_invariants()
+    assert accounted(manager) == 60
+
+
+def test_handover_gives_the_pages_away_and_frees_what_is_past_the_cut():
+    manager = make_manager(total_pages=60)
+    finished(manager, "a", 1, logical=16, prompt_len=8)  # 4 pages per row
+    pages = manager.entry(1).table.pages[:, :2].copy()
+    assert manager.adopt("b", 1, 8, copy=False)
+    assert manager.entry(1) is None and manager.num_cached == 0
+    assert manager.owned_pages("b") == 8 and manager.num_free == 60 - 8
+    delta = manager.take_deltas()["b"]
+    assert delta.copies is None
+    assert np.array_equal(manager._requests["b"].table.pages[:, :2], pages)
+    manager.check_invariants()
+
+
+def test_entries_are_evicted_least_recently_used_and_only_when_pages_run_short():
+    manager = make_manager(total_pages=36)
+    finished(manager, "a", 1, logical=8, prompt_len=8)  # 8 pages
+    finished(manager, "b", 2, logical=8, prompt_len=8)  # 8 pages
+    assert manager.adopt("c", 1, 4, copy=True)  # touches entry 1: entry 2 is now the oldest
+    manager.free("c")
+    assert manager.allocate("d", 8 * 4)  # 32 pages: 20 free, so 12 come from eviction
+    assert manager.take_evicted_entries() == [2, 1]
+    assert manager.num_cached == 0 and accounted(manager) == 36
+    finished(manager, "e", 3, logical=4, prompt_len=4)  # 4 pages, all that is left
+    assert manager.allocate("f", 0) and manager.entry(3) is not None  # nothing needed: kept
+    assert not manager.allocate("g", 8)  # 8 > 4 available: nothing evicted for a refusal
+    assert manager.entry(3) is not None
+    manager.check_invariants()
+
+
+def test_a_copy_never_evicts_its_own_source():
+    manager = make_manager(total_pages=24)
+    finished(manager, "a", 1, logical=12, prompt_len=12)  # 12 pages, 12 free
+    assert not manager.can_adopt(1, 12, logical_len=16, copy=True)  # 16 > 24 - 12
+    assert manager.can_adopt(1, 12, logical_len=16, copy=False)  # 4 more pages: fits
+    assert manager.can_adopt(1, 8, logical_len=9, copy=True)  # 12 new pages, 12 free
+    assert manager.adopt("b", 1, 8, copy=True) and manager.allocate("b", 9)
+    assert manager.entry(1) is not None and manager.num_free == 0
+    manager.check_invariants()
+
+
+def test_ranks_evict_together():
+    layout = PageLayout(2, 2, head_size=8, page_size=PAGE, dtype_bytes=2, total_pages=20)
+    pages = ShardedPageManager(layout, 2)
+    assert pages.allocate("a", 8)
+    # Rank 1 compacts more: its entry is smaller.
+    pages.release_after_compression("a", 8, np.array([8, 8, 8, 8, 1, 1, 1, 1]))
+    assert pages.retire("a", 1, 8, prompt_len=8)
+    assert pages.num_available == 20
+    assert pages.allocate("b", 16)  # rank 0 must evict entry 1, rank 1 need not
+    assert pages.take_evicted_entries() == [1]
+    assert pages.entry_ids() == [] and pages.cached_pages_all_ranks == 0
+    pages.check_invariants()
+
+
+def tokens(*values):
+    return np.asarray(values, dtype=np.int64)
+
+
+def test_index_finds_entries_by_shared_prefix_and_settings():
+    index = ContinuationIndex()
+    base = np.arange(3 * BLOCK_TOKENS)
+    assert index.add(1, base, first_cut=1, settings="none", exact=True)
+    assert index.add(2, base[: 2 * BLOCK_TOKENS + 3], first_cut=2 * BLOCK_TOKENS + 3,
+                     settings="pyramid", exact=False)
+    assert not index.add(3, base[:5], first_cut=1, settings="none", exact=True)  # < a block
+    prompt = np.concatenate([base[: 2 * BLOCK_TOKENS + 7], [-1, -2]])
+    found = {e: (shared, same) for e, shared, same in
+             index.candidates(prompt, limit=len(prompt) - 1, settings="pyramid")}
+    assert found == {1: (2 * BLOCK_TOKENS + 7, False), 2: (2 * BLOCK_TOKENS + 3, True)}
+    assert index.candidates(prompt, len(prompt) - 1, settings="snapkv") == [
+        (1, 2 * BLOCK_TOKENS + 7, False)]  # exact: offered to other settings too
+    different = prompt.copy()
+    different[3] = 999
+    assert index.candidates(different, len(prompt) - 1, "pyramid") == []
+    index.remove(1)
+    assert index.candidates(prompt, 10**6, "pyramid") == [(2, 2 * BLOCK_TOKENS + 3, True)]
+
+
+class ReuseMachine(RuleBasedStateMachine):
+    """Random allocate / compact / retire / adopt (copy or handover) / free sequences with a
+    labelled pool: the worker mirror runs every page copy, and an adopter's pages must hold
+    exactly what the entry's held; every page free, owned or cached once."""
+
+    def __init__(self):
+        super().__init__()
+        self.manager = make_manager(total_pages=40)
+        self.layout = self.manager.layout
+        self.worker = WorkerKVState(self.layout, torch.device("cpu"))
+        self.pool = np.full(self.layout.total_pages, -1, dtype=np.int64)  # a label per page
+        self.logical: dict[str, int] = {}
+        self.prompt: dict[str, int] = {}
+        self.entry_content: dict[int, dict[int, int]] = {}  # entry -> {page: label}
+        self.compacted: set[str] = set()
+        self.next_id = 0
+
+    def _sync(self):
+        for request_id, delta in self.manager.take_deltas().items():
+            self.worker.apply_deltas({request_id: delta})
+            if delta.copies is not None:
+                src, dst = delta.copies
+                self.pool[dst] = self.pool[src]
+        # Every page a request owns gets written by it (labels its own).
+        for request_id in self.logical:
+            for page in self.worker.requests[request_id].table.all_pages():
+                if self.pool[page] < 0:
+                    self.pool[page] = self.next_id * 1000 + int(page)
+
+    @rule(length=st.integers(1, 24))
+    def add_request(self, length):
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        if self.manager.allocate(request_id, length):
+            self.logical[request_id] = self.prompt[request_id] = length
+        self._sync()
+
+    @precondition(lambda self: self.logical)
+    @rule(data=st.data(), extra=st.integers(1, 6))
+    def grow(self, data, extra):
+        request_id = data.draw(st.sampled_from(sorted(self.logical)))
+        if self.manager.allocate(request_id, self.logical[request_id] + extra):
+            self.logical[request_id] += extra
+            if request_id not in self.compacted:
+                self.prompt[request_id] = self.logical[request_id]  # still its prompt
+        self._sync()
+
+    @precondition(lambda self: set(self.logical) - self.compacted)
+    @rule(data=st.data())
+    def compact_prompt(self, data):
+        """Once per request, as the engine does: its prompt ends here, and what it grows by
+        afterwards is generated."""
+        request_id = data.draw(st.sampled_from(sorted(set(self.logical) - self.compacted)))
+        self.compacted.add(request_id)
+        logical = self.prompt[request_id] = self.logical[request_id]
+        current = self.manager.physical_lengths(request_id)
+        lengths = np.array([data.draw(st.integers(0, int(n))) for n in current])
+        self.manager.release_after_compression(request_id, logical, lengths)
+        self.worker.requests[request_id].table.truncate(lengths)
+
+    @precondition(lambda self: self.logical)
+    @rule(data=st.data())
+    def retire_or_free(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.logical)))
+        entry_id = self.next_id
+        self.next_id += 1
+        table = self.worker.requests[request_id].table
+        if data.draw(st.booleans()) and self.manager.retire(
+                request_id, entry_id, self.logical[request_id], self.prompt[request_id]):
+            kept = self.manager.entry(entry_id).table.all_pages()
+            self.entry_content[entry_id] = {int(p): int(self.pool[p]) for p in kept}
+        else:
+            self.manager.free(request_id)
+        for page in table.all_pages():
+            if not any(int(page) in content for content in self.entry_content.values()):
+                self.pool[page] = -1  # freed: its next owner writes it
+        self.worker.drop([request_id])
+        del self.logical[request_id], self.prompt[request_id]
+        self.compacted.discard(request_id)
+
+    @precondition(lambda self: self.manager.entry_ids())
+    @rule(data=st.data(), extra=st.integers(1, 6), copy=st.booleans())
+    def adopt(self, data, extra, copy):
+        entry_id = data.draw(st.sampled_from(self.manager.entry_ids()))
+        entry = self.manager.entry(entry_id)
+        hit = entry.best_hit(data.draw(st.integers(1, entry.logical_len)))
+        if not hit or not self.manager.can_adopt(entry_id, hit, hit + extra, copy):
+            return
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        source = entry.table
+        lengths = entry.lengths_at(hit)
+        expected = [[self.pool[source.pages[row, page]] for page in range(-(-n // PAGE))]
+                    for row, n in enumerate(lengths)]
+        assert self.manager.adopt(request_id, entry_id, hit, copy)
+        assert self.manager.allocate(request_id, hit + extra)
+        self.logical[request_id] = hit + extra
+        self.prompt[request_id] = hit + extra  # until its own compaction says otherwise
+        self._forget_evicted()
+        if not copy:
+            del self.entry_content[entry_id]
+        self._sync()
+        table = self.worker.requests[request_id].table
+        assert self.worker.requests[request_id].lengths.tolist() == lengths.tolist()
+        for row, labels in enumerate(expected):
+            assert [self.pool[page] for page in table.pages[row, : len(labels)]] == labels
+
+    def _forget_evicted(self):
+        for entry_id in self.manager.take_evicted_entries():
+            del self.entry_content[entry_id]
+
+    @invariant()
+    def every_page_free_owned_or_cached_once(self):
+        self._forget_evicted()
+        self.manager.check_invariants()
+        assert accounted(self.manager) == self.layout.total_pages
+        assert sorted(self.entry_content) == sorted(self.manager.entry_ids())
+
+    @invariant()
+    def cached_pages_keep_their_contents(self):
+        for content in self.entry_content.values():
+            for page, label in content.items():
+                assert self.pool[page] == label
+
+    @invariant()
+    def worker_mirror_matches_the_scheduler(self):
+        assert set(self.worker.requests) == set(self.logical)
+        for request_id, mirror in self.worker.requests.items():
+            original = self.manager._requests[request_id].table
+            assert np.array_equal(mirror.table.all_pages(), original.all_pages())
+
+
+TestReuseMachine = ReuseMachine.TestCase
+TestReuseMachine.settings = settings(max_examples=50, stateful_step_count=35, deadline=None)
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_adoption_of_an_unknown_or_uncuttable_entry_is_refused(copy):
+    manager = make_manager()
+    assert not manager.adopt("x", 7, 4, copy)
+    finished(manager, "a", 1, logical=12, prompt_len=12, physical=[5, 6, 7, 12])
+    assert not manager.can_adopt(1, 6, 8, copy) and not manager.adopt("x", 1, 6, copy)
+    assert "x" not in manager
+    manager.check_invariants()
