@@ -1,6 +1,7 @@
 """Tensor parallelism (2 ranks, multiprocessing executor, one CPU core per rank): each rank
 holds its own KV heads in its own pool. Token-identical to vanilla vLLM at the same tensor
-parallelism when nothing is evicted; exact per-head budgets on both ranks for every
+parallelism when nothing is evicted, also over two turns of a conversation (reuse); exact
+per-head budgets on both ranks for every
 method; every rank's pages come back after finish, abort and preemption (the scheduler
 checks the invariants of every rank after each step, KVCOMPRESS_CHECK_PAGES=1). Served over
 HTTP at tensor parallel 2 and at data parallel 2 (each engine its own pool)."""
@@ -21,6 +22,7 @@ from .test_compression import (
     expected_layer_budgets,
     step_until_first_token,
 )
+from .test_reuse import converse
 
 pytestmark = pytest.mark.slow
 
@@ -58,15 +60,28 @@ def test_tp2_identical_to_vanilla_tp2_with_chunked_prefill_and_preemption(tiny_l
     assert ours == vanilla
 
 
-def test_tp2_with_replicated_kv_head_identical_to_vanilla(tiny_llama_kv1):
-    """One KV head at TP 2: vLLM replicates it, each rank keeps its own copy."""
-    prompts = random_prompts([300, 64, 7], seed=3)
-    results = run_vanilla_and_kvcompress(
-        tiny_llama_kv1, prompts, greedy(16), NO_EVICTION,
-        max_model_len=512, max_num_batched_tokens=128, max_num_seqs=4,
-        kv_cache_memory_bytes=16 << 20, **TP2,
-    )
-    assert results["kvcompress"][0] == results["vanilla"][0]
+def test_tp2_with_replicated_kv_head_identical_to_vanilla_over_two_turns(tiny_llama_kv1):
+    """One KV head at TP 2: vLLM replicates it, each rank keeps its own copy. The second turn
+    of each conversation adopts the first turn's cache on both ranks (multi-turn reuse) and
+    stays identical to vanilla with prefix caching."""
+    histories = {}
+    for name, compression in (("vanilla", None), ("kvcompress", NO_EVICTION)):
+        harness = EngineHarness(tiny_llama_kv1, compression, max_model_len=512,
+                                max_num_batched_tokens=128, max_num_seqs=4,
+                                kv_cache_memory_bytes=16 << 20, enable_prefix_caching=True,
+                                **TP2)
+        try:
+            histories[name] = converse(harness, turns=2, conversations=3, user_tokens=100,
+                                       answer_tokens=16)
+            if compression:
+                assert_every_rank_free(harness)
+                assert harness.page_manager.entry_ids()
+        finally:
+            harness.shutdown()
+    for ours, vanilla in zip(histories["kvcompress"], histories["vanilla"]):
+        assert [t["output"] for t in ours] == [t["output"] for t in vanilla]
+        first, second = ours
+        assert second["cached"] == len(first["prompt"]) + len(first["output"]) - 1
 
 
 def test_tp2_exact_budgets_on_every_rank_and_a_fault_on_one_rank_ends_its_request(
