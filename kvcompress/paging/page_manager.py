@@ -61,6 +61,7 @@ class _RequestPages:
     tail_in_order: bool = True
     # Started from a cached entry: logical tokens adopted, and their per-row physical ones.
     adopted: tuple[int, np.ndarray] | None = None
+    adopted_from: int | None = None  # that entry's id
 
     def refresh_headroom(self, page_size: int) -> None:
         slots = self.table.num_pages.astype(np.int64) * page_size
@@ -318,6 +319,10 @@ class PageManager:
             return False
         del self._requests[request_id]
         self._pending.pop(request_id, None)
+        if state.adopted_from in self._entries:
+            # The new entry continues the one it adopted, which now serves only a branch
+            # from its own end: evicted first.
+            self._entries.move_to_end(state.adopted_from, last=False)
         lengths = logical_len - state.evicted
         if (lengths < 0).any():
             self._push(state.table.all_pages())
@@ -384,7 +389,8 @@ class PageManager:
             page_ids = entry.table.all_pages()
         table.append(counts, page_ids)
         state = _RequestPages(table=table, logical_len=hit, evicted=hit - lengths,
-                              prompt_evicted=hit - lengths, adopted=(hit, lengths.copy()))
+                              prompt_evicted=hit - lengths, adopted=(hit, lengths.copy()),
+                              adopted_from=entry_id if copy else None)
         state.refresh_headroom(page_size)
         self._requests[request_id] = state
         self._pending[request_id] = PageTableDelta(

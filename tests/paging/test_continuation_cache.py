@@ -119,6 +119,17 @@ def test_entries_are_evicted_least_recently_used_and_only_when_pages_run_short()
     manager.check_invariants()
 
 
+def test_a_continuation_s_entry_goes_first_once_its_adopter_retires():
+    manager = make_manager(total_pages=60)
+    finished(manager, "a", 1, logical=8, prompt_len=8)
+    finished(manager, "b", 2, logical=8, prompt_len=8)
+    assert manager.adopt("c", 1, 8, copy=True) and manager.allocate("c", 12)
+    assert manager.entry_ids() == [2, 1]  # adopted: used most recently
+    assert manager.retire("c", 3, 12, prompt_len=10)
+    assert manager.entry_ids() == [1, 2, 3]  # 3 continues 1: 1 serves only a branch now
+    manager.check_invariants()
+
+
 def test_a_copy_never_evicts_its_own_source():
     manager = make_manager(total_pages=24)
     finished(manager, "a", 1, logical=12, prompt_len=12)  # 12 pages, 12 free
