@@ -75,3 +75,12 @@ _._name_or_path
 # Read by the engine tests: how often the scheduler's ScoringGate held a chunk short of its
 # observation window (engine/scoring_memory.py).
 _.deferred_chunks
+
+# benchmarks/multi_turn.py: TurnRecord fields, read by name from its asdict() records.
+_.cached_tokens
+_.context_tokens
+_.context_match
+_.ttft_s
+_.ttft_vllm_s
+_.queue_s
+_.prefill_s
