@@ -52,7 +52,7 @@ def test_conversation_identical_to_vanilla_with_prefix_caching(tiny_llama):
         harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True,
                                 kv_cache_memory_bytes=64 << 20, **ENGINE)
         try:
-            histories[name] = converse(harness, turns=4, conversations=3, user_tokens=150,
+            histories[name] = converse(harness, turns=3, conversations=3, user_tokens=150,
                                        answer_tokens=20)
             if compression:
                 assert_pages_back(harness)
