@@ -97,7 +97,8 @@ class ContinuationCache:
         request_id = request.request_id
         computed = request.num_computed_tokens
         if (not self.enabled or request.status not in _RETIRED_STATUSES
-                or request_id not in self.pages or computed <= 0):
+                or request_id not in self.pages or computed <= 0
+                or not self._keyed_by_tokens(request)):
             return False
         entry_id = next(self._entry_ids)
         if not self.pages.retire(request_id, entry_id, computed, request.num_prompt_tokens):
@@ -140,8 +141,13 @@ class ContinuationCache:
                 setattr(counts, name, getattr(counts, name) + value)
 
     @staticmethod
-    def _may_read(request: Any) -> bool:
-        """vLLM's own rule (prompt logprobs, pooling) plus what entries are not keyed by:
-        LoRA adapters, multimodal inputs and cache salts."""
-        return not (request.skip_reading_prefix_cache or request.lora_request is not None
-                    or request.has_encoder_inputs or getattr(request, "cache_salt", None))
+    def _keyed_by_tokens(request: Any) -> bool:
+        """Whether the request's tokens alone say what its cache holds: not with LoRA
+        adapters, multimodal inputs, prompt embeddings or a cache salt."""
+        return not (request.lora_request is not None or request.has_encoder_inputs
+                    or getattr(request, "prompt_embeds", None) is not None
+                    or getattr(request, "cache_salt", None))
+
+    def _may_read(self, request: Any) -> bool:
+        """vLLM's own rule (prompt logprobs, pooling) and entries keyed by tokens only."""
+        return not request.skip_reading_prefix_cache and self._keyed_by_tokens(request)
