@@ -17,8 +17,10 @@ from benchmarks.specs import CompressionSpec, EngineSettings
 
 
 def build_engine(settings: EngineSettings, spec: CompressionSpec,
-                 stat_loggers: list[Any] | None = None) -> Any:
-    """An LLMEngine for ``spec`` with the shared settings (stats on when loggers are given)."""
+                 stat_loggers: list[Any] | None = None, *,
+                 enable_prefix_caching: bool = False) -> Any:
+    """An LLMEngine for ``spec`` with the shared settings (stats on when loggers are given).
+    Prefix caching is off unless asked for (benchmarks.multi_turn measures reuse)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -31,9 +33,9 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         enforce_eager=settings.enforce_eager,
         seed=settings.seed,
-        # Same for every configuration: no reuse of repeated prompt prefixes (this also
-        # switches kvcompress's --kv-reuse off); benchmarks.multi_turn measures reuse.
-        enable_prefix_caching=False,
+        # The same for every configuration of a run: off, no reuse of repeated prompt
+        # prefixes (this also switches kvcompress's --kv-reuse off).
+        enable_prefix_caching=enable_prefix_caching,
         tensor_parallel_size=settings.tensor_parallel_size,
         distributed_executor_backend=_executor(settings),
         disable_log_stats=not stat_loggers,

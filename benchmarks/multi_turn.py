@@ -527,29 +527,6 @@ def add_recall(rows: list[dict[str, Any]], conversations: Sequence[Conversation]
 
 
 # ----------------------------------------------------------------------------- worker side
-def build_engine(settings: EngineSettings, config: RunConfig,
-                 stat_loggers: list[Any]) -> Any:
-    """An LLMEngine with the shared settings, stats on (per-request TTFT), and vLLM's prefix
-    cache as the configuration says (benchmarks.engine.build_engine keeps it off)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    engine_args = EngineArgs(
-        model=settings.model,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-        enforce_eager=settings.enforce_eager,
-        seed=settings.seed,
-        enable_prefix_caching=config.prefix_caching,
-        disable_log_stats=False,
-        additional_config=config.spec.additional_config(settings.compression_options),
-    )
-    return LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
-
-
 def prefix_cache_logger(sink: dict[str, int]) -> Callable[..., Any]:
     """A vLLM stat logger factory summing the scheduler's prefix-cache queries and hits."""
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -605,6 +582,7 @@ def warm_up(engine: Any) -> None:
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from benchmarks.engine import build_engine
     from kvcompress.engine.stats import EngineStats, StepStatsRecorder
 
     settings = EngineSettings(**job["settings"])
@@ -616,8 +594,9 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     special = special_token_ids(tokenizer)
     sink = EngineStats()
     prefix = {"requests": 0, "queries": 0, "hits": 0}
-    engine = build_engine(settings, config, [StepStatsRecorder.factory(sink),
-                                             prefix_cache_logger(prefix)])
+    engine = build_engine(settings, config.spec, enable_prefix_caching=config.prefix_caching,
+                          stat_loggers=[StepStatsRecorder.factory(sink),
+                                        prefix_cache_logger(prefix)])
     try:
         if job["warmup"]:  # one-time costs (kernel selection, allocations) out of the figures
             warm_up(engine)
