@@ -54,10 +54,10 @@ def test_a_compaction_report_the_scheduler_rejects_ends_only_its_request(tiny_ll
                                                                          monkeypatch):
     real = PageManager.release_after_compression
 
-    def reject_one(self, request_id, logical_len, physical_lengths):
+    def reject_one(self, request_id, logical_len, physical_lengths, *args, **kwargs):
         if logical_len == FAULTY_LEN:
             physical_lengths = np.full_like(physical_lengths, logical_len + 1)  # impossible
-        return real(self, request_id, logical_len, physical_lengths)
+        return real(self, request_id, logical_len, physical_lengths, *args, **kwargs)
 
     monkeypatch.setattr(PageManager, "release_after_compression", reject_one)
     outputs, reasons = run(tiny_llama, random_prompts([200, FAULTY_LEN, 250], seed=3))
