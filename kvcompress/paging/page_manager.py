@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
-from kvcompress.paging.page_table import HeadPageTable
+from kvcompress.paging.page_table import HeadPageTable, pages_for_lengths
 
 
 @dataclass
@@ -351,7 +351,7 @@ class PageManager:
         lengths = None if entry is None else entry.lengths_at(hit)
         if lengths is None:
             return False
-        grown = -(-(lengths + (logical_len - hit)) // self.layout.page_size)
+        grown = pages_for_lengths(lengths + (logical_len - hit), self.layout.page_size)
         # A copy takes new pages for every row while the entry stays cached; a handover
         # keeps the entry's first pages and frees the rest, so only growth costs pages.
         available = self.num_available - (entry.table.total_pages if copy else 0)
@@ -369,10 +369,7 @@ class PageManager:
         if lengths is None:
             return False
         page_size = self.layout.page_size
-        counts = (-(-lengths // page_size)).astype(np.int32)
-        source = HeadPageTable(self.layout.num_rows, page_size)
-        source.append(entry.table.num_pages, entry.table.all_pages())
-        source.truncate(lengths)
+        counts = pages_for_lengths(lengths, page_size).astype(np.int32)
         table = HeadPageTable(self.layout.num_rows, page_size)
         copies = None
         if copy:
@@ -381,7 +378,7 @@ class PageManager:
                 return False
             self._entries.move_to_end(entry_id)
             page_ids = self._pop(needed, keep=entry_id)
-            copies = (source.all_pages(), page_ids)
+            copies = (entry.table.leading_pages(counts), page_ids)
         else:
             del self._entries[entry_id]
             self._num_cached -= entry.table.total_pages

@@ -79,6 +79,11 @@ class HeadPageTable:
         self.version = next(_VERSIONS)
         return dropped
 
+    def leading_pages(self, counts: np.ndarray) -> np.ndarray:
+        """The first ``counts[row]`` pages of each row, in row order (the table unchanged)."""
+        return self._pages_between(np.zeros_like(self.num_pages),
+                                   np.minimum(counts, self.num_pages))
+
     def all_pages(self) -> np.ndarray:
         return self._pages_between(np.zeros_like(self.num_pages), self.num_pages)
 
