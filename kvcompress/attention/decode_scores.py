@@ -78,12 +78,17 @@ def accumulate_decode_scores_batch(
         num_keys = int(lengths_after[first : first + chunk].max())
         index = torch.tensor([decode.batch_index for decode in part],
                              device=step.page_tables.device)
-        tables = step.page_tables[index][:, rows]  # [n, H, pages]
-        keys, _ = page_format.gather_rows(pool, tables, num_keys)  # [n, H, S, D]
+        page_size = pool.shape[2]
+        num_pages = -(-num_keys // page_size)
+        # the layer's rows and the pages in use first, so only those are copied
+        tables = step.page_tables[:, rows, :num_pages][index]  # [n, H, P]
+        keys = page_format.gather_key_pages(pool, tables).float()  # [n, H, P, D, page]
         tokens = torch.tensor([step.query_start_loc[decode.batch_index] for decode in part],
                               device=query.device)
-        grouped = query[tokens].float().view(len(part), num_kv_heads, -1, head_size)
-        logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scale  # [n, H, G, S]
+        grouped = query[tokens].float().view(len(part), num_kv_heads, 1, -1, head_size)
+        # page by page, so keys are never transposed: [n, H, P, G, page] -> [n, H, G, S]
+        logits = torch.matmul(grouped, keys).transpose(2, 3).flatten(3)[..., :num_keys]
+        logits = logits * scale
         row_lengths = step.lengths_before[index][:, rows] + 1  # [n, H]
         key_pos = torch.arange(num_keys, device=logits.device)
         beyond = key_pos >= row_lengths[..., None]  # [n, H, S]

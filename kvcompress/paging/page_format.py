@@ -58,6 +58,18 @@ class PageFormat:
         keys, values = self.read_tokens(pool, src_slots)
         self.write_tokens(pool, keys, values, dst_slots)
 
+    def gather_key_pages(self, pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """K of ``pages [...]`` as ``[..., head_size, page_size]`` (dimension-major): one
+        contiguous gather on CPU, where pages already hold K transposed, so scoring can multiply
+        queries by whole pages without first transposing every key."""
+        num_pages, _, page_size, head_size = pool.shape
+        # index_select over whole K pages is several times faster than advanced indexing
+        key_pages = pool.view(num_pages, 2, page_size * head_size)[:, 0]
+        keys = key_pages.index_select(0, pages.reshape(-1))
+        if self.keys_transposed:
+            return keys.view(*pages.shape, head_size, page_size)
+        return keys.view(*pages.shape, page_size, head_size).transpose(-1, -2)
+
     def gather_rows(
         self, pool: torch.Tensor, page_tables: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
