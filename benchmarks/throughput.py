@@ -66,8 +66,11 @@ LONG_GENERATION = {
     "configs": "vanilla,pyramidkv:256@window:256,pyramidkv:256@h2o:256,"
                "pyramidkv:256@snapkv:256",
     "num_prompts": 16, "input_len": 256, "output_len": 1024, "kv_cache_tokens": 4 * 1280,
+    "ample_memory_reference": True,
     "output_json": RESULTS_DIR / "throughput_long_generation.json",
 }
+# The reference row of --ample-memory-reference: vanilla, with memory for every request.
+AMPLE_LABEL = "vanilla, KV for all"
 RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running")
 
 
@@ -131,12 +134,16 @@ def summarize(samples: list[dict[str, float]], *, elapsed: float, prompt_tokens:
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """``vs_vanilla``: each figure of RATIO_KEYS over vanilla's (None without a vanilla run).
 
+    ``of_ample_memory``: output tok/s over that of the --ample-memory-reference row.
     ``cap``: with the prefill-only time of the same prompts in the same engine, the output
     tok/s if decoding cost nothing (``output_tok_s``), that as a ratio to vanilla
     (``x_vanilla``), and the share of it reached (``reached``).
     """
     base = next((r for r in rows if r["label"] == "vanilla" and r.get("ok")), None)
+    ample = next((r for r in rows if r["label"] == AMPLE_LABEL and r.get("ok")), None)
     for row in rows:
+        if ample and row.get("ok"):  # the share of what memory for all would give vanilla
+            row["of_ample_memory"] = row["output_tok_s"] / ample["output_tok_s"]
         ratios = {}
         for key in RATIO_KEYS:
             value, ref = row.get(key), (base or {}).get(key)
@@ -260,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extra kvcompress setting for compressed runs, e.g. kv_window=16")
     run = parser.add_argument_group("run")
     run.add_argument("--no-warmup", dest="warmup", action="store_false")
+    run.add_argument("--ample-memory-reference", action="store_true",
+                     help="also run vanilla with KV memory for every request at full length "
+                     "(what memory alone can buy; on by default with --long-generation)")
     run.add_argument("--no-cap", dest="measure_cap", action="store_false",
                      help="skip the prefill-only pass that gives each configuration its cap "
                      "(output tok/s if decoding were free)")
@@ -346,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
              "warmup": args.warmup, "measure_cap": args.measure_cap}
             for spec in specs
         )
+    if args.ample_memory_reference and not args.sweep_kv_memory:
+        ample = sum(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
+        jobs.append({**jobs[0], "id": AMPLE_LABEL, "spec": vars(CompressionSpec()),
+                     "settings": vars(dataclasses.replace(
+                         settings, kv_cache_memory_bytes=ample * per_token
+                         // settings.tensor_parallel_size)),
+                     "capacity_tokens": ample})
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
         units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
@@ -354,13 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         desc="throughput",
         show_progress=not args.no_progress,
     )
-    rows = []
-    for job_index in range(0, len(jobs), len(specs)):  # one pool's configurations
-        pool_rows = [{**config_row(spec, results[job["id"]]),
-                      "kv_cache_tokens": job["capacity_tokens"]}
-                     for spec, job in zip(specs, jobs[job_index: job_index + len(specs)])]
-        add_ratios(pool_rows)
-        rows.extend(pool_rows)
+    rows = [{**config_row(CompressionSpec(**job["spec"]), results[job["id"]]),
+             "kv_cache_tokens": job["capacity_tokens"]} for job in jobs]
+    if rows and jobs[-1]["id"] == AMPLE_LABEL:
+        rows[-1]["label"] = AMPLE_LABEL
+    # ratios within each pool's configurations (the reference row goes with the one pool)
+    for first in range(0, len(specs) * len(pools), len(specs)):
+        add_ratios(rows[first: first + len(specs)] if args.sweep_kv_memory else rows)
     report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
     write_json(args.output_json, report)
     print()
@@ -451,7 +468,8 @@ def render(rows: list[dict[str, Any]]) -> str:
         ("peak_x", "x van"), ("mean_running", "mean run"), ("preemptions", "preempt"),
         ("preempted_tokens", "preempt tok"),
         ("mean_kv_tokens_per_running", "KV tok/req"), ("kv_x", "x van"),
-        ("cap_x", "cap x van"), ("cap_reached", "of cap"), ("elapsed_s", "time s"),
+        ("cap_x", "cap x van"), ("cap_reached", "of cap"),
+        ("of_ample_memory", "of ample mem"), ("elapsed_s", "time s"),
     ]
     return format_table(table_rows, columns)
 

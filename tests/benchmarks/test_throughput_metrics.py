@@ -9,6 +9,7 @@ import pytest
 from benchmarks.jobs import JobResult
 from benchmarks.specs import CompressionSpec
 from benchmarks.throughput import (
+    AMPLE_LABEL,
     add_ratios,
     config_row,
     file_prompts,
@@ -69,6 +70,21 @@ def test_cap_is_the_output_rate_if_decoding_cost_nothing():
     assert rows[1]["cap"]["x_vanilla"] == pytest.approx(2.0)
     assert rows[1]["cap"]["reached"] == pytest.approx(1.0)
     assert rows[2]["cap"] is None  # measured with --no-cap
+
+
+def test_share_of_what_ample_memory_gives_vanilla():
+    rows = [
+        {"label": "vanilla", "ok": True, "output_tok_s": 10.0},
+        {"label": "pyramidkv:256@window:256", "ok": True, "output_tok_s": 15.0},
+        {"label": "pyramidkv:256@h2o:256", "ok": False},
+        {"label": AMPLE_LABEL, "ok": True, "output_tok_s": 20.0},
+    ]
+    add_ratios(rows)
+    assert rows[0]["of_ample_memory"] == pytest.approx(0.5)
+    assert rows[1]["of_ample_memory"] == pytest.approx(0.75)
+    assert "of_ample_memory" not in rows[2]
+    assert rows[3]["vs_vanilla"]["output_tok_s"] == pytest.approx(2.0)
+    assert "of ample mem" in render(rows)
 
 
 def test_ratios_without_vanilla_are_none():
