@@ -15,6 +15,13 @@ Reported per configuration and horizon H (256 and the output length): ``prefix@H
 fraction of the first H tokens reproduced before the first difference (greedy decoding never
 re-converges once it differs, so this is the agreement that matters), and ``match@H``, the
 fraction of positions < H holding the same token.
+
+``--recall`` measures instead whether a fact the model generated early survives decode-time
+eviction: a secret code stated in teacher-forced generated tokens, asked for ~1000 tokens
+later (benchmarks.decode_recall has the method). Reported per configuration: accuracy with its
+95% Wilson interval and the paired difference to the full cache:
+
+    python -m benchmarks.decode_fidelity --recall --num-prompts 20
 """
 
 from __future__ import annotations
@@ -74,17 +81,31 @@ def agreement(reference: list[int], output: list[int], horizon: int) -> tuple[fl
     return prefix / span, matches / span
 
 
+def recall_task_prompts(tokenizer: Any, num: int, filler_tokens: int) -> tuple[list, list]:
+    """(RecallPrompts, their worker dicts): the forced script travels with each prompt."""
+    from benchmarks.decode_recall import FORCED_TOKENS_KEY, recall_prompts
+
+    recall = recall_prompts(tokenizer, num, filler_tokens)
+    return recall, [{"prompt_token_ids": p.prompt_token_ids, "max_tokens": p.max_tokens,
+                     FORCED_TOKENS_KEY: p.forced_tokens} for p in recall]
+
+
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from vllm import SamplingParams
 
+    from benchmarks.decode_recall import FORCED_TOKENS_KEY, PROCESSOR_PATH
     from benchmarks.engine import build_engine, generate, shutdown_engine
 
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
     prompts = json.loads(Path(job["prompts_path"]).read_text())
-    engine = build_engine(settings, spec)
+    # --recall: the forced script travels per request, to a processor the engine loads
+    scripted = any(FORCED_TOKENS_KEY in p for p in prompts)
+    engine = build_engine(settings, spec, logits_processors=[PROCESSOR_PATH] if scripted else ())
     try:
-        params = [SamplingParams(max_tokens=p["max_tokens"], temperature=0.0, ignore_eos=True)
+        params = [SamplingParams(max_tokens=p["max_tokens"], temperature=0.0, ignore_eos=True,
+                                 extra_args={FORCED_TOKENS_KEY: p[FORCED_TOKENS_KEY]}
+                                 if FORCED_TOKENS_KEY in p else None)
                   for p in prompts]
         outputs, elapsed = generate(engine, [p["prompt_token_ids"] for p in prompts], params,
                                     lambda finished, _tokens: reporter.progress(finished))
@@ -113,16 +134,59 @@ def score(specs: list[CompressionSpec], results: dict[str, Any],
     return rows
 
 
+def score_recall_runs(specs: list[CompressionSpec], results: dict[str, Any], recall: list,
+                      tokenizer: Any) -> list[dict[str, Any]]:
+    """Recall accuracy per configuration and its paired difference to the full cache."""
+    from benchmarks.decode_recall import score_recall
+    from benchmarks.quality.scoring import paired_difference
+
+    rows = []
+    for spec in specs:
+        outcome = results[spec.label]
+        row: dict[str, Any] = {"label": spec.label, "ok": outcome.error is None,
+                               "error": outcome.error}
+        if outcome.result is not None:
+            row["generate_s"] = outcome.result["generate_s"]
+            row.update(score_recall(recall, outcome.result["token_ids"], tokenizer))
+        rows.append(row)
+    full = rows[0].get("scores")  # vanilla comes first
+    for row in rows:
+        if "scores" in row and full is not None:
+            row["vs_full"] = paired_difference(row["scores"], full)
+    return rows
+
+
+def recall_table(rows: list[dict[str, Any]]) -> str:
+    def cells(row: dict[str, Any]) -> dict[str, Any]:
+        low, high = row.get("interval") or (None, None)
+        diff = row.get("vs_full") or {}
+        return {"label": row["label"], "accuracy": row.get("accuracy"), "low": low,
+                "high": high, "diff": diff.get("mean"), "diff_low": diff.get("low"),
+                "diff_high": diff.get("high"), "script": row.get("script_followed")}
+
+    columns = [("label", "config"), ("accuracy", "accuracy"), ("low", "95% low"),
+               ("high", "95% high"), ("diff", "vs full"), ("diff_low", "diff low"),
+               ("diff_high", "diff high"), ("script", "script followed")]
+    return format_table([cells(row) for row in rows], columns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(WORKER_MODULE, __doc__)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated METHOD:BUDGET@DECODE_POLICY:N (vanilla is added)")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--recall", action="store_true",
+                        help="recall of a code stated early in the (forced) generated text")
+    parser.add_argument("--recall-filler-tokens", type=int, default=900,
+                        help="--recall: forced filler tokens between the code and the question")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="default: 8, or 20 with --recall")
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--job-timeout", type=float, default=1800.0)
-    parser.add_argument("--output-json", type=Path, default=RESULTS_DIR / "decode_fidelity.json")
+    parser.add_argument("--output-json", type=Path, default=None,
+                        help="default: benchmarks/results/decode_fidelity.json, or "
+                        "decode_recall.json with --recall")
     parser.add_argument("--log-file", type=Path, default=None)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
@@ -139,12 +203,21 @@ def main(argv: list[str] | None = None) -> int:
         specs = [CompressionSpec()] + [s for s in parse_specs(args.configs) if not s.is_vanilla]
     except ValueError as error:
         raise SystemExit(f"--configs: {error}") from None
+    if args.recall_filler_tokens < 1:
+        raise SystemExit("--recall-filler-tokens must be >= 1")
     from transformers import AutoTokenizer
 
+    name = "decode_recall" if args.recall else "decode_fidelity"
+    num_prompts = args.num_prompts or (20 if args.recall else 8)
+    output_json = args.output_json or RESULTS_DIR / f"{name}.json"
     device = detect_device()
     model = args.model or default_model_dir()
-    prompts = chat_prompts(AutoTokenizer.from_pretrained(model), args.num_prompts,
-                           args.output_len)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    recall: list[Any] = []  # --recall: the RecallPrompts, for scoring
+    if args.recall:
+        recall, prompts = recall_task_prompts(tokenizer, num_prompts, args.recall_filler_tokens)
+    else:
+        prompts = chat_prompts(tokenizer, num_prompts, args.output_len)
     dtype = resolve_dtype(args.dtype, device)
     longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
     # Room for every request at once (fidelity, not memory), plus 1024 tokens' worth for
@@ -156,39 +229,49 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, dtype),
     )
     threads = None if device != "cpu" else args.threads or default_threads()
-    workdir = make_workdir("decode_fidelity")
+    workdir = make_workdir(name)
     prompts_path = workdir / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
     log_path = args.log_file or workdir / "vllm.log"
-    header = {"benchmark": "decode_fidelity", "command": command_string([sys.argv[0], *argv]),
+    workload: dict[str, Any] = {"num_prompts": len(prompts),
+                                "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts]}
+    if args.recall:
+        workload.update(filler_tokens=args.recall_filler_tokens, codes=[p.code for p in recall],
+                        forced_tokens=[len(p.forced_tokens) for p in recall])
+    else:
+        workload["output_len"] = args.output_len
+    header = {"benchmark": name, "command": command_string([sys.argv[0], *argv]),
               "machine": machine_info(device), "settings": {**vars(settings), "threads": threads},
-              "workload": {"num_prompts": len(prompts), "output_len": args.output_len,
-                           "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts]}}
+              "workload": workload}
     print(f"command: {header['command']}\nvLLM logs: {log_path}", flush=True)
     jobs = [{"id": spec.label, "spec": vars(spec), "settings": vars(settings),
              "prompts_path": str(prompts_path)} for spec in specs]
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
         units={job["id"]: len(prompts) for job in jobs}, job_timeout=args.job_timeout,
-        env=worker_env(args.verbose, False, threads), desc="decode fidelity",
+        env=worker_env(args.verbose, False, threads), desc=name.replace("_", " "),
         show_progress=not args.no_progress,
     )
     if results["vanilla"].error is not None:
         print(f"the full-cache run failed:\n{results['vanilla'].error}")
         return 1
-    horizons = sorted({min(256, args.output_len), args.output_len})
-    rows = score(specs, results, horizons)
+    if args.recall:
+        rows = score_recall_runs(specs, results, recall, tokenizer)
+        table = recall_table(rows)
+    else:
+        horizons = sorted({min(256, args.output_len), args.output_len})
+        rows = score(specs, results, horizons)
+        table = format_table(rows, [("label", "config")] + [
+            (f"{kind}@{h}", f"{kind}@{h}") for h in horizons for kind in ("prefix", "match")
+        ])
     report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(args.output_json, report)
-    columns = [("label", "config")] + [
-        (f"{kind}@{h}", f"{kind}@{h}") for h in horizons for kind in ("prefix", "match")
-    ]
+    write_json(output_json, report)
     print()
-    print(format_table(rows, columns))
+    print(table)
     failed = [row for row in rows if not row["ok"]]
     for row in failed:
         print(f"\n{row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
+    print(f"\nwrote {output_json} ({report['runtime_s']:.0f} s)")
     return 1 if failed else 0
 
 

@@ -18,9 +18,11 @@ from benchmarks.specs import CompressionSpec, EngineSettings
 
 def build_engine(settings: EngineSettings, spec: CompressionSpec,
                  stat_loggers: list[Any] | None = None, *,
-                 enable_prefix_caching: bool = False) -> Any:
+                 enable_prefix_caching: bool = False,
+                 logits_processors: Sequence[str] = ()) -> Any:
     """An LLMEngine for ``spec`` with the shared settings (stats on when loggers are given).
-    Prefix caching is off unless asked for (benchmarks.multi_turn measures reuse)."""
+    Prefix caching is off unless asked for (benchmarks.multi_turn measures reuse).
+    ``logits_processors``: extra vLLM V1 logits processors, as "module:Class" paths."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -39,6 +41,7 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         tensor_parallel_size=settings.tensor_parallel_size,
         distributed_executor_backend=_executor(settings),
         disable_log_stats=not stat_loggers,
+        logits_processors=list(logits_processors) or None,
         additional_config=spec.additional_config(settings.compression_options),
     )
     return LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
