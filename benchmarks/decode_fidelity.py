@@ -162,11 +162,13 @@ def recall_table(rows: list[dict[str, Any]]) -> str:
         diff = row.get("vs_full") or {}
         return {"label": row["label"], "accuracy": row.get("accuracy"), "low": low,
                 "high": high, "diff": diff.get("mean"), "diff_low": diff.get("low"),
-                "diff_high": diff.get("high"), "script": row.get("script_followed")}
+                "diff_high": diff.get("high"), "digits": row.get("leading_digits"),
+                "script": row.get("script_followed")}
 
     columns = [("label", "config"), ("accuracy", "accuracy"), ("low", "95% low"),
                ("high", "95% high"), ("diff", "vs full"), ("diff_low", "diff low"),
-               ("diff_high", "diff high"), ("script", "script followed")]
+               ("diff_high", "diff high"), ("digits", "leading digits"),
+               ("script", "script followed")]
     return format_table([cells(row) for row in rows], columns)
 
 

@@ -10,7 +10,8 @@ through filler sentences and ends with the question (``...The code is``); the to
 are the model's own greedy answer. The chat prompt asks for the code to be invented but does
 not contain it: the code exists only in the generated (decode) part of the KV cache.
 
-Scoring: the answer is correct when its first run of digits is exactly the code.
+Scoring: the answer is correct when its first run of digits is exactly the code; partial
+credit (``leading_digits``) is the share of the code's leading digits that run reproduces.
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ def is_recalled(answer: str, code: str) -> bool:
     return first_number(answer) == code
 
 
+def leading_digits_recalled(answer: str, code: str) -> float:
+    """Partial credit: the share of the code's leading digits that the answer's first number
+    reproduces in order (" 456." for 45432 -> 0.6), so that losing part of the code is told
+    from losing all of it."""
+    number = first_number(answer) or ""
+    same = next((i for i, (a, b) in enumerate(zip(number, code)) if a != b),
+                min(len(number), len(code)))
+    return same / len(code)
+
+
 # ----------------------------------------------------------------------------- the forcing
 class ForcedScriptProcessor(LogitsProcessor):
     """Teacher-forces ``extra_args["forced_tokens"]`` as a request's first generated tokens;
@@ -164,14 +175,16 @@ def score_recall(prompts: list[RecallPrompt], outputs: list[list[int]],
     the code; accuracy over the prompts with its 95% Wilson interval."""
     from benchmarks.quality.scoring import wilson_interval
 
-    followed, answers, scores = [], [], []
+    followed, answers, scores, digits = [], [], [], []
     for prompt, token_ids in zip(prompts, outputs):
         forced = len(prompt.forced_tokens)
         followed.append(token_ids[:forced] == prompt.forced_tokens)
         answer = tokenizer.decode(token_ids[forced:], skip_special_tokens=True)
         answers.append(answer)
         scores.append(float(is_recalled(answer, prompt.code)))
+        digits.append(leading_digits_recalled(answer, prompt.code))
     return {"accuracy": sum(scores) / len(scores) if scores else None,
             "interval": wilson_interval(scores), "n": len(scores), "scores": scores,
+            "leading_digits": sum(digits) / len(digits) if digits else None,
             "script_followed": sum(followed) / len(followed) if followed else None,
             "answers": answers}

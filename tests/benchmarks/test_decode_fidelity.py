@@ -82,6 +82,16 @@ def test_recall_answer_parsing(answer, number, recalled):
     assert is_recalled(answer, "48213") is recalled
 
 
+@pytest.mark.parametrize(("answer", "share"), [
+    (" 48213.", 1.0), (" 482.", 0.6), (" 4888888", 0.4), (" 4111", 0.2), (" 482130", 1.0),
+    (" 58213", 0.0), (" I forgot.", 0.0),
+])
+def test_leading_digits_give_partial_credit(answer, share):
+    from benchmarks.decode_recall import leading_digits_recalled
+
+    assert leading_digits_recalled(answer, "48213") == pytest.approx(share)
+
+
 def batch_update(added=(), removed=(), moved=()):
     from vllm.v1.sample.logits_processor import BatchUpdate
 
@@ -177,6 +187,7 @@ def test_recall_scoring_accuracy_interval_and_paired_difference():
     # the second left the script (reported) and answered wrong: scored on what follows it
     assert h2o["scores"] == [1.0, 0.0] and h2o["script_followed"] == 0.5
     assert h2o["vs_full"]["mean"] == -0.5
+    assert h2o["leading_digits"] == pytest.approx(0.5)  # "12345" shares no digit with 22222
     assert not window["ok"] and "accuracy" not in window and "vs_full" not in window
 
 
