@@ -115,9 +115,9 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
             "generate_s": elapsed}
 
 
-def score(specs: list[CompressionSpec], results: dict[str, Any],
-          horizons: list[int]) -> list[dict[str, Any]]:
-    reference = results["vanilla"].result["token_ids"]
+def run_rows(specs: list[CompressionSpec], results: dict[str, Any],
+             measure: Any) -> list[dict[str, Any]]:
+    """A row per configuration: its outcome, and ``measure(token_ids)``'s figures if it ran."""
     rows = []
     for spec in specs:
         outcome = results[spec.label]
@@ -125,13 +125,24 @@ def score(specs: list[CompressionSpec], results: dict[str, Any],
                                "error": outcome.error}
         if outcome.result is not None:
             row["generate_s"] = outcome.result["generate_s"]
-            for horizon in horizons:
-                pairs = [agreement(ref, out, horizon)
-                         for ref, out in zip(reference, outcome.result["token_ids"])]
-                row[f"prefix@{horizon}"] = sum(p for p, _ in pairs) / len(pairs)
-                row[f"match@{horizon}"] = sum(m for _, m in pairs) / len(pairs)
+            row.update(measure(outcome.result["token_ids"]))
         rows.append(row)
     return rows
+
+
+def score(specs: list[CompressionSpec], results: dict[str, Any],
+          horizons: list[int]) -> list[dict[str, Any]]:
+    reference = results["vanilla"].result["token_ids"]
+
+    def measure(token_ids: list[list[int]]) -> dict[str, float]:
+        figures = {}
+        for horizon in horizons:
+            pairs = [agreement(ref, out, horizon) for ref, out in zip(reference, token_ids)]
+            figures[f"prefix@{horizon}"] = sum(p for p, _ in pairs) / len(pairs)
+            figures[f"match@{horizon}"] = sum(m for _, m in pairs) / len(pairs)
+        return figures
+
+    return run_rows(specs, results, measure)
 
 
 def score_recall_runs(specs: list[CompressionSpec], results: dict[str, Any], recall: list,
@@ -140,15 +151,8 @@ def score_recall_runs(specs: list[CompressionSpec], results: dict[str, Any], rec
     from benchmarks.decode_recall import score_recall
     from benchmarks.quality.scoring import paired_difference
 
-    rows = []
-    for spec in specs:
-        outcome = results[spec.label]
-        row: dict[str, Any] = {"label": spec.label, "ok": outcome.error is None,
-                               "error": outcome.error}
-        if outcome.result is not None:
-            row["generate_s"] = outcome.result["generate_s"]
-            row.update(score_recall(recall, outcome.result["token_ids"], tokenizer))
-        rows.append(row)
+    rows = run_rows(specs, results,
+                    lambda token_ids: score_recall(recall, token_ids, tokenizer))
     full = rows[0].get("scores")  # vanilla comes first
     for row in rows:
         if "scores" in row and full is not None:
