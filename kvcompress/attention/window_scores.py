@@ -53,12 +53,12 @@ def accumulate_window_scores(
         num_keys = min(window.scores.shape[-1], int(step.host_lengths_after[index, rows].max()))
         if key is not None and int(step.host_lengths_before[index, rows].max()) == 0:
             # The whole prompt is in this step (no earlier chunk): its keys are at hand.
-            keys = key[start : start + num_keys].transpose(0, 1)
+            keys = key[start : start + num_keys].permute(1, 2, 0)  # [H, D, S]
         else:
-            keys, _ = page_format.gather_rows(pool, step.page_tables[index, rows], num_keys)
+            keys = page_format.gather_keys(pool, step.page_tables[index, rows], num_keys)
         group = queries.shape[1] // num_kv_heads
         grouped = queries.view(window.num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
-        logits = torch.matmul(grouped, keys.float().transpose(-1, -2)[:, None]) * scale
+        logits = torch.matmul(grouped, keys.float()[:, None]) * scale
         # [H, G, w, S]: query i of head h sees physical positions <= before[h] + offset + i,
         # always below the row's length: what a shorter row's gather read past it is masked.
         query_pos = lengths_before[:, None] + window.first_query

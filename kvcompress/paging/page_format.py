@@ -70,21 +70,17 @@ class PageFormat:
             return keys.view(*pages.shape, head_size, page_size)
         return keys.view(*pages.shape, page_size, head_size).transpose(-1, -2)
 
-    def gather_rows(
+    def gather_keys(
         self, pool: torch.Tensor, page_tables: torch.Tensor, num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first ``num_tokens`` positions of each row of ``page_tables
-        [..., max_pages]``: two tensors ``[..., num_tokens, head_size]``."""
+    ) -> torch.Tensor:
+        """K of the first ``num_tokens`` positions of each row of ``page_tables [...,
+        max_pages]``, dimension-major: ``[..., head_size, num_tokens]``, ready to multiply
+        queries by (V is not read: scores need none)."""
         page_size, head_size = pool.shape[2], pool.shape[3]
-        num_pages = -(-num_tokens // page_size)
-        pages = page_tables[..., :num_pages]
-        keys = self.key_view(pool)[pages]  # [..., num_pages, page_size, D]
-        values = self.value_view(pool)[pages]
-        shape = (*pages.shape[:-1], num_pages * page_size, head_size)
-        return (
-            keys.reshape(shape)[..., :num_tokens, :],
-            values.reshape(shape)[..., :num_tokens, :],
-        )
+        pages = page_tables[..., : -(-num_tokens // page_size)]
+        keys = self.gather_key_pages(pool, pages)  # [..., P, D, page]
+        keys = keys.transpose(-3, -2).reshape(*pages.shape[:-1], head_size, -1)
+        return keys[..., :num_tokens]
 
 
 CPU_PAGE_FORMAT = PageFormat(keys_transposed=True)
