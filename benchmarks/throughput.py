@@ -358,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.ample_memory_reference and not args.sweep_kv_memory:
         ample = sum(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
+        # its cap (prefill-only pass) would be vanilla's again: not measured
         jobs.append({**jobs[0], "id": AMPLE_LABEL, "spec": vars(CompressionSpec()),
+                     "measure_cap": False,
                      "settings": vars(dataclasses.replace(
                          settings, kv_cache_memory_bytes=ample * per_token
                          // settings.tensor_parallel_size)),
@@ -373,11 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = [{**config_row(CompressionSpec(**job["spec"]), results[job["id"]]),
              "kv_cache_tokens": job["capacity_tokens"]} for job in jobs]
-    if rows and jobs[-1]["id"] == AMPLE_LABEL:
+    if jobs[-1]["id"] == AMPLE_LABEL:
         rows[-1]["label"] = AMPLE_LABEL
-    # ratios within each pool's configurations (the reference row goes with the one pool)
-    for first in range(0, len(specs) * len(pools), len(specs)):
-        add_ratios(rows[first: first + len(specs)] if args.sweep_kv_memory else rows)
+    if args.sweep_kv_memory:  # ratios within each pool's configurations
+        for first in range(0, len(rows), len(specs)):
+            add_ratios(rows[first: first + len(specs)])
+    else:
+        add_ratios(rows)
     report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
     write_json(args.output_json, report)
     print()
