@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kvcompress.paging import PageLayout
+from kvcompress.paging.batch_tables import BatchPageTables
 from kvcompress.paging.page_format import PageFormat
 
 
@@ -90,7 +91,7 @@ class StepBatch:
     query_start_loc: list[int]
     num_new_tokens: torch.Tensor  # [R] int64
     lengths_before: torch.Tensor  # [R, rows] int64, before this step's tokens
-    page_tables: torch.Tensor  # [R, rows, max_pages] int64
+    tables: BatchPageTables  # every request's page ids, by width class
     slot_mapping: torch.Tensor  # [T, rows] int64, where each new token goes per row
     logical_after: np.ndarray  # [R] vLLM's computed tokens once this step is done
     # Host copies of lengths_before / lengths_after [R, rows]: what host code reads, so no

@@ -52,7 +52,8 @@ def build_case(
                         torch.empty((), dtype=dtype).element_size(), total_pages)
     # Loud finite garbage in unused slots: a kernel reading past a head's length shows.
     pool = torch.full((total_pages, 2, page_size, head_size), 50.0, dtype=dtype)
-    state = WorkerKVState(layout, torch.device("cpu"))
+    # Every power of two of widths its own class: the kernels see split batches.
+    state = WorkerKVState(layout, torch.device("cpu"), min_class_pages=1, class_spread=1)
     permutation = torch.randperm(total_pages, generator=generator).numpy().astype(np.int32)
     used = 0
     old_keys, old_values = {}, {}

@@ -37,16 +37,25 @@ def cpu_isa(page_size: int, head_size: int) -> str:
 
 
 @dataclass
-class CpuStepArgs:
-    """The step's batch re-indexed as one sequence per (KV head, request), head-major."""
+class CpuClassArgs:
+    """One width class of the step (``kvcompress.paging.batch_tables``) re-indexed as one
+    sequence per (KV head, request), head-major."""
 
-    query_start_loc: torch.Tensor  # [H * R + 1] int32
-    request_start_loc: torch.Tensor  # [R + 1] int32: one KV head's sequences
-    seq_lens: torch.Tensor  # [L, H * R] int32
-    block_tables: torch.Tensor  # [L, H * R, max_pages] int32
+    token_index: torch.Tensor | None  # the class's query tokens (None: every token)
+    query_start_loc: torch.Tensor  # [H * n + 1] int32
+    request_start_loc: torch.Tensor  # [n + 1] int32: one KV head's sequences
+    seq_lens: torch.Tensor  # [L, H * n] int32
+    block_tables: torch.Tensor  # [L, H * n, width] int32, a view of the class's tables
     # By (layer, KV head), or (layer, None) for the call over every head's sequences.
     scheduler_metadata: dict[tuple[int, int | None], torch.Tensor] = field(
         default_factory=dict)
+
+
+@dataclass
+class CpuStepArgs:
+    """The step's width classes: each is attended by its own calls of the kernel."""
+
+    classes: list[CpuClassArgs]
 
 
 class CpuPagedKernel:
@@ -60,24 +69,28 @@ class CpuPagedKernel:
         self.isa = cpu_isa(layout.page_size, layout.head_size)
 
     def prepare(self, step: StepBatch) -> CpuStepArgs:
-        num_reqs, _, max_pages = step.page_tables.shape
         layers, heads = self.layout.num_layers, self.layout.num_kv_heads
-        tables = step.page_tables.view(num_reqs, layers, heads, max_pages)
-        block_tables = tables.permute(1, 2, 0, 3).reshape(layers, heads * num_reqs, max_pages)
-        lengths = step.lengths_after.view(num_reqs, layers, heads)
-        seq_lens = lengths.permute(1, 2, 0).reshape(layers, heads * num_reqs)
-        starts = torch.tensor(step.query_start_loc, dtype=torch.int32)
-        total = int(starts[-1])
-        head_offsets = torch.arange(heads, dtype=torch.int32)[:, None] * total
-        query_start_loc = torch.cat(
-            [(head_offsets + starts[None, :-1]).flatten(), torch.tensor([heads * total])]
-        ).to(torch.int32)
-        return CpuStepArgs(
-            query_start_loc=query_start_loc,
-            request_start_loc=starts,
-            seq_lens=seq_lens.to(torch.int32).contiguous(),
-            block_tables=block_tables.to(torch.int32).contiguous(),
-        )
+        lengths_after = step.lengths_after
+        classes = []
+        for table in step.tables.classes:
+            num_reqs, width = table.num_reqs, table.width
+            lengths = lengths_after[torch.from_numpy(table.batch_indices)]
+            seq_lens = lengths.view(num_reqs, layers, heads).permute(1, 2, 0)
+            starts = torch.tensor(table.query_start_loc, dtype=torch.int32)
+            total = int(starts[-1])
+            head_offsets = torch.arange(heads, dtype=torch.int32)[:, None] * total
+            query_start_loc = torch.cat(
+                [(head_offsets + starts[None, :-1]).flatten(), torch.tensor([heads * total])]
+            ).to(torch.int32)
+            classes.append(CpuClassArgs(
+                token_index=table.token_index,
+                query_start_loc=query_start_loc,
+                request_start_loc=starts,
+                seq_lens=seq_lens.reshape(layers, heads * num_reqs).to(torch.int32).contiguous(),
+                # [rows, n, width] row-major: a layer's head-major sequences are a view
+                block_tables=table.tables.view(layers, heads * num_reqs, width),
+            ))
+        return CpuStepArgs(classes)
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor) -> None:
@@ -97,6 +110,21 @@ class CpuPagedKernel:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
         window = _window_for_cpu_kernel(sliding_window)
+        for part in args.classes:
+            if part.token_index is None:
+                self._attend_class(part, layer, query, pool, output, scale, soft_cap, sinks,
+                                   window)
+                continue
+            result = torch.empty((part.token_index.numel(), *output.shape[1:]),
+                                 dtype=output.dtype)
+            self._attend_class(part, layer, query.index_select(0, part.token_index), pool,
+                               result, scale, soft_cap, sinks, window)
+            output.index_copy_(0, part.token_index, result)
+
+    def _attend_class(self, args: CpuClassArgs, layer: int, query: torch.Tensor,
+                      pool: torch.Tensor, output: torch.Tensor, scale: float,
+                      soft_cap: float | None, sinks: torch.Tensor | None, window: int) -> None:
+        """Attention of one width class: ``query`` / ``output`` hold its tokens only."""
         num_tokens, num_q_heads, head_size = query.shape
         heads = self.layout.num_kv_heads
         group = num_q_heads // heads
@@ -116,7 +144,7 @@ class CpuPagedKernel:
             result.view(heads, num_tokens, group, head_size).transpose(0, 1)
         )
 
-    def _attend_sequences(self, args: CpuStepArgs, layer: int, head: int | None,
+    def _attend_sequences(self, args: CpuClassArgs, layer: int, head: int | None,
                           query: torch.Tensor, result: torch.Tensor, pool: torch.Tensor,
                           scale: float, soft_cap: float | None,
                           sinks: torch.Tensor | None, window: int) -> None:

@@ -76,12 +76,10 @@ def accumulate_decode_scores_batch(
     for first in range(0, len(decodes), chunk):
         part = decodes[first : first + chunk]
         num_keys = int(lengths_after[first : first + chunk].max())
-        index = torch.tensor([decode.batch_index for decode in part],
-                             device=step.page_tables.device)
-        page_size = pool.shape[2]
-        num_pages = -(-num_keys // page_size)
-        # the layer's rows and the pages in use first, so only those are copied
-        tables = step.page_tables[:, rows, :num_pages][index]  # [n, H, P]
+        batch_indices = [decode.batch_index for decode in part]
+        index = torch.tensor(batch_indices, device=step.lengths_before.device)
+        num_pages = -(-num_keys // pool.shape[2])
+        tables = step.tables.gather(batch_indices, rows, num_pages)  # [n, H, P]
         keys = page_format.gather_key_pages(pool, tables).float()  # [n, H, P, D, page]
         tokens = torch.tensor([step.query_start_loc[decode.batch_index] for decode in part],
                               device=query.device)

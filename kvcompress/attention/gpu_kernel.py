@@ -3,8 +3,9 @@
 ``kvcompress.step.PlatformKernel`` over the GPU page format (K row-major), as
 :class:`kvcompress.attention.cpu_kernel.CpuPagedKernel` is on CPU. The
 kernels take per-head page tables directly, so no re-indexing is needed: ``prepare`` only
-casts the step's tables and lengths to int32 once per step, and reads the host-side maxima
-every layer's launch needs, so no layer waits on a device->host copy.
+casts the step's lengths to int32 once per step and reads the host-side maxima every layer's
+launch needs, so no layer waits on a device->host copy. Each width class of the step's page
+tables (``kvcompress.paging.batch_tables``) is its own launch per layer.
 
 Compaction moves go through :meth:`TritonPagedKernel.move`: for move lists the host proved
 disjoint, the native CUDA kernel (``csrc/``, see :mod:`kvcompress.kernels.cuda_ext`) when it is
@@ -44,12 +45,20 @@ class WindowBatch:
 
 
 @dataclass
-class TritonStepArgs:
-    page_tables: torch.Tensor  # int32 [R, rows, max_pages]
-    kv_lens: torch.Tensor  # int32 [R, rows], this step's tokens included
-    query_start_loc: torch.Tensor  # int32 [R + 1]
+class TritonClassArgs:
+    """One width class of the step (``kvcompress.paging.batch_tables``)."""
+
+    token_index: torch.Tensor | None  # the class's query tokens (None: every token)
+    page_tables: torch.Tensor  # int32 [n, rows, width], a view of the class's tables
+    kv_lens: torch.Tensor  # int32 [n, rows], this step's tokens included
+    query_start_loc: torch.Tensor  # int32 [n + 1]
     max_query_len: int
     max_kv_len: list[int]  # per layer, host side
+
+
+@dataclass
+class TritonStepArgs:
+    classes: list[TritonClassArgs]
     windows: WindowBatch | None = None
 
 
@@ -80,24 +89,26 @@ class TritonPagedKernel:
     # ------------------------------------------------------------------ per step
     def prepare(self, step: StepBatch) -> TritonStepArgs:
         layout = self.layout
-        starts = step.query_start_loc
-        device = step.page_tables.device
-        lengths = step.lengths_after
+        device = step.lengths_before.device
+        kv_lens = step.lengths_after.to(torch.int32)
         # Launch hints from the host's copy of the lengths: no device->host copy in a step.
         host_lengths = torch.from_numpy(step.host_lengths_after)
-        per_layer = host_lengths.view(step.num_reqs, layout.num_layers, layout.num_kv_heads)
-        max_kv_len = (
-            per_layer.amax(dim=(0, 2)).tolist() if step.num_reqs else [0] * layout.num_layers
-        )
-        query_lens = [stop - start for start, stop in zip(starts[:-1], starts[1:])]
-        return TritonStepArgs(
-            page_tables=step.page_tables.to(torch.int32),
-            kv_lens=lengths.to(torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
-            max_query_len=max(query_lens, default=0),
-            max_kv_len=[int(value) for value in max_kv_len],
-            windows=self._window_batch(step),
-        )
+        classes = []
+        for table in step.tables.classes:
+            starts = table.query_start_loc
+            members = torch.from_numpy(table.batch_indices)
+            per_layer = host_lengths[members].view(table.num_reqs, layout.num_layers,
+                                                   layout.num_kv_heads)
+            query_lens = [stop - start for start, stop in zip(starts[:-1], starts[1:])]
+            classes.append(TritonClassArgs(
+                token_index=table.token_index,
+                page_tables=table.request_major(),
+                kv_lens=kv_lens.index_select(0, members.to(device)),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+                max_query_len=max(query_lens, default=0),
+                max_kv_len=[int(value) for value in per_layer.amax(dim=(0, 2)).tolist()],
+            ))
+        return TritonStepArgs(classes, windows=self._window_batch(step))
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor) -> None:
@@ -112,12 +123,21 @@ class TritonPagedKernel:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
         rows = self._rows(layer)
-        paged_attention(
-            query, pool, args.page_tables[:, rows], args.kv_lens[:, rows],
-            args.query_start_loc, scale, output.view(query.shape), soft_cap=soft_cap,
-            sinks=sinks, sliding_window=sliding_window, max_query_len=args.max_query_len,
-            max_kv_len=args.max_kv_len[layer], use_triton=self.use_triton,
-        )
+        output = output.view(query.shape)
+        for part in args.classes:
+            if part.token_index is None:
+                part_query, part_output = query, output
+            else:
+                part_query = query.index_select(0, part.token_index)
+                part_output = torch.empty_like(part_query)
+            paged_attention(
+                part_query, pool, part.page_tables[:, rows], part.kv_lens[:, rows],
+                part.query_start_loc, scale, part_output, soft_cap=soft_cap,
+                sinks=sinks, sliding_window=sliding_window, max_query_len=part.max_query_len,
+                max_kv_len=part.max_kv_len[layer], use_triton=self.use_triton,
+            )
+            if part.token_index is not None:
+                output.index_copy_(0, part.token_index, part_output)
 
     def accumulate_window_scores(
         self,
@@ -194,7 +214,7 @@ class TritonPagedKernel:
         if not step.window_queries:
             return None
         layout = self.layout
-        device = step.page_tables.device
+        device = step.lengths_before.device
         indices = [window.batch_index for window in step.window_queries]
         firsts = [
             step.query_start_loc[window.batch_index] + window.first_query
@@ -211,12 +231,13 @@ class TritonPagedKernel:
         starts = [0]
         for count in counts:
             starts.append(starts[-1] + count)
-        index_tensor = torch.tensor(indices, device=device)
+        widest = max(int(step.tables.classes[int(step.tables.class_of[i])].width)
+                     for i in indices)
         return WindowBatch(
             rows=rows.to(device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
             window_start=torch.zeros(len(indices), dtype=torch.int32, device=device),
-            page_tables=step.page_tables.index_select(0, index_tensor).to(torch.int32),
+            page_tables=step.tables.gather(indices, slice(None), widest),
             kv_lens=kv_lens.to(torch.int32).to(device),
             max_window_len=max(counts),
             num_keys=num_keys.amax(dim=2).tolist(),

@@ -55,7 +55,9 @@ def accumulate_window_scores(
             # The whole prompt is in this step (no earlier chunk): its keys are at hand.
             keys = key[start : start + num_keys].permute(1, 2, 0)  # [H, D, S]
         else:
-            keys = page_format.gather_keys(pool, step.page_tables[index, rows], num_keys)
+            num_pages = -(-num_keys // pool.shape[2])
+            tables = step.tables.gather([index], rows, num_pages)[0]
+            keys = page_format.gather_keys(pool, tables, num_keys)
         group = queries.shape[1] // num_kv_heads
         grouped = queries.view(window.num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
         logits = torch.matmul(grouped, keys.float()[:, None]) * scale

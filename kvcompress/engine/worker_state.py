@@ -24,6 +24,7 @@ import torch
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.scoring_memory import scores_prompt
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
+from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
 from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
 from kvcompress.step import DecodeQueries, StepBatch, WindowQueries
 
@@ -72,21 +73,13 @@ class RequestKV:
         return int(self.prompt_end().max())
 
 
-@dataclass
-class _BatchTables:
-    """The last step's padded page tables, kept for the next: decode steps mostly run the
-    same requests in the same order, and a request's table changes only every
-    ``page_size`` tokens, so only changed requests are copied again."""
-
-    req_ids: list[str]
-    versions: list[int]  # HeadPageTable.version copied into each batch row (0: none)
-    tables: np.ndarray  # [requests, rows, widest row] int64
-
-
 class WorkerKVState:
     """Per-request page tables and lengths on one worker, keyed by request id."""
 
-    def __init__(self, layout: PageLayout, device: torch.device) -> None:
+    def __init__(self, layout: PageLayout, device: torch.device, *,
+                 min_class_pages: int = MIN_CLASS_PAGES, class_spread: int = CLASS_SPREAD) -> None:
+        """``min_class_pages`` / ``class_spread``: how the step's page tables group requests
+        by width (``kvcompress.paging.batch_tables``); tests narrow them to split batches."""
         self.layout = layout
         self.device = device
         self.requests: dict[str, RequestKV] = {}
@@ -96,7 +89,9 @@ class WorkerKVState:
         self.adoption_failures: dict[str, str] = {}
         # Adopters' page copies (src, dst page ids, int64) not yet run on the pool.
         self._copies: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._batch_tables: _BatchTables | None = None
+        self.tables = PageTableCache(layout.num_rows, layout.page_size,
+                                     lambda tensor: self.to_device(tensor),
+                                     min_class_pages=min_class_pages, class_spread=class_spread)
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -175,7 +170,6 @@ class WorkerKVState:
         lengths_before_np = np.stack([state.lengths for state in states])
         lengths_after_np = lengths_before_np + np.asarray(num_new_tokens)[:, None]
         num_pages = np.stack([state.table.num_pages for state in states])
-        tables = self._page_tables(req_ids, states, max(1, int(num_pages.max())))
         needed = (lengths_after_np + layout.page_size - 1) // layout.page_size
         short = np.flatnonzero((needed > num_pages).any(axis=1))
         if len(short):
@@ -184,9 +178,11 @@ class WorkerKVState:
                 f"(scheduler and worker page tables disagree)"
             )
         query_start_loc = np.concatenate([[0], np.cumsum(num_new_tokens)]).tolist()
-        page_tables = torch.as_tensor(tables)
+        tables = self.tables.build(req_ids, [state.table for state in states], query_start_loc,
+                                   num_pages.max(axis=1))
         lengths_before = torch.as_tensor(lengths_before_np)
-        slot_mapping = self._slot_mapping(page_tables, lengths_before, num_new)
+        slot_mapping = self.tables.slot_mapping(tables, lengths_before_np,
+                                                np.asarray(num_new_tokens, dtype=np.int64))
 
         window_queries: list[WindowQueries] = []
         completing: list[int] = []
@@ -229,7 +225,7 @@ class WorkerKVState:
             query_start_loc=query_start_loc,
             num_new_tokens=self.to_device(num_new),
             lengths_before=self.to_device(lengths_before),
-            page_tables=self.to_device(page_tables),
+            tables=tables,
             slot_mapping=self.to_device(slot_mapping),
             logical_after=np.asarray(num_computed_before, dtype=np.int64)
             + np.asarray(num_new_tokens, dtype=np.int64),
@@ -285,40 +281,6 @@ class WorkerKVState:
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor -> the runner's device (the only host->device path of a step)."""
         return tensor.to(self.device)
-
-    def _page_tables(self, req_ids: Sequence[str], states: Sequence[RequestKV],
-                     width: int) -> np.ndarray:
-        """``[requests, rows, width]`` page ids of this step's requests (beyond a row's
-        pages: zeros or ids it held before, never read: reads stop at the row's length);
-        rebuilt when the requests, their order or the width change, otherwise only the
-        requests whose tables changed are copied again."""
-        cache = self._batch_tables
-        if cache is None or cache.req_ids != list(req_ids) or cache.tables.shape[2] != width:
-            cache = self._batch_tables = _BatchTables(
-                list(req_ids), [0] * len(states),
-                np.zeros((len(states), self.layout.num_rows, width), dtype=np.int64))
-        for index, state in enumerate(states):
-            table = state.table
-            if cache.versions[index] == table.version:
-                continue
-            copied = min(width, table.pages.shape[1])
-            cache.tables[index, :, :copied] = table.pages[:, :copied]
-            cache.tables[index, :, copied:] = 0
-            cache.versions[index] = table.version
-        return cache.tables
-
-    def _slot_mapping(
-        self, page_tables: torch.Tensor, lengths_before: torch.Tensor, num_new: torch.Tensor
-    ) -> torch.Tensor:
-        """Slot of every new token in every row: the row's next free physical position."""
-        page_size = self.layout.page_size
-        request_of_token = torch.repeat_interleave(torch.arange(len(num_new)), num_new)
-        first_token = torch.cumsum(num_new, 0) - num_new
-        offset = torch.arange(int(num_new.sum())) - first_token[request_of_token]
-        position = lengths_before[request_of_token] + offset[:, None]  # [T, rows]
-        rows = torch.arange(page_tables.shape[1])
-        pages = page_tables[request_of_token[:, None], rows[None, :], position // page_size]
-        return pages * page_size + position % page_size
 
 
 def _adoption_problem(state: RequestKV, delta: PageTableDelta,

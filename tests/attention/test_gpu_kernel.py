@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,13 +90,19 @@ def test_attend_accepts_flat_output_rows():
 def test_prepare_casts_once_and_gives_host_hints():
     case = _case(*MIXED)
     args = TritonPagedKernel(case.layout, torch.float32).prepare(case.step)
-    assert args.page_tables.dtype == args.kv_lens.dtype == args.query_start_loc.dtype
-    assert args.page_tables.dtype == torch.int32
-    assert args.query_start_loc.tolist() == case.step.query_start_loc
-    assert args.max_query_len == 20
     lengths_after = [[a + n for a in row] for row, n in zip(MIXED[0], MIXED[1])]
-    assert args.max_kv_len == [max(max(row[:2]) for row in lengths_after),
-                               max(max(row[2:]) for row in lengths_after)]
+    seen = []
+    for part, table in zip(args.classes, case.step.tables.classes, strict=True):
+        assert part.page_tables.dtype == part.kv_lens.dtype == part.query_start_loc.dtype
+        assert part.page_tables.dtype == torch.int32
+        members = table.batch_indices.tolist()
+        seen += members
+        query_lens = [MIXED[1][i] for i in members]
+        assert part.query_start_loc.tolist() == [0, *np.cumsum(query_lens).tolist()]
+        assert part.max_query_len == max(query_lens)
+        assert part.max_kv_len == [max(max(lengths_after[i][:2]) for i in members),
+                                   max(max(lengths_after[i][2:]) for i in members)]
+    assert sorted(seen) == [0, 1, 2, 3] and len(args.classes) > 1
     assert args.windows is None
 
 

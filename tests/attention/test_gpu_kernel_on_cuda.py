@@ -85,8 +85,9 @@ def test_kernel_move_prefers_the_native_move(native_move):
 
 
 def _to_cuda(step: StepBatch) -> StepBatch:
-    tensors = ("num_new_tokens", "lengths_before", "page_tables", "slot_mapping")
-    return StepBatch(**{**vars(step), **{name: getattr(step, name).cuda() for name in tensors}})
+    tensors = ("num_new_tokens", "lengths_before", "slot_mapping")
+    return StepBatch(**{**vars(step), **{name: getattr(step, name).cuda() for name in tensors},
+                        "tables": step.tables.to(torch.device("cuda"))})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -7,19 +7,22 @@ import json
 from benchmarks.step_overhead import main
 
 
-def test_step_overhead_reports_both_cases(tmp_path, capsys):
+def test_step_overhead_reports_every_case(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert main(["--num-decoding", "4", "--decode-len", "40", "--prefill-len", "512",
+    assert main(["--num-decoding", "4", "--decode-len", "40", "--prefill-len", "4096",
                  "--chunk", "128", "--layers", "2", "--kv-heads", "2", "--steps", "3",
                  "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
-    decoding, with_prefill = report["cases"]
-    for case in (decoding, with_prefill):
+    decoding, with_prefill, churn = report["cases"]
+    for case in (decoding, with_prefill, churn):
         parts = [case[k] for k in ("scheduler_ms", "admission_ms", "worker_prepare_ms",
                                    "worker_finish_ms")]
         assert all(part > 0 for part in parts)
         assert abs(case["total_ms"] - sum(parts)) < 1e-9
-    # the long prompt's rows set the width of the whole step's page table
-    assert decoding["page_table_width"] == 3  # ceil(43 / 16)
-    assert with_prefill["page_table_width"] == 512 // 16
+    # the long prompt gets its own class: the decoding requests' table stays narrow
+    assert decoding["table_widths"] == [16]  # ceil(43 / 16) = 3 pages, the narrowest class
+    assert with_prefill["table_widths"] == [16, 4096 // 16]
+    # the median step copies no table (rows cross pages rarely); churn copies the joiner
+    assert decoding["tables_copied_per_step"] == 0
+    assert churn["tables_copied_per_step"] == 1
     assert "target" in capsys.readouterr().out

@@ -58,11 +58,13 @@ def test_preparing_and_finishing_a_step_read_nothing_back_from_the_device(emulat
                       [1, 7, 1, 20], num_layers=2, num_kv_heads=2, group=2, head_size=32,
                       page_size=16, dtype=torch.float32, prompt_lens=[10, 47, 70, 20],
                       window=8, wants_compression=[False, True, False, True])
-    assert is_on_device(case.step.page_tables) and is_on_device(case.step.lengths_before)
+    assert all(is_on_device(part.tables) for part in case.step.tables.classes)
+    assert is_on_device(case.step.lengths_before)
     assert case.step.window_queries
     kernel = TritonPagedKernel(case.layout, torch.float32)
     args = kernel.prepare(case.step)
-    assert args.windows is not None and is_on_device(args.kv_lens)
+    assert args.windows is not None and len(args.classes) > 1
+    assert all(is_on_device(part.kv_lens) for part in args.classes)
     case.state.finish_step(case.step)
     assert DeviceTensor.syncs == 0
     # the emulation does count host reads of device tensors

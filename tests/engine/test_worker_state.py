@@ -17,8 +17,8 @@ LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=4, dtyp
 def assert_current(batch, state: WorkerKVState, req_ids: list[str], number: int) -> None:
     """Every row's pages, in order, as the table holds them now; beyond them only valid page
     ids (never read: reads stop at the row's length)."""
-    tables = batch.page_tables.numpy()
     width = max(1, max(int(state.requests[r].table.num_pages.max()) for r in req_ids))
+    tables = batch.tables.gather(range(len(req_ids)), slice(None), width).numpy()
     assert tables.shape == (len(req_ids), LAYOUT.num_rows, width), number
     assert tables.min() >= 0 and tables.max() < LAYOUT.total_pages
     for index, request_id in enumerate(req_ids):
