@@ -3,9 +3,11 @@
 One ``[requests, rows, widest row]`` table pads every row to the widest row of the batch: a
 single uncompressed 32k-token prompt among 256 compressed decoding requests makes it 2048
 pages wide for all of them (1 GB as int64 at Llama-8B shapes), and it was rebuilt whenever
-the batch changed. Here the step's requests fall into *width classes*: power-of-two widths,
-a class taking every narrower request within ``spread`` times its width. Each class is one
-dense int32 table, so its size stays within a constant factor of the pages its requests
+the batch changed. Here the step's requests fall into *width classes*: keyed by powers of
+two, a class taking every narrower request within ``spread`` times its key. Each class is one
+dense int32 table as wide as its widest member (rounded up to an eighth of its key, and kept
+while that is at most twice as wide as needed, so tables are not rebuilt at every page a
+request grows by), so its size stays within a constant factor of the pages its requests
 hold, whatever the other classes hold.
 
 Tables persist across steps: a step copies only the requests whose page table changed (a
@@ -27,16 +29,18 @@ import torch
 from kvcompress.paging.page_table import HeadPageTable
 
 MIN_CLASS_PAGES = 16  # narrower requests share this class: their tables are small anyway
-CLASS_SPREAD = 4  # a class holds requests down to 1/spread of its width
+CLASS_SPREAD = 4  # a class holds requests down to 1/spread of its key
+WIDTH_STEPS = 8  # a class's width is a multiple of key / WIDTH_STEPS
 
 
 @dataclass
 class TableClass:
     """The step's requests of one width class, in batch order."""
 
-    width: int
+    width: int  # pages per row in ``tables``: at least every member's widest row
     batch_indices: np.ndarray  # int64 [n]: positions in the step's batch
     tables: torch.Tensor  # int32 [rows, n, width] on the step's device
+    host: np.ndarray  # the same on the host (the same memory on CPU)
     # The class's query tokens in the step's token order, on the device; None when the
     # class is the whole batch (the common case: nothing to gather).
     token_index: torch.Tensor | None
@@ -85,7 +89,7 @@ class BatchPageTables:
     def to(self, device: torch.device) -> BatchPageTables:
         """A copy with every tensor on ``device``."""
         classes = [
-            TableClass(table.width, table.batch_indices, table.tables.to(device),
+            TableClass(table.width, table.batch_indices, table.tables.to(device), table.host,
                        None if table.token_index is None else table.token_index.to(device),
                        table.query_start_loc)
             for table in self.classes
@@ -99,9 +103,9 @@ def _columns(table: TableClass, rows: slice, positions: np.ndarray,
     return table.tables[rows].index_select(1, index)[..., :num_pages].transpose(0, 1)
 
 
-def class_widths(widths: np.ndarray, min_pages: int = MIN_CLASS_PAGES,
-                 spread: int = CLASS_SPREAD) -> np.ndarray:
-    """Per request (its widest row in pages), the width of its class: its power of two (at
+def class_keys(widths: np.ndarray, min_pages: int = MIN_CLASS_PAGES,
+               spread: int = CLASS_SPREAD) -> np.ndarray:
+    """Per request (its widest row in pages), the key of its class: its power of two (at
     least ``min_pages``), or that of a wider class within ``spread`` times it."""
     widths = np.maximum(np.asarray(widths, dtype=np.int64), 1)
     buckets = np.maximum(min_pages, 1 << np.ceil(np.log2(widths)).astype(np.int64))
@@ -114,9 +118,17 @@ def class_widths(widths: np.ndarray, min_pages: int = MIN_CLASS_PAGES,
     return np.array([class_of_bucket[int(bucket)] for bucket in buckets], dtype=np.int64)
 
 
+def _split_positions(positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page index, offset in the page) of each position: shifts for a power-of-two page
+    size (what the engine uses; int64 division costs several times more)."""
+    if page_size & (page_size - 1):
+        return np.divmod(positions, page_size)
+    return positions >> (page_size.bit_length() - 1), positions & (page_size - 1)
+
+
 @dataclass
 class _KeptClass:
-    """A class's table as the last step that had this width left it."""
+    """A class's table as the last step that had this class left it."""
 
     req_ids: list[str]
     versions: list[int]  # HeadPageTable.version copied into each column
@@ -142,26 +154,28 @@ class PageTableCache:
     def build(self, req_ids: Sequence[str], tables: Sequence[HeadPageTable],
               query_start_loc: Sequence[int], widths: np.ndarray) -> BatchPageTables:
         """``widths[i]``: pages in the widest row of request i's table."""
-        per_request = class_widths(widths, self.min_class_pages, self.class_spread)
+        widths = np.asarray(widths, dtype=np.int64)
+        per_request = class_keys(widths, self.min_class_pages, self.class_spread)
         starts = np.asarray(query_start_loc, dtype=np.int64)
         classes: list[TableClass] = []
         class_of = np.zeros(len(req_ids), dtype=np.int64)
         position = np.zeros(len(req_ids), dtype=np.int64)
         kept: dict[int, _KeptClass] = {}
-        for width in sorted(set(per_request.tolist())):
-            members = np.flatnonzero(per_request == width)
+        for key in sorted(set(per_request.tolist())):
+            members = np.flatnonzero(per_request == key)
             class_of[members] = len(classes)
             position[members] = np.arange(len(members))
-            entry = self._refresh(width, [req_ids[i] for i in members],
+            width = self._fitted_width(key, int(widths[members].max()))
+            entry = self._refresh(key, width, [req_ids[i] for i in members],
                                   [tables[i] for i in members])
-            kept[width] = entry
+            kept[key] = entry
             counts = starts[members + 1] - starts[members]
             token_index = None
             if len(members) < len(req_ids):
                 token_index = self.to_device(torch.from_numpy(np.concatenate(
                     [np.arange(starts[i], starts[i + 1]) for i in members]
                 ).astype(np.int64)))
-            classes.append(TableClass(width, members, entry.device, token_index,
+            classes.append(TableClass(width, members, entry.device, entry.host, token_index,
                                       np.concatenate([[0], np.cumsum(counts)]).tolist()))
         self._kept = kept  # classes absent from this step are let go
         return BatchPageTables(classes, class_of, position)
@@ -175,16 +189,19 @@ class PageTableCache:
         slots = np.empty((int(starts[-1]), self.num_rows), dtype=np.int64)
         rows = np.arange(self.num_rows)
         for table in batch.classes:
-            host = self._kept[table.width].host
+            host = table.host
             members = table.batch_indices
             single = members[num_new[members] == 1]
             if len(single):  # decoding requests: one token each, rows of any lengths
-                positions = lengths_before[single]  # [n, rows]
+                page_index, offset = _split_positions(lengths_before[single], page_size)
                 # flat index into [rows, n, width]: one take, far cheaper than 3-array indexing
-                flat = ((rows[None, :] * table.num_reqs + batch.position[single][:, None])
-                        * table.width + positions // page_size)
-                pages = host.reshape(-1).take(flat)
-                slots[starts[single]] = pages.astype(np.int64) * page_size + positions % page_size
+                flat = (rows[None, :] * (table.num_reqs * table.width)
+                        + (batch.position[single] * table.width)[:, None])
+                flat += page_index
+                found = host.reshape(-1).take(flat).astype(np.int64)
+                found *= page_size
+                found += offset
+                slots[starts[single]] = found
             for index in members[num_new[members] > 1]:
                 tokens = np.arange(num_new[index])
                 page_ids = host[:, batch.position[index]]  # [rows, width]
@@ -201,11 +218,21 @@ class PageTableCache:
                 slots[starts[index] : starts[index + 1]] = pages * page_size + offsets
         return torch.from_numpy(slots)
 
-    def _refresh(self, width: int, req_ids: list[str],
+    def _fitted_width(self, key: int, needed: int) -> int:
+        """The class's width for members ``needed`` pages wide at most: the kept one while
+        it fits and is at most twice that, else ``needed`` rounded up to key / WIDTH_STEPS."""
+        quantum = max(1, key // WIDTH_STEPS)
+        rounded = -(-needed // quantum) * quantum
+        old = self._kept.get(key)
+        if old is not None and needed <= old.host.shape[2] <= 2 * rounded:
+            return old.host.shape[2]
+        return rounded
+
+    def _refresh(self, key: int, width: int, req_ids: list[str],
                  tables: list[HeadPageTable]) -> _KeptClass:
         """The class's table with every member's current pages, from the kept one."""
-        old = self._kept.get(width)
-        if old is not None and old.req_ids == req_ids:
+        old = self._kept.get(key)
+        if old is not None and old.req_ids == req_ids and old.host.shape[2] == width:
             changed = [i for i, table in enumerate(tables) if old.versions[i] != table.version]
             for i in changed:
                 self._copy(old, i, tables[i])
@@ -219,8 +246,11 @@ class PageTableCache:
         else:  # members that stayed keep their columns: one gather (np.take), in any order
             previous = {request_id: i for i, request_id in enumerate(old.req_ids)}
             source = [previous.get(request_id, -1) for request_id in req_ids]
-            host = np.take(old.host, np.maximum(source, 0), axis=1)  # joiners: copied below
-            versions = [old.versions[j] if j >= 0 else 0 for j in source]
+            kept_width = min(width, old.host.shape[2])  # past it: beyond every member's pages
+            host = np.take(old.host[:, :, :kept_width], np.maximum(source, 0), axis=1)
+            if kept_width < width:
+                host = np.pad(host, ((0, 0), (0, 0), (0, width - kept_width)))
+            versions = [old.versions[j] if j >= 0 else 0 for j in source]  # joiners: below
         entry = _KeptClass(list(req_ids), versions, host, torch.empty(0))
         for i, table in enumerate(tables):
             if entry.versions[i] != table.version:

@@ -20,8 +20,8 @@ def test_step_overhead_reports_every_case(tmp_path, capsys):
         assert all(part > 0 for part in parts)
         assert abs(case["total_ms"] - sum(parts)) < 1e-9
     # the long prompt gets its own class: the decoding requests' table stays narrow
-    assert decoding["table_widths"] == [16]  # ceil(43 / 16) = 3 pages, the narrowest class
-    assert with_prefill["table_widths"] == [16, 4096 // 16]
+    assert decoding["table_widths"] == [4]  # ceil(43 / 16) = 3 pages, rounded to 16 / 8
+    assert with_prefill["table_widths"] == [4, 4096 // 16]
     # the median step copies no table (rows cross pages rarely); churn copies the joiner
     assert decoding["tables_copied_per_step"] == 0
     assert churn["tables_copied_per_step"] == 1

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.paging import HeadPageTable
-from kvcompress.paging.batch_tables import BatchPageTables, PageTableCache, class_widths
+from kvcompress.paging.batch_tables import BatchPageTables, PageTableCache, class_keys
 
 ROWS, PAGE_SIZE = 4, 4
 
@@ -120,13 +120,28 @@ def test_slot_mapping_is_the_padded_formula_for_decodes_chunks_and_uneven_rows()
             token += 1
 
 
-def test_classes_group_widths_within_the_spread_and_bound_padding():
+def test_classes_group_widths_within_the_spread_and_tables_fit_their_members():
     widths = np.array([3, 65, 70, 2048, 600, 130, 16, 17])
-    classes = class_widths(widths, min_pages=16, spread=4)
+    classes = class_keys(widths, min_pages=16, spread=4)
     # 2048 takes 1024 (600); 256 (130) starts a class taking 128; 32 (17) takes 16
     assert classes.tolist() == [32, 256, 256, 2048, 2048, 256, 32, 32]
     buckets = np.maximum(16, 2 ** np.ceil(np.log2(widths)))
     assert (classes >= widths).all() and (classes <= 4 * buckets).all()
+    cache = PageTableCache(ROWS, PAGE_SIZE, lambda tensor: tensor)
+    tables = {}
+    for i, width in enumerate([65, 3, 70]):
+        tables[f"r{i}"] = HeadPageTable(ROWS, PAGE_SIZE)
+        tables[f"r{i}"].append(np.full(ROWS, width, dtype=np.int32),
+                               np.zeros(ROWS * width, dtype=np.int32))
+    batch = build(cache, list(tables), tables, [1, 1, 1])
+    assert [c.width for c in batch.classes] == [4, 80]  # 3 up to 16 / 8, 70 up to 128 / 8
+    tables["r2"].append(np.full(ROWS, 12, dtype=np.int32), np.zeros(ROWS * 12, dtype=np.int32))
+    assert [c.width for c in build(cache, list(tables), tables, [1] * 3).classes] == [4, 96]
+    tables["r2"].truncate(np.full(ROWS, 40 * PAGE_SIZE))  # kept while at most twice as wide
+    assert [c.width for c in build(cache, list(tables), tables, [1] * 3).classes] == [4, 96]
+    batch = build(cache, ["r1", "r0"], tables, [1, 1])  # r2 leaves; 96 still fits r0's 65
+    assert [c.width for c in batch.classes] == [4, 96]
+    assert_matches(batch, [tables["r1"], tables["r0"]])
 
 
 def test_a_decode_step_copies_only_the_tables_that_changed():
