@@ -16,20 +16,32 @@ pages over the coming steps:
 A prefill is admitted when the peak of the sum over the running requests and itself stays
 within the pool. Requests that stop early (EOS) only make the peak lower.
 
+The check runs every step over the whole running set, so it reads it in one batch
+(``AdmissionPlanner.trajectories``): the decoding requests' pages come from the page
+manager's ``page_fill`` without per-row work, and the peak is summed over ranges of steps.
+``trajectory`` and ``Trajectory`` state the same per request, one by one.
+
 No vLLM imports: the planner reads requests through the attributes it names.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.paging import PageManager, ShardedPageManager
+from kvcompress.paging.page_table import fill_of_lengths, pages_for_lengths
 from kvcompress.policies.budgets import layer_budgets
+
+# What ``trajectories`` reads of every request, in one pass.
+_READ_COUNTS = operator.attrgetter("num_tokens", "num_computed_tokens", "num_prompt_tokens",
+                                   "max_tokens", "num_output_tokens")
 
 
 @dataclass(frozen=True)
@@ -45,50 +57,112 @@ class Trajectory:
     fixed_pages: int = 0
 
 
-def growth_pages(kept_lengths: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each request (a row of ``kept_lengths [requests, rows]``): its pages, and
-    ``free_below[r]``, how many of its rows have fewer than ``r`` free slots in their last
-    page (``r`` in [0, page_size]).
+@dataclass(frozen=True)
+class Trajectories:
+    """Many requests' trajectories, entry ``i`` for request ``i``: ``Trajectory``'s numbers
+    as arrays, with the growing rows reduced to what their growth costs (``fill_of_lengths``)."""
 
-    A row with ``s`` free slots needs ``ceil(max(0, d - s) / page_size)`` new pages after
-    ``d`` more tokens, so a request's rows together need ``(d // page_size) * rows +
-    free_below[d % page_size]``.
-    """
-    lengths = np.asarray(kept_lengths, dtype=np.int64)
-    count = lengths.shape[0]
-    pages = -(-lengths // page_size)
-    slack = pages * page_size - lengths
-    offsets = (np.arange(count) * page_size)[:, None]
-    counts = np.bincount((slack + offsets).ravel(), minlength=count * page_size)
-    free_below = np.zeros((count, page_size + 1), dtype=np.int64)
-    np.cumsum(counts.reshape(count, page_size), axis=1, out=free_below[:, 1:])
-    return pages.sum(axis=1), free_below
+    held_pages: np.ndarray  # [n]
+    prefill_steps: np.ndarray  # [n]
+    growth_tokens: np.ndarray  # [n]
+    remaining_steps: np.ndarray  # [n]
+    kept_pages: np.ndarray  # [n] pages once the prompt is compacted, fixed pages included
+    free_below: np.ndarray  # [n, page_size + 1], see fill_of_lengths
+    growing_rows: int
+
+    @classmethod
+    def from_rows(cls, held_pages: np.ndarray, prefill_steps: np.ndarray,
+                  kept_lengths: np.ndarray, growth_tokens: np.ndarray,
+                  remaining_steps: np.ndarray, fixed_pages: np.ndarray,
+                  page_size: int) -> Trajectories:
+        """From ``Trajectory``'s fields as arrays (``kept_lengths [n, growing rows]``)."""
+        kept, free_below = fill_of_lengths(kept_lengths, page_size)
+        return cls(held_pages, prefill_steps, growth_tokens, remaining_steps,
+                   kept + fixed_pages, free_below, kept_lengths.shape[1])
+
+    @classmethod
+    def stack(cls, trajectories: Sequence[Trajectory], page_size: int) -> Trajectories:
+        """At least one trajectory (the number of growing rows comes from them)."""
+        columns = {f.name: np.array([getattr(t, f.name) for t in trajectories], dtype=np.int64)
+                   for f in fields(Trajectory)}
+        return cls.from_rows(**columns, page_size=page_size)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Trajectories]) -> Trajectories:
+        return cls(*(np.concatenate([getattr(part, f.name) for part in parts])
+                     for f in fields(cls) if f.name != "growing_rows"),
+                   growing_rows=parts[0].growing_rows)
+
+    def take(self, order: np.ndarray) -> Trajectories:
+        """Entries ``order[0], order[1], ...``."""
+        return Trajectories(*(getattr(self, f.name)[order]
+                              for f in fields(self) if f.name != "growing_rows"),
+                            growing_rows=self.growing_rows)
+
+    def grown_pages(self, grown: np.ndarray) -> np.ndarray:
+        """Pages request ``i``'s growing rows gain with ``grown[i]`` more tokens each."""
+        page_size = self.free_below.shape[1] - 1
+        last_page = self.free_below[np.arange(len(self)), grown % page_size]
+        return (grown // page_size) * self.growing_rows + last_page
+
+    def __len__(self) -> int:
+        return len(self.held_pages)
 
 
-def peak_pages(trajectories: Sequence[Trajectory], page_size: int) -> int:
+def peak_pages(trajectories: Trajectories) -> int:
     """The most pages the requests will hold together at any coming step.
 
     Between two events (a prompt compacted, a request ended) the total only grows, so the
-    peak is at one of the steps right before an event, or now. Every trajectory has the same
-    number of growing rows.
+    peak is at one of the steps right before an event, or now. A request holds
+    ``held_pages`` up to its prompt's end ``p``; then ``kept_pages`` and what its rows grew
+    until it ends at ``e``: one token a step up to ``q``, then what they reached. Each phase
+    is summed over whole ranges of steps at once, so the cost grows with requests + steps,
+    not requests x steps.
     """
-    if not trajectories:
+    t = trajectories
+    if not len(t):
         return 0
-    held = np.array([t.held_pages for t in trajectories], dtype=np.int64)
-    prefill = np.array([t.prefill_steps for t in trajectories], dtype=np.int64)
-    growth = np.array([t.growth_tokens for t in trajectories], dtype=np.int64)
-    ends = prefill + np.array([t.remaining_steps for t in trajectories], dtype=np.int64)
-    lengths = np.stack([t.kept_lengths for t in trajectories])
-    kept, free_below = growth_pages(lengths, page_size)
-    kept = kept + np.array([t.fixed_pages for t in trajectories], dtype=np.int64)
-    steps = np.unique(np.concatenate(([0], prefill, ends)))  # [K]
-    grown = np.clip(steps[None, :] - prefill[:, None], 0, growth[:, None])  # [n, K]
-    added = (grown // page_size) * lengths.shape[1] + np.take_along_axis(
-        free_below, grown % page_size, axis=1
-    )
-    pages = np.where(steps[None, :] <= prefill[:, None], held[:, None], kept[:, None] + added)
-    alive = steps[None, :] <= ends[:, None]
-    return int((pages * alive).sum(axis=0).max())
+    page_size = t.free_below.shape[1] - 1
+    prefill = t.prefill_steps
+    ends = prefill + t.remaining_steps
+    grows_until = np.minimum(prefill + t.growth_tokens, ends)
+    steps = np.sort(np.concatenate(([0], prefill, ends)))  # a step twice is harmless
+    # The phases where a request's pages stay put: (after, until, pages) for its prompt,
+    # its compacted rows, and what they grew once they stopped growing.
+    total = _sum_over_steps(
+        steps,
+        np.concatenate((np.full_like(prefill, -1), prefill, grows_until)),
+        np.concatenate((prefill, ends, ends)),
+        np.concatenate((t.held_pages, t.kept_pages, t.grown_pages(grows_until - prefill))))
+    # Still growing (p < step <= q): rows hold step - p tokens more, so which slot of the
+    # last page they reach depends on p. Sorted by (p, q), the requests of one p still
+    # growing at a step are a run [first, last) of that order (q >= step up to the last of
+    # that p): sums over them are differences of prefix sums, for every p and step at once.
+    span = int(grows_until.max()) + 2  # p * span + q sorts like (p, q)
+    keys = prefill * span + grows_until
+    order = np.argsort(keys)
+    free_below = np.zeros((len(t) + 1, page_size + 1), dtype=np.int64)
+    np.cumsum(t.free_below[order], axis=0, out=free_below[1:])
+    starts = np.unique(prefill)[:, None]  # [p, 1]: few values, 0 for every decoding request
+    keys = keys[order]
+    last = np.searchsorted(keys, (starts + 1) * span)
+    first = np.minimum(np.searchsorted(keys, starts * span + steps), last)  # [p, steps]
+    grown = steps - starts
+    slot = grown % page_size
+    pages = ((last - first) * (grown // page_size) * t.growing_rows
+             + free_below[last, slot] - free_below[first, slot])
+    total += np.where(grown > 0, pages, 0).sum(axis=0)
+    return int(total.max())
+
+
+def _sum_over_steps(steps: np.ndarray, after: np.ndarray, until: np.ndarray,
+                    values: np.ndarray) -> np.ndarray:
+    """For each of the ascending ``steps``: the sum of ``values[r]`` over the ``r`` with
+    ``after[r] < step <= until[r]`` (``after <= until``)."""
+    changes = np.zeros(len(steps) + 1, dtype=np.int64)
+    np.add.at(changes, np.searchsorted(steps, after, side="right"), values)
+    np.subtract.at(changes, np.searchsorted(steps, until, side="right"), values)
+    return np.cumsum(changes[:-1])
 
 
 class AdmissionPlanner:
@@ -119,15 +193,56 @@ class AdmissionPlanner:
     def admits(self, request: Any, reserve_pages: int = 0) -> bool:
         if self.lookahead == 0:
             return True
-        others = [r for r in self.running() if r.request_id != request.request_id]
+        request_id = request.request_id
+        others = [r for r in self.running() if r.request_id != request_id]
         if not others:
             return True  # alone it only has to fit now, which the caller checks
-        trajectories = [self.trajectory(r) for r in others]
-        trajectories.append(self.trajectory(request))
-        limit = self.pages.total_pages - reserve_pages
-        return peak_pages(trajectories, self.pages.layout.page_size) <= limit
+        others.append(request)
+        return peak_pages(self.trajectories(others)) <= self.pages.total_pages - reserve_pages
+
+    def trajectories(self, requests: Sequence[Any]) -> Trajectories:
+        """``trajectory`` of each request, as arrays. Most of a running set decodes: those
+        are read from the page manager in one batch (admission runs every step, over
+        hundreds of requests), the rest one by one."""
+        count = len(requests)
+        request_ids = [r.request_id for r in requests]
+        scalars = np.fromiter(itertools.chain.from_iterable(map(_READ_COUNTS, requests)),
+                              dtype=np.int64, count=count * 5).reshape(count, 5)
+        tokens, computed, prompt_len = scalars[:, :3].T
+        tokens = np.minimum(tokens, self.max_model_len)
+        known = self.pages.request_ids()
+        paged = np.array([request_id in known for request_id in request_ids], dtype=bool)
+        # What ``trajectory`` calls decoding.
+        is_decoding = (tokens - computed <= 1) & (computed >= prompt_len) & paged
+        decoding = np.flatnonzero(is_decoding)
+        others = np.flatnonzero(~is_decoding)
+
+        decoding_ids = list(itertools.compress(request_ids, is_decoding))
+        fill = self.pages.page_fill(decoding_ids)
+        tokens, computed, prompt_len, max_tokens, num_output = scalars[decoding].T
+        tokens = np.minimum(tokens, self.max_model_len)
+        remaining = np.maximum(0, np.minimum(max_tokens - num_output,
+                                             self.max_model_len - tokens))
+        growth = np.minimum(remaining, self.lookahead)
+        self._bound_by_decode_budgets(growth, list(itertools.compress(requests, is_decoding)),
+                                      decoding_ids, computed - prompt_len)
+        page_size = self.pages.layout.page_size
+        parts = [Trajectories(
+            fill.owned_pages, np.zeros(len(decoding), dtype=np.int64), growth, remaining,
+            fill.full_pages + self._sliding_pages(fill.sliding_lengths), fill.free_below,
+            len(self.pages.layout.compressed_rows))]
+        if len(others):
+            parts.append(Trajectories.stack([self.trajectory(requests[i]) for i in others],
+                                            page_size))
+        batch = Trajectories.concat(parts)
+        # Entry k of the parts is request order[k]; most often already in order (running
+        # requests all decoding, the new one last).
+        order = np.concatenate([decoding, others])
+        return batch if np.array_equal(order, np.arange(count)) else batch.take(
+            np.argsort(order))
 
     def trajectory(self, request: Any) -> Trajectory:
+        """One request's trajectory, whatever its state (``trajectories`` for many)."""
         layout = self.pages.layout
         config = self._config(request)
         tokens = min(request.num_tokens, self.max_model_len)
@@ -159,15 +274,33 @@ class AdmissionPlanner:
         if eviction is not None:
             growth = min(growth, eviction.headroom(generated))
         assert len(lengths) == layout.num_rows
-        fixed = 0
-        if layout.has_sliding_layers:
-            # A decoding sliding row holds at most W - 1 visible tokens, < a page of dead
-            # slack and the new one: it never grows past that.
-            sliding = layout.row_windows > 0
-            bound = layout.row_windows[sliding] + layout.page_size - 1
-            fixed = int((-(-np.minimum(lengths[sliding], bound) // layout.page_size)).sum())
-            lengths = lengths[~sliding]
-        return Trajectory(held, prefill_steps, lengths, growth, remaining, fixed)
+        sliding = layout.row_windows > 0
+        return Trajectory(held, prefill_steps, lengths[~sliding], int(growth), remaining,
+                          int(self._sliding_pages(lengths[sliding])))
+
+    def _sliding_pages(self, sliding_lengths: np.ndarray) -> np.ndarray:
+        """Pages of the sliding-window rows (the last axis of ``sliding_lengths``) from now
+        on: a decoding sliding row holds at most W - 1 visible tokens, < a page of dead
+        slack and the new one, and never grows past that."""
+        layout = self.pages.layout
+        if not layout.has_sliding_layers:
+            return np.zeros(sliding_lengths.shape[:-1], dtype=np.int64)
+        windows = layout.row_windows[layout.row_windows > 0]
+        bound = windows + layout.page_size - 1
+        return pages_for_lengths(np.minimum(sliding_lengths, bound),
+                                 layout.page_size).sum(axis=-1)
+
+    def _bound_by_decode_budgets(self, growth: np.ndarray, requests: Sequence[Any],
+                                 request_ids: Sequence[str], generated: np.ndarray) -> None:
+        """Cap ``growth`` (in place) by each request's decode-budget headroom, one
+        vectorized call per distinct eviction setting (most requests share the engine's)."""
+        configs = self._configs  # read directly: this runs for every decoding request
+        evictions = [(configs.get(request_id) or self._config(r)).decode_eviction
+                     for request_id, r in zip(request_ids, requests)]
+        distinct = {id(e): e for e in evictions if e is not None}
+        for key, eviction in distinct.items():
+            rows = np.array([id(e) == key for e in evictions], dtype=bool)
+            growth[rows] = np.minimum(growth[rows], eviction.headroom(generated[rows]))
 
     def prune(self, live_request_ids: Iterable[str]) -> None:
         """Forget the configs of requests that are gone."""

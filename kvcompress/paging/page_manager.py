@@ -10,12 +10,13 @@ the free stack runs short.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
-from kvcompress.paging.page_table import HeadPageTable, pages_for_lengths
+from kvcompress.paging.page_table import HeadPageTable, fill_of_lengths, pages_for_lengths
 
 
 @dataclass
@@ -43,7 +44,7 @@ class PageTableDelta:
     copies: tuple[np.ndarray, np.ndarray] | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # admission reads a few fields of every request each step
 class _RequestPages:
     table: HeadPageTable
     # Logical tokens (vLLM's positions) that have slots reserved.
@@ -62,10 +63,35 @@ class _RequestPages:
     # Started from a cached entry: logical tokens adopted, and their per-row physical ones.
     adopted: tuple[int, np.ndarray] | None = None
     adopted_from: int | None = None  # that entry's id
+    # ``evicted`` of the full-attention rows summarized for ``PageManager.page_fill`` (None:
+    # not computed since it changed). Only compaction changes it: window drops touch
+    # sliding rows only.
+    evicted_fill: np.ndarray | None = None
 
     def refresh_headroom(self, page_size: int) -> None:
         slots = self.table.num_pages.astype(np.int64) * page_size
         self.headroom = int((slots - (self.logical_len - self.evicted)).min())
+
+
+@dataclass(frozen=True)
+class PageFill:
+    """Many requests' rows against their pages now, entry ``i`` for request ``i`` (what
+    admission reads of every running request, every step)."""
+
+    owned_pages: np.ndarray  # [n] pages held
+    # Of the full-attention rows: the pages their tokens take, and [n, page_size + 1] how
+    # many have fewer than k free slots in their last page (fill_of_lengths).
+    full_pages: np.ndarray
+    free_below: np.ndarray
+    sliding_lengths: np.ndarray  # [n, sliding rows]: tokens of the sliding-window rows
+
+    @classmethod
+    def of_lengths(cls, lengths: np.ndarray, owned_pages: np.ndarray,
+                   layout: PageLayout) -> PageFill:
+        """From per-row tokens ``[n, rows]``, row by row."""
+        full = layout.row_windows == 0
+        pages, free_below = fill_of_lengths(lengths[:, full], layout.page_size)
+        return cls(owned_pages, pages, free_below, lengths[:, ~full])
 
 
 @dataclass
@@ -161,6 +187,56 @@ class PageManager:
         """Per-row physical tokens of the slots reserved for the request."""
         state = self._requests[request_id]
         return state.logical_len - state.evicted
+
+    def lengths_and_owned_pages(self, request_ids: Sequence[str]) -> tuple[np.ndarray,
+                                                                         np.ndarray]:
+        """``physical_lengths`` ``[requests, rows]`` and ``owned_pages`` ``[requests]`` of
+        many requests in one call, row by row (``page_fill`` needs no per-row work)."""
+        states = [self._requests[request_id] for request_id in request_ids]
+        if not states:
+            return (np.zeros((0, self.layout.num_rows), dtype=np.int64),
+                    np.zeros(0, dtype=np.int64))
+        logical = np.array([state.logical_len for state in states], dtype=np.int64)
+        # np.array rather than np.stack: a fraction of the cost for hundreds of rows.
+        lengths = logical[:, None] - np.array([state.evicted for state in states])
+        owned = np.array([state.table.num_pages for state in states]).sum(axis=1,
+                                                                          dtype=np.int64)
+        return lengths, owned
+
+    def page_fill(self, request_ids: Sequence[str]) -> PageFill:
+        """``PageFill`` of the requests, equal to ``PageFill.of_lengths`` of their physical
+        lengths, without per-row work. A full-attention row holds ``L - e`` tokens (``L``
+        the logical tokens, ``e`` its evicted ones): writing ``e = q * page_size + r`` and
+        ``L = Q * page_size + R``, it takes ``Q - q + (r < R)`` pages and has ``(r - R) mod
+        page_size`` free slots. So each request keeps, over its full rows, the sum of ``q``
+        and the rows counted by ``r`` (``_evicted_fill``), which only compaction changes."""
+        layout = self.layout
+        page_size = layout.page_size
+        states = [self._requests[request_id] for request_id in request_ids]
+        count = len(states)
+        logical = np.array([state.logical_len for state in states], dtype=np.int64)
+        owned = np.array([state.table.total_pages for state in states], dtype=np.int64)
+        summaries = [state.evicted_fill for state in states]
+        for index, summary in enumerate(summaries):
+            if summary is None:
+                summaries[index] = states[index].evicted_fill = self._evicted_fill(
+                    states[index].evicted)
+        width = 2 * page_size + 2
+        flat = np.concatenate(summaries) if summaries else np.zeros(0, dtype=np.int64)
+        whole, slot = np.divmod(logical, page_size)
+        start = np.arange(count) * width  # each summary's place in ``flat``
+        at_slot = start + 1 + slot  # rows_below[R]
+        below_slot = flat[at_slot]
+        full_pages = len(layout.compressed_rows) * whole - flat[start] + below_slot
+        # Rows with fewer than k free slots: those with r in [R, R + k), wrapping around.
+        free_below = flat[at_slot[:, None] + np.arange(page_size + 1)] - below_slot[:, None]
+        if layout.has_sliding_layers:
+            evicted = np.array([state.evicted for state in states],
+                               dtype=np.int64).reshape(count, layout.num_rows)
+            sliding_lengths = logical[:, None] - evicted[:, layout.row_windows > 0]
+        else:
+            sliding_lengths = np.zeros((count, 0), dtype=np.int64)
+        return PageFill(owned, full_pages, free_below, sliding_lengths)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -286,6 +362,7 @@ class PageManager:
                 f"{state.logical_len} reserved logical tokens"
             )
         state.evicted = logical_len - physical_lengths
+        state.evicted_fill = None
         if kind == "decode":
             state.tail_in_order = False
         else:
@@ -423,6 +500,24 @@ class PageManager:
             f"+ cached {num_cached} != total {self.layout.total_pages}"
         )
         assert len(np.unique(everything)) == self.layout.total_pages, "a page is held twice"
+        for request_id, state in self._requests.items():
+            assert state.table.total_pages == state.table.num_pages.sum(), (
+                f"request {request_id}: its table miscounts its pages")
+            assert state.evicted_fill is None or np.array_equal(
+                state.evicted_fill, self._evicted_fill(state.evicted)), (
+                f"request {request_id}: stale summary of its evicted tokens")
+
+    def _evicted_fill(self, evicted: np.ndarray) -> np.ndarray:
+        """Over the full-attention rows' evicted tokens ``e = q * page_size + r``
+        (``page_fill``): the sum of ``q``, then ``rows_below[j]`` for ``j`` in [0, 2 *
+        page_size], the rows with ``r < j`` counting each row at ``r`` and again at ``r +
+        page_size`` (so a range of ``r`` that wraps around is one difference)."""
+        page_size = self.layout.page_size
+        whole, slot = np.divmod(evicted[self.layout.compressed_rows], page_size)
+        rows_by_slot = np.bincount(slot, minlength=page_size)
+        rows_below = np.zeros(2 * page_size + 1, dtype=np.int64)
+        np.cumsum(np.tile(rows_by_slot, 2), out=rows_below[1:])
+        return np.concatenate(([whole.sum()], rows_below))
 
     # ------------------------------------------------------------ free stack
     def _pop(self, count: int, keep: int | None = None) -> np.ndarray:

@@ -15,6 +15,29 @@ def pages_for_lengths(lengths: np.ndarray, page_size: int) -> np.ndarray:
     return (lengths + (page_size - 1)) // page_size
 
 
+def fill_of_lengths(lengths: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each request (a row of ``lengths [requests, rows]``): the pages its rows' tokens
+    take, and ``free_below[k]``, how many of its rows have fewer than ``k`` free slots in
+    their last page (``k`` in [0, page_size]; an empty row has none).
+
+    A row with ``f`` free slots needs ``ceil(max(0, d - f) / page_size)`` new pages after
+    ``d`` more tokens, so a request's rows together need ``(d // page_size) * rows +
+    free_below[d % page_size]``.
+    """
+    # Per-row arithmetic in int32 (a row's tokens fit) and in place: admission calls this
+    # every step over many requests' rows.
+    lengths = np.asarray(lengths).astype(np.int32)
+    count = lengths.shape[0]
+    pages = pages_for_lengths(lengths, page_size)
+    slack = pages * page_size
+    slack -= lengths
+    slack += (np.arange(count, dtype=np.int32) * page_size)[:, None]  # a bin range per request
+    free_slots = np.bincount(slack.ravel(), minlength=count * page_size)
+    free_below = np.zeros((count, page_size + 1), dtype=np.int64)
+    np.cumsum(free_slots.reshape(count, page_size), axis=1, out=free_below[:, 1:])
+    return pages.sum(axis=1, dtype=np.int64), free_below
+
+
 class HeadPageTable:
     """Page ids per row (``pages[row, :num_pages[row]]``), growing on demand.
 
@@ -26,15 +49,13 @@ class HeadPageTable:
         self.page_size = page_size
         self.pages = np.zeros((num_rows, max(1, initial_capacity)), dtype=np.int32)
         self.num_pages = np.zeros(num_rows, dtype=np.int32)
+        # num_pages.sum(), kept up to date: admission reads it for every request each step.
+        self.total_pages = 0
         self.version = next(_VERSIONS)
 
     @property
     def num_rows(self) -> int:
         return self.pages.shape[0]
-
-    @property
-    def total_pages(self) -> int:
-        return int(self.num_pages.sum())
 
     def pages_missing(self, lengths: np.ndarray) -> np.ndarray:
         """Pages each row still needs to hold ``lengths`` tokens (0 where it has enough)."""
@@ -54,6 +75,7 @@ class HeadPageTable:
         offset_in_row = np.arange(total) - np.repeat(first_of_row, counts)
         self.pages[rows, self.num_pages[rows] + offset_in_row] = page_ids
         self.num_pages += counts.astype(np.int32)
+        self.total_pages += total
         self.version = next(_VERSIONS)
 
     def truncate(self, lengths: np.ndarray) -> np.ndarray:
@@ -61,6 +83,7 @@ class HeadPageTable:
         keep = np.minimum(pages_for_lengths(lengths, self.page_size), self.num_pages)
         dropped = self._pages_between(keep, self.num_pages)
         self.num_pages = keep.astype(np.int32)
+        self.total_pages -= len(dropped)
         self.version = next(_VERSIONS)
         return dropped
 
@@ -76,6 +99,7 @@ class HeadPageTable:
         source = np.minimum(np.arange(width)[None, :] + counts[:, None], width - 1)
         self.pages = np.take_along_axis(self.pages, source, axis=1)
         self.num_pages = self.num_pages - counts
+        self.total_pages -= len(dropped)
         self.version = next(_VERSIONS)
         return dropped
 

@@ -17,10 +17,12 @@ Rows of all ranks together are in rank-major order: rank 0's rows, then rank 1's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
-from kvcompress.paging.page_manager import PageManager, PageTableDelta
+from kvcompress.paging.page_manager import PageFill, PageManager, PageTableDelta
 
 
 class ShardedPageManager:
@@ -60,6 +62,24 @@ class ShardedPageManager:
         if len(self.shards) == 1:
             return self.shards[0].physical_lengths(request_id)
         return np.max([shard.physical_lengths(request_id) for shard in self.shards], axis=0)
+
+    def lengths_and_owned_pages(self, request_ids: Sequence[str]) -> tuple[np.ndarray,
+                                                                         np.ndarray]:
+        """``physical_lengths`` and ``owned_pages`` of many requests in one call: per row of
+        one rank the longest over the ranks, and the most pages a rank holds."""
+        if len(self.shards) == 1:
+            return self.shards[0].lengths_and_owned_pages(request_ids)
+        per_rank = [shard.lengths_and_owned_pages(request_ids) for shard in self.shards]
+        return (np.max([lengths for lengths, _ in per_rank], axis=0),
+                np.max([owned for _, owned in per_rank], axis=0))
+
+    def page_fill(self, request_ids: Sequence[str]) -> PageFill:
+        """``PageFill`` of the longest of each row over the ranks (ranks only differ after a
+        compaction that depends on what each rank scored), and the most pages a rank holds."""
+        if len(self.shards) == 1:
+            return self.shards[0].page_fill(request_ids)
+        lengths, owned = self.lengths_and_owned_pages(request_ids)
+        return PageFill.of_lengths(lengths, owned, self.layout)
 
     def adoption(self, request_id: str) -> tuple[int, np.ndarray] | None:
         """What the request took from a cached entry: the logical tokens, and per row of one

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.admission import AdmissionPlanner, Trajectory, growth_pages, peak_pages
-from kvcompress.paging import PageLayout, PageManager
+from kvcompress.engine.admission import AdmissionPlanner, Trajectories, Trajectory, peak_pages
+from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
+from kvcompress.paging.page_table import fill_of_lengths
 from kvcompress.policies.decode import DecodeEviction, get_decode_method
 
 PAGE = 4
@@ -58,11 +59,11 @@ def trajectories(draw) -> list[Trajectory]:
 @settings(max_examples=300, deadline=None)
 @given(trajectories())
 def test_peak_matches_a_step_by_step_simulation(cases):
-    assert peak_pages(cases, PAGE) == simulated_peak(cases, PAGE)
+    assert peak_pages(Trajectories.stack(cases, PAGE)) == simulated_peak(cases, PAGE)
 
 
-def test_growth_pages_counts_rows_by_free_slots_in_their_last_page():
-    pages, free_below = growth_pages(np.array([[0, 3, 4, 5], [1, 1, 1, 1]]), PAGE)
+def test_fill_of_lengths_counts_rows_by_free_slots_in_their_last_page():
+    pages, free_below = fill_of_lengths(np.array([[0, 3, 4, 5], [1, 1, 1, 1]]), PAGE)
     assert pages.tolist() == [0 + 1 + 1 + 2, 4]
     # free slots: 0 (empty row), 1, 0, 3 -> rows with fewer than r free slots
     assert free_below.tolist() == [[0, 2, 3, 3, 4], [0, 0, 0, 0, 4]]
@@ -74,8 +75,8 @@ def test_a_request_that_ends_first_makes_room_for_the_growth_of_another():
     long = Trajectory(2, 0, row, growth_tokens=40, remaining_steps=40)
     # together: 2 + 2 -> both grow one page by step 1; short ends at step 4;
     # long reaches 48 tokens = 12 pages
-    assert peak_pages([short, long], PAGE) == 12
-    assert peak_pages([short], PAGE) == 3
+    assert peak_pages(Trajectories.stack([short, long], PAGE)) == 12
+    assert peak_pages(Trajectories.stack([short], PAGE)) == 3
 
 
 def test_headroom_of_a_decode_budget_follows_its_evictions():
@@ -85,6 +86,9 @@ def test_headroom_of_a_decode_budget_follows_its_evictions():
     assert eviction.headroom(14) == 4  # evicted back to 10
     assert eviction.headroom(17) == 1
     assert eviction.headroom(18) == 4
+    # elementwise over a batch, as the planner asks for its decoding requests
+    generated = np.arange(40)
+    assert eviction.headroom(generated).tolist() == [eviction.headroom(g) for g in range(40)]
 
 
 @dataclass
@@ -137,7 +141,7 @@ def test_a_prompt_that_fits_now_waits_when_the_running_ones_could_not_grow():
     assert held == 4 * 64 // PAGE  # 4 rows of the whole prompt, uncompressed
     # a pool with room for b's prefill now, but not for both once a and b have grown 40
     tight = plan.pages.owned_pages("a") + held + 8
-    peak = peak_pages([plan.trajectory(first), plan.trajectory(new)], PAGE)
+    peak = peak_pages(Trajectories.stack([plan.trajectory(first), plan.trajectory(new)], PAGE))
     assert peak > tight
     decode = {"prompt": 64, "generated": 0, "max_tokens": 40}
     assert not pool_with(tight, **decode)[0].admits(new)
@@ -179,7 +183,7 @@ def test_the_peak_decides_admission_exactly():
     decode = {"prompt": 64, "generated": 5, "max_tokens": 30}
     plan, first = pool_with(10_000, **decode)
     new = FakeRequest("b", 64, max_tokens=30)
-    peak = peak_pages([plan.trajectory(first), plan.trajectory(new)], PAGE)
+    peak = peak_pages(Trajectories.stack([plan.trajectory(first), plan.trajectory(new)], PAGE))
     assert pool_with(peak, **decode)[0].admits(new)
     assert not pool_with(peak - 1, **decode)[0].admits(new)
     assert not pool_with(peak + 3, **decode)[0].admits(new, reserve_pages=4)
@@ -225,3 +229,87 @@ def test_sliding_rows_count_at_their_window_and_do_not_grow():
     # Full rows: 2 x 50 pages of the prompt; sliding rows: 2 x ceil((7 + 3 + 16) / 4) = 2 x 7.
     assert waiting.held_pages == 2 * 50 + 2 * 7
     assert waiting.fixed_pages == 2 * 3 and len(waiting.kept_lengths) == 2
+
+
+# ----------------------------------------- the batched path against the one-by-one reference
+def random_running_set(rng: np.random.Generator, pages: PageManager | ShardedPageManager,
+                       ranks: int) -> list[FakeRequest]:
+    """Requests in every state ``trajectory`` tells apart, with pages as the scheduler left
+    them: decoding (compacted, decode-evicted, window-dropped), prefilling, resumed after
+    preemption, waiting, and started from a cached context; some with their own decode
+    budget or compression off."""
+    rows = pages.layout.num_rows * ranks  # a compaction report covers every rank's rows
+    overrides = [None, {"kv_decode_budget": 6, "kv_decode_interval": 3},
+                 {"kv_decode_budget": 20, "kv_decode_interval": 7}, {"kv_compression": "none"}]
+    requests = []
+    for index in range(int(rng.integers(1, 14))):
+        name = f"r{index}"
+        extra_args = overrides[int(rng.integers(len(overrides)))]
+        kind = rng.choice(["decoding", "prefilling", "resumed", "waiting", "adopted"])
+        prompt = int(rng.integers(1, 120))
+        output = computed = 0
+        if kind == "decoding":
+            generated = int(rng.integers(0, 40))
+            computed, output = prompt + generated, generated + int(rng.integers(0, 2))
+            assert pages.allocate(name, computed)
+            for report in ("prompt", "decode"):
+                if rng.random() < 0.4:
+                    pages.release_after_compression(
+                        name, computed, rng.integers(0, computed + 1, size=rows), report)
+            pages.take_deltas()  # a later schedule: its window drop comes first
+            pages.drop_outside_window(name, computed)
+            assert pages.allocate(name, computed + int(rng.integers(0, 2)))
+        elif kind == "prefilling":
+            computed = int(rng.integers(0, prompt))
+            output = int(rng.integers(0, 3))  # resumed ones recompute their outputs too
+            assert pages.allocate(name, computed + 1)
+        elif kind == "resumed":
+            output = int(rng.integers(1, 30))
+        elif kind == "adopted":
+            context = int(rng.integers(1, 60))
+            assert pages.allocate(name + "-earlier", context)
+            assert pages.retire(name + "-earlier", index, context, prompt_len=context)
+            hit = int(rng.integers(1, context + 1))
+            assert pages.adopt(name, index, hit, copy=bool(rng.integers(2)))
+            # A prompt of just the cached context is decoding already.
+            prompt, computed = hit + int(rng.integers(0, 2)) * prompt, hit
+        requests.append(FakeRequest(
+            name, prompt, max_tokens=output + int(rng.integers(0, 300)),
+            num_computed_tokens=computed, num_output_tokens=output,
+            sampling_params=SimpleNamespace(extra_args=extra_args)))
+    return requests
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), sliding=st.booleans(), ranks=st.sampled_from([0, 1, 2]),
+       lookahead=st.sampled_from([1, 7, 40, 512]))
+def test_batched_trajectories_and_admission_match_the_reference(seed, sliding, ranks,
+                                                                lookahead):
+    """``trajectories`` (decoding requests read in one batch from the page manager) equals
+    ``trajectory`` request by request, and ``admits`` decides by the reference peak. ``ranks``
+    0: a plain PageManager; 2: ranks whose compactions differ."""
+    rng = np.random.default_rng(seed)
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE,
+                        dtype_bytes=2, total_pages=50_000,
+                        layer_windows=(8, 0) if sliding else ())
+    pages = ShardedPageManager(layout, ranks) if ranks else PageManager(layout)
+    running: list[FakeRequest] = []
+    plan = AdmissionPlanner(pages, PYRAMID, max_model_len=160, max_num_batched_tokens=16,
+                            lookahead=lookahead, running=lambda: running)
+    requests = random_running_set(rng, pages, max(ranks, 1))
+
+    reference = [plan.trajectory(r) for r in requests]
+    batched = plan.trajectories(requests)
+    expected = Trajectories.stack(reference, PAGE)
+    for name in [f.name for f in fields(Trajectories)]:
+        assert np.array_equal(getattr(batched, name), getattr(expected, name)), name
+    peak = peak_pages(expected)
+    assert peak == simulated_peak(reference, PAGE)
+    pages.check_invariants()  # the summaries page_fill keeps are up to date
+
+    *running[:], new = requests
+    if running:
+        # The decision flips exactly where the reserve leaves the reference peak no room.
+        room = layout.total_pages - peak
+        assert plan.admits(new, reserve_pages=room)
+        assert not plan.admits(new, reserve_pages=room + 1)

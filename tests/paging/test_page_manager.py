@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import HeadPageTable, PageLayout, PageManager, PageTableDelta
+from kvcompress.paging.page_manager import PageFill
 
 
 def make_layout(total_pages=64, layers=2, heads=2, page_size=4):
@@ -153,6 +154,17 @@ class PagingMachine(RuleBasedStateMachine):
             lengths = self.manager.physical_lengths(request_id)
             table = self.worker.requests[request_id].table
             assert table.num_pages.tolist() == ((lengths + size - 1) // size).tolist()
+
+    @invariant()
+    def page_fill_matches_the_rows_it_does_not_read(self):
+        # page_fill answers from a summary each request keeps of its evicted tokens; after
+        # every step it must agree with the rows' lengths counted one by one.
+        request_ids = sorted(self.logical)
+        fill = self.manager.page_fill(request_ids)
+        lengths, owned = self.manager.lengths_and_owned_pages(request_ids)
+        expected = PageFill.of_lengths(lengths, owned, self.layout)
+        for name in ("owned_pages", "full_pages", "free_below", "sliding_lengths"):
+            assert np.array_equal(getattr(fill, name), getattr(expected, name)), name
 
     @invariant()
     def worker_mirror_matches_the_scheduler(self):

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import PageLayout, ShardedPageManager
+from kvcompress.paging.page_manager import PageFill
 
 RANKS = 2
 
@@ -120,6 +121,17 @@ class ShardedPagingMachine(RuleBasedStateMachine):
         for shard in self.manager.shards:
             assert shard.num_free + shard.owned_pages() == self.layout.total_pages
         assert self.manager.num_free == min(s.num_free for s in self.manager.shards)
+
+    @invariant()
+    def page_fill_reads_the_longest_row_and_the_fullest_rank(self):
+        request_ids = sorted(self.logical)
+        fill = self.manager.page_fill(request_ids)
+        lengths = np.array([self.manager.physical_lengths(r) for r in request_ids],
+                           dtype=np.int64).reshape(len(request_ids), self.layout.num_rows)
+        owned = np.array([self.manager.owned_pages(r) for r in request_ids], dtype=np.int64)
+        expected = PageFill.of_lengths(lengths, owned, self.layout)
+        for name in ("owned_pages", "full_pages", "free_below", "sliding_lengths"):
+            assert np.array_equal(getattr(fill, name), getattr(expected, name)), name
 
     @invariant()
     def each_worker_mirrors_its_own_rank(self):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from ..selection import top_quota_positions
@@ -82,14 +83,15 @@ class DecodeEviction:
         width of the score accumulator, indexed by generated offset."""
         return self.budget + self.interval
 
-    def headroom(self, generated: int) -> int:
+    def headroom(self, generated: int | np.ndarray) -> int | np.ndarray:
         """Tokens a head holding ``generated`` generated tokens may still add before its
         cache stops growing: evictions bring it back to ``budget`` every ``interval``
-        tokens, so it never holds more than ``capacity``."""
-        held = generated
-        if generated >= self.capacity:
-            held = self.budget + (generated - self.budget) % self.interval
-        return self.capacity - held
+        tokens, so it never holds more than ``capacity``. Elementwise over an array (the
+        admission planner asks for a whole running batch at once)."""
+        # Each eviction so far took ``interval`` tokens off; past ``budget`` one runs every
+        # ``interval`` tokens (the first at ``capacity``).
+        evictions = np.maximum(np.subtract(generated, self.budget), 0) // self.interval
+        return self.capacity - (generated - evictions * self.interval)
 
     def due(self, generated: int) -> bool:
         """Whether a head holding ``generated`` tokens after a step evicts now."""
