@@ -51,6 +51,7 @@ METHODS = ("none", *POLICY_METHODS)
 # short chat turns (< 512 tokens) are not touched at all.
 DEFAULT_BUDGET = 512
 DEFAULT_PAGE_SIZE = 16
+AMX_PAGE_SIZE = 32  # the default where the CPU attention kernel runs on AMX tiles
 DEFAULT_DECODE_POLICY = "window"
 DEFAULT_DECODE_INTERVAL = 64  # evict generated tokens only every ~64 new tokens
 PAGE_SIZE_RANGE = (4, 256)
@@ -173,7 +174,8 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "kv_page_size", "--kv-page-size", "page_size", int,
         "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
-        f"default {DEFAULT_PAGE_SIZE}.",
+        f"default {AMX_PAGE_SIZE} on a CPU with AMX tiles running bf16 (vLLM's amx attention "
+        f"kernel, which needs pages of multiples of 32), else {DEFAULT_PAGE_SIZE}.",
     ),
     FlagSpec(
         "kv_admission_lookahead", "--kv-admission-lookahead", "admission_lookahead", int,
@@ -214,7 +216,7 @@ class KVCompressionConfig:
     adakv_floor: float = DEFAULT_ADAKV_FLOOR
     adakv_totals: str = DEFAULT_ADAKV_TOTALS
     gqa_reduce: str = DEFAULT_GROUP_REDUCE
-    page_size: int = DEFAULT_PAGE_SIZE
+    page_size: int | None = None  # None: the platform's default (engine/vllm_layout.py)
     decode_policy: str = DEFAULT_DECODE_POLICY
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
@@ -331,7 +333,7 @@ class KVCompressionConfig:
                   f"got {self.admission_lookahead}; allowed: an integer >= 0")
         low, high = PAGE_SIZE_RANGE
         size = self.page_size
-        if not (low <= size <= high) or size & (size - 1):
+        if size is not None and (not (low <= size <= high) or size & (size - 1)):
             _fail("kv_page_size", f"got {size}; allowed: a power of two in [{low}, {high}]")
 
     def _validate_decode(self) -> None:
@@ -395,7 +397,7 @@ class KVCompressionConfig:
             f"gqa={self.gqa_reduce} "
             + (f"adakv_floor={self.adakv_floor:g} adakv_totals={self.adakv_totals} "
                if self.method == "adakv" else "")
-            + f"page_size={self.page_size}"
+            + f"page_size={self.page_size or 'auto'}"
             + (f" decode={self.decode_policy}/{self.decode_budget}+{self.decode_interval}"
                if self.decode_budget is not None else "")
         )

@@ -3,7 +3,8 @@
 vLLM's CPU kernel reads one block table per sequence. Treating every (request, KV head)
 pair as its own sequence with one KV head and G query heads lets it read our per-head
 page tables unchanged: the pool viewed as ``[pages, 1, 2 * page_size, head_size]`` is
-exactly its KV-cache layout (K transposed per page for the vec/vec16 ISAs, V row-major).
+exactly its KV-cache layout (K transposed per page for the vec/vec16 ISAs, V row-major; AMX
+tiles for the amx ISA, ``kvcompress.paging.page_format``).
 
 The kernel also applies the model's logit soft-cap and attention sinks. It takes one sink
 per query head of a sequence, the same for every sequence, while ours differ per KV head, so
@@ -25,15 +26,24 @@ from vllm import envs
 
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageLayout
-from kvcompress.paging.page_format import CPU_PAGE_FORMAT
+from kvcompress.paging.page_format import AMX_PAGE_FORMAT, CPU_PAGE_FORMAT, PageFormat
 from kvcompress.step import StepBatch
 
 
-def cpu_isa(page_size: int, head_size: int) -> str:
-    """The kernel variant whose K layout we know (transposed pages); AMX packs differently."""
+def cpu_isa(page_size: int, head_size: int, dtype: torch.dtype | None = None) -> str:
+    """The kernel variant for our pages: ``amx`` (AMX tiles, bf16, pages and heads multiples of
+    32: its own page layout, ``AMX_PAGE_FORMAT``) where the CPU has it, else vec / vec16 (K
+    transposed per page, ``CPU_PAGE_FORMAT``), as vLLM's own CPU backend picks."""
     if head_size % 16:
         raise NotImplementedError(f"kvcompress on CPU needs head_size % 16 == 0, got {head_size}")
+    if (dtype == torch.bfloat16 and page_size % 32 == 0 and head_size % 32 == 0
+            and torch.cpu._is_amx_tile_supported()):
+        return "amx"
     return "vec" if page_size % 32 == 0 and head_size % 32 == 0 else "vec16"
+
+
+def page_format_for(isa: str) -> PageFormat:
+    return AMX_PAGE_FORMAT if isa == "amx" else CPU_PAGE_FORMAT
 
 
 @dataclass
@@ -61,12 +71,14 @@ class CpuStepArgs:
 class CpuPagedKernel:
     """``kvcompress.step.PlatformKernel`` on CPU."""
 
-    page_format = CPU_PAGE_FORMAT
-
-    def __init__(self, layout: PageLayout, dtype: torch.dtype) -> None:
+    def __init__(self, layout: PageLayout, dtype: torch.dtype, isa: str | None = None) -> None:
+        """``isa``: the kernel variant (default: ``cpu_isa``'s pick for this CPU)."""
         self.layout = layout
         self.dtype = dtype
-        self.isa = cpu_isa(layout.page_size, layout.head_size)
+        self.isa = isa or cpu_isa(layout.page_size, layout.head_size, dtype)
+        self.page_format = page_format_for(self.isa)
+        if self.isa == "amx":
+            torch.cpu._init_amx()  # the process may use AMX tiles (Linux asks first)
 
     def prepare(self, step: StepBatch) -> CpuStepArgs:
         layers, heads = self.layout.num_layers, self.layout.num_kv_heads

@@ -1,11 +1,20 @@
 """How K and V sit inside a page of the pool ``[num_pages, 2, page_size, head_size]``.
 
-Index 0 of dim 1 holds K, index 1 holds V, ``page_size`` tokens of one KV head each.
-V is always stored row-major ``[page_size, head_size]``. K is row-major on GPU, and
-transposed ``[head_size, page_size]`` on CPU, the layout vLLM's CPU attention kernel
-(vec / vec16 ISA) reads and writes, so that kernel can run over our pages unchanged.
+Index 0 of dim 1 holds K, index 1 holds V, ``page_size`` tokens of one KV head each, in one
+of three layouts (``PageFormat.key_layout``):
 
-No vLLM imports: moves and reads here are plain torch, shared by engine and tests.
+- ``"row"`` (GPU, Triton kernels): K and V row-major ``[page_size, head_size]``.
+- ``"transposed"`` (CPU, vLLM's vec / vec16 attention ISA): K transposed
+  ``[head_size, page_size]``, V row-major.
+- ``"amx"`` (CPU with AMX tiles, bf16, pages and heads multiples of 32: vLLM's amx ISA, about
+  3x faster prefill attention): K in groups of 16 tokens, each ``[head_size / 2, 16, 2]``
+  (pairs of dimensions, token, dimension in the pair); V in blocks of 16 dimensions, each
+  ``[page_size / 2, 16, 2]`` (pairs of tokens, dimension, token in the pair). Checked against
+  vLLM's own cache write in tests/paging/test_page_format.py where the CPU has AMX.
+
+The CPU kernel reads and writes pages in its ISA's layout, so it runs over our pages
+unchanged; everything else (moves, score reads) goes through this class. No vLLM imports:
+plain torch, shared by engine and tests.
 """
 
 from __future__ import annotations
@@ -14,22 +23,44 @@ from dataclasses import dataclass
 
 import torch
 
+KEY_LAYOUTS = ("row", "transposed", "amx")
+AMX_TILE = 16  # tokens per K group and dimensions per V block in the amx layout
+
 
 @dataclass(frozen=True)
 class PageFormat:
-    keys_transposed: bool
+    key_layout: str
 
-    def key_view(self, pool: torch.Tensor) -> torch.Tensor:
-        """K part indexed as ``[page, token, dim]`` (a strided view when transposed)."""
+    def __post_init__(self) -> None:
+        if self.key_layout not in KEY_LAYOUTS:
+            raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {self.key_layout!r}")
+
+    def _key_slots(self, pool: torch.Tensor, pages: torch.Tensor,
+                   offsets: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple[int, ...]]:
+        """A view of the K part, the index that picks tokens (page, offset) from it, and the
+        shape of one token there: ``view[index]`` is ``[N, head_size]`` (amx: ``[N,
+        head_size / 2, 2]``)."""
         num_pages, _, page_size, head_size = pool.shape
         keys = pool[:, 0]
-        if self.keys_transposed:
-            return keys.reshape(num_pages, head_size, page_size).transpose(1, 2)
-        return keys
+        if self.key_layout == "row":
+            return keys, (pages, offsets), (head_size,)
+        if self.key_layout == "transposed":
+            by_token = keys.reshape(num_pages, head_size, page_size).transpose(1, 2)
+            return by_token, (pages, offsets), (head_size,)
+        tiles = keys.reshape(num_pages, page_size // AMX_TILE, head_size // 2, AMX_TILE, 2)
+        index = (pages, offsets // AMX_TILE, slice(None), offsets % AMX_TILE)
+        return tiles, index, (head_size // 2, 2)
 
-    @staticmethod
-    def value_view(pool: torch.Tensor) -> torch.Tensor:
-        return pool[:, 1]
+    def _value_slots(self, pool: torch.Tensor, pages: torch.Tensor,
+                     offsets: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple[int, ...]]:
+        """As ``_key_slots`` for V (amx: ``[N, head_size / 16, 16]``)."""
+        num_pages, _, page_size, head_size = pool.shape
+        values = pool[:, 1]
+        if self.key_layout != "amx":
+            return values, (pages, offsets), (head_size,)
+        tiles = values.reshape(num_pages, head_size // AMX_TILE, page_size // 2, AMX_TILE, 2)
+        index = (pages, slice(None), offsets // 2, slice(None), offsets % 2)
+        return tiles, index, (head_size // AMX_TILE, AMX_TILE)
 
     def write_tokens(
         self, pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
@@ -37,15 +68,21 @@ class PageFormat:
         """Store ``keys/values [N, D]`` at flat ``slots [N]`` (page * page_size + offset)."""
         page_size = pool.shape[2]
         pages, offsets = slots // page_size, slots % page_size
-        self.key_view(pool)[pages, offsets] = keys.to(pool.dtype)
-        self.value_view(pool)[pages, offsets] = values.to(pool.dtype)
+        for (view, index, shape), tokens in ((self._key_slots(pool, pages, offsets), keys),
+                                             (self._value_slots(pool, pages, offsets), values)):
+            view[index] = tokens.to(pool.dtype).reshape(len(slots), *shape)
 
     def read_tokens(
         self, pool: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys, values [N, D]`` of flat ``slots [N]``."""
         page_size = pool.shape[2]
         pages, offsets = slots // page_size, slots % page_size
-        return self.key_view(pool)[pages, offsets], self.value_view(pool)[pages, offsets]
+        key_view, key_index, _ = self._key_slots(pool, pages, offsets)
+        value_view, value_index, _ = self._value_slots(pool, pages, offsets)
+        head_size = pool.shape[3]
+        return (key_view[key_index].reshape(len(slots), head_size),
+                value_view[value_index].reshape(len(slots), head_size))
 
     def move(
         self, pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -60,13 +97,18 @@ class PageFormat:
 
     def gather_key_pages(self, pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """K of ``pages [...]`` as ``[..., head_size, page_size]`` (dimension-major): one
-        contiguous gather on CPU, where pages already hold K transposed, so scoring can multiply
-        queries by whole pages without first transposing every key."""
+        contiguous gather on CPU, where pages already hold K transposed (the amx layout is
+        reordered after the gather), so scoring can multiply queries by whole pages without
+        first transposing every key."""
         num_pages, _, page_size, head_size = pool.shape
         # index_select over whole K pages is several times faster than advanced indexing
         key_pages = pool.view(num_pages, 2, page_size * head_size)[:, 0]
         keys = key_pages.index_select(0, pages.reshape(-1))
-        if self.keys_transposed:
+        if self.key_layout == "transposed":
+            return keys.view(*pages.shape, head_size, page_size)
+        if self.key_layout == "amx":  # [group, pair, token, 2] -> [pair, 2, group, token]
+            tiles = keys.view(-1, page_size // AMX_TILE, head_size // 2, AMX_TILE, 2)
+            keys = tiles.permute(0, 2, 4, 1, 3).reshape(-1, head_size, page_size)
             return keys.view(*pages.shape, head_size, page_size)
         return keys.view(*pages.shape, page_size, head_size).transpose(-1, -2)
 
@@ -83,5 +125,6 @@ class PageFormat:
         return keys[..., :num_tokens]
 
 
-CPU_PAGE_FORMAT = PageFormat(keys_transposed=True)
-GPU_PAGE_FORMAT = PageFormat(keys_transposed=False)
+CPU_PAGE_FORMAT = PageFormat("transposed")
+AMX_PAGE_FORMAT = PageFormat("amx")
+GPU_PAGE_FORMAT = PageFormat("row")

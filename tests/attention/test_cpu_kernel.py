@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.attention.cpu_kernel import CpuPagedKernel
+from kvcompress.attention.cpu_kernel import CpuPagedKernel, cpu_isa, page_format_for
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageTableDelta
-from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+from kvcompress.paging.page_format import AMX_PAGE_FORMAT, CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import aggregate_window_probs
 from tests.paged_cases import (
     MODEL_SOFTMAXES,
@@ -31,9 +31,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 def test_cpu_kernel_matches_dense_reference(page_size, head_size, group, dtype, layout_name):
     lengths, num_new = LAYOUTS[layout_name]
-    case = build_case(CPU_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
+    # the kernel's own pick: bf16 with 32-token pages runs the amx ISA where the CPU has it
+    page_format = page_format_for(cpu_isa(page_size, head_size, dtype))
+    case = build_case(page_format, lengths, num_new, num_layers=2, num_kv_heads=2,
                       group=group, head_size=head_size, page_size=page_size, dtype=dtype)
     kernel = CpuPagedKernel(case.layout, dtype)
+    assert kernel.page_format == page_format
     args = kernel.prepare(case.step)
     scale = head_size**-0.5
     for layer in range(2):
@@ -131,12 +134,55 @@ def test_kernel_write_matches_page_format_read():
     assert torch.equal(values, case.new_values[:, rows].reshape(-1, 64))
 
 
-@pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT])
+needs_amx = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                               reason="this CPU has no AMX tiles (vLLM's amx ISA)")
+
+
+@needs_amx
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_amx_kernel_writes_what_the_amx_page_format_reads(head_size, page_size):
+    """Our amx layout (kvcompress.paging.page_format) against vLLM's own amx cache write."""
+    lengths, num_new = LAYOUTS["mixed"]
+    case = build_case(AMX_PAGE_FORMAT, lengths, num_new, 2, 2, 3, head_size, page_size,
+                      torch.bfloat16)
+    kernel = CpuPagedKernel(case.layout, torch.bfloat16)
+    assert kernel.isa == "amx" and kernel.page_format == AMX_PAGE_FORMAT
+    rows = case.step.layer_rows(1)
+    slots = case.step.slot_mapping[:, rows]
+    kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows], slots)
+    keys, values = AMX_PAGE_FORMAT.read_tokens(case.pool, slots.reshape(-1))
+    assert torch.equal(keys, case.new_keys[:, rows].reshape(-1, head_size))
+    assert torch.equal(values, case.new_values[:, rows].reshape(-1, head_size))
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
+def test_amx_kernel_matches_dense_reference_with_the_model_softmax(kind, window):
+    lengths, num_new = LAYOUTS["mixed"]
+    case = build_case(AMX_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
+                      group=3, head_size=64, page_size=32, dtype=torch.bfloat16)
+    softmax = model_softmax(kind, case.query.shape[1], torch.bfloat16)
+    kernel = CpuPagedKernel(case.layout, torch.bfloat16)
+    args = kernel.prepare(case.step)
+    for layer in range(2):
+        rows = case.step.layer_rows(layer)
+        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
+                     case.step.slot_mapping[:, rows])
+        output = torch.empty_like(case.query)
+        kernel.attend(args, layer, case.query, case.pool, output, 0.125, sliding_window=window,
+                      **softmax)
+        expected = dense_attention(case, layer, 0.125, window=window, **softmax)
+        torch.testing.assert_close(output.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, AMX_PAGE_FORMAT, GPU_PAGE_FORMAT])
 def test_moves_copy_k_and_v_and_read_before_write(page_format):
-    pool = torch.randn(6, 2, 8, 16)
+    pool = torch.randn(6, 2, 32, 32)  # amx needs pages and heads of multiples of 16
     original = pool.clone()
-    src = torch.tensor([3, 17, 40])
-    dst = torch.tensor([17, 40, 5])  # chained: every read must see the old contents
+    src = torch.tensor([3, 47, 130])
+    dst = torch.tensor([47, 130, 5])  # chained: every read must see the old contents
     page_format.move(pool, src, dst)
     old_keys, old_values = page_format.read_tokens(original, src)
     new_keys, new_values = page_format.read_tokens(pool, dst)
