@@ -2,8 +2,9 @@
 through chunked prefill and preemption, and every page comes back."""
 
 import pytest
+import torch
 
-from .harness import greedy, random_prompts, run_vanilla_and_kvcompress
+from .harness import EngineHarness, greedy, random_prompts, run_vanilla_and_kvcompress
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,25 @@ def test_embedded_model_identical_on_mixed_lengths(embedded_model):
         kv_cache_memory_bytes=256 << 20,
     )
     assert results["kvcompress"][0] == results["vanilla"][0]
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                    reason="this CPU has no AMX tiles (vLLM's amx attention ISA)")
+def test_embedded_model_identical_in_bf16_on_amx_pages(embedded_model):
+    """bf16 on a CPU with AMX: vanilla runs vLLM's amx attention over its 128-token blocks, we
+    run it over 32-token per-head pages in its tile layout (the default page size there)."""
+    prompts = random_prompts([3, 90, 400, 1500, 30], seed=2)
+    engine_kwargs = dict(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=512,
+                         max_num_seqs=8, kv_cache_memory_bytes=256 << 20)
+    results = run_both(embedded_model, prompts, greedy(24), **engine_kwargs)
+    assert results["kvcompress"][0] == results["vanilla"][0]
+    harness = EngineHarness(embedded_model, NO_EVICTION, **engine_kwargs)
+    try:
+        assert harness.page_manager.layout.page_size == 32
+        isas = harness.on_workers(lambda worker: worker.model_runner.paged_runtime.kernel.isa)
+        assert isas == ["amx"]
+    finally:
+        harness.shutdown()
 
 
 @pytest.mark.parametrize("model_fixture",
