@@ -26,6 +26,7 @@ from vllm import envs
 
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageLayout
+from kvcompress.paging.batch_tables import on_class_tokens
 from kvcompress.paging.page_format import AMX_PAGE_FORMAT, CPU_PAGE_FORMAT, PageFormat
 from kvcompress.step import StepBatch
 
@@ -123,15 +124,10 @@ class CpuPagedKernel:
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
         window = _window_for_cpu_kernel(sliding_window)
         for part in args.classes:
-            if part.token_index is None:
-                self._attend_class(part, layer, query, pool, output, scale, soft_cap, sinks,
-                                   window)
-                continue
-            result = torch.empty((part.token_index.numel(), *output.shape[1:]),
-                                 dtype=output.dtype)
-            self._attend_class(part, layer, query.index_select(0, part.token_index), pool,
-                               result, scale, soft_cap, sinks, window)
-            output.index_copy_(0, part.token_index, result)
+            on_class_tokens(part.token_index, query, output,
+                            lambda part_query, part_output, part=part: self._attend_class(
+                                part, layer, part_query, pool, part_output, scale, soft_cap,
+                                sinks, window))
 
     def _attend_class(self, args: CpuClassArgs, layer: int, query: torch.Tensor,
                       pool: torch.Tensor, output: torch.Tensor, scale: float,

@@ -22,6 +22,7 @@ from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.kernels import move_kv, move_kv_ref, paged_attention, window_scores, write_kv
 from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
 from kvcompress.paging import PageLayout
+from kvcompress.paging.batch_tables import on_class_tokens
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
 from kvcompress.step import StepBatch
 
@@ -123,21 +124,16 @@ class TritonPagedKernel:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
         rows = self._rows(layer)
-        output = output.view(query.shape)
         for part in args.classes:
-            if part.token_index is None:
-                part_query, part_output = query, output
-            else:
-                part_query = query.index_select(0, part.token_index)
-                part_output = torch.empty_like(part_query)
-            paged_attention(
-                part_query, pool, part.page_tables[:, rows], part.kv_lens[:, rows],
-                part.query_start_loc, scale, part_output, soft_cap=soft_cap,
-                sinks=sinks, sliding_window=sliding_window, max_query_len=part.max_query_len,
-                max_kv_len=part.max_kv_len[layer], use_triton=self.use_triton,
-            )
-            if part.token_index is not None:
-                output.index_copy_(0, part.token_index, part_output)
+            on_class_tokens(part.token_index, query, output.view(query.shape),
+                            lambda part_query, part_output, part=part: paged_attention(
+                                part_query, pool, part.page_tables[:, rows],
+                                part.kv_lens[:, rows], part.query_start_loc, scale,
+                                part_output, soft_cap=soft_cap, sinks=sinks,
+                                sliding_window=sliding_window,
+                                max_query_len=part.max_query_len,
+                                max_kv_len=part.max_kv_len[layer],
+                                use_triton=self.use_triton))
 
     def accumulate_window_scores(
         self,

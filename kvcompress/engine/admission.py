@@ -219,8 +219,8 @@ class AdmissionPlanner:
 
         decoding_ids = list(itertools.compress(request_ids, is_decoding))
         fill = self.pages.page_fill(decoding_ids)
-        tokens, computed, prompt_len, max_tokens, num_output = scalars[decoding].T
-        tokens = np.minimum(tokens, self.max_model_len)
+        tokens, computed, prompt_len = tokens[decoding], computed[decoding], prompt_len[decoding]
+        max_tokens, num_output = scalars[decoding, 3:].T
         remaining = np.maximum(0, np.minimum(max_tokens - num_output,
                                              self.max_model_len - tokens))
         growth = np.minimum(remaining, self.lookahead)

@@ -97,6 +97,20 @@ class BatchPageTables:
         return BatchPageTables(classes, self.class_of, self.position)
 
 
+def on_class_tokens(token_index: torch.Tensor | None, query: torch.Tensor,
+                    output: torch.Tensor,
+                    run: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """``run(query, output)`` over one class's tokens (``TableClass.token_index``): gathered
+    first and scattered back into ``output`` after, or in place when the class is the whole
+    batch (``token_index`` None)."""
+    if token_index is None:
+        run(query, output)
+        return
+    part_output = output.new_empty((token_index.numel(), *output.shape[1:]))
+    run(query.index_select(0, token_index), part_output)
+    output.index_copy_(0, token_index, part_output)
+
+
 def _columns(table: TableClass, rows: slice, positions: np.ndarray,
              num_pages: int) -> torch.Tensor:
     index = torch.as_tensor(positions).to(table.tables.device)
