@@ -159,3 +159,20 @@ def dense_window_probs(case: PagedCase, layer: int, scale: float, soft_cap: floa
     if sinks is not None:
         sink = sinks.double().view(heads, group, 1, 1).expand_as(sink)
     return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def run_kernel(kernel, case: PagedCase, window: int | None, **softmax) -> list[torch.Tensor]:
+    """Every layer's outputs (scale head_size ** -0.5), the new tokens written first (as the
+    engine does)."""
+    args = kernel.prepare(case.step)
+    scale = case.layout.head_size**-0.5
+    outputs = []
+    for layer in range(case.layout.num_layers):
+        rows = case.step.layer_rows(layer)
+        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
+                     case.step.slot_mapping[:, rows])
+        output = torch.full_like(case.query, float("nan"))
+        kernel.attend(args, layer, case.query, case.pool, output, scale,
+                      sliding_window=window, **softmax)
+        outputs.append(output)
+    return outputs

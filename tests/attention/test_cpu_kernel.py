@@ -15,6 +15,7 @@ from tests.paged_cases import (
     dense_attention,
     dense_window_probs,
     model_softmax,
+    run_kernel,
 )
 
 LAYOUTS = {
@@ -164,15 +165,8 @@ def test_amx_kernel_matches_dense_reference_with_the_model_softmax(kind, window)
     case = build_case(AMX_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
                       group=3, head_size=64, page_size=32, dtype=torch.bfloat16)
     softmax = model_softmax(kind, case.query.shape[1], torch.bfloat16)
-    kernel = CpuPagedKernel(case.layout, torch.bfloat16)
-    args = kernel.prepare(case.step)
-    for layer in range(2):
-        rows = case.step.layer_rows(layer)
-        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
-                     case.step.slot_mapping[:, rows])
-        output = torch.empty_like(case.query)
-        kernel.attend(args, layer, case.query, case.pool, output, 0.125, sliding_window=window,
-                      **softmax)
+    outputs = run_kernel(CpuPagedKernel(case.layout, torch.bfloat16), case, window, **softmax)
+    for layer, output in enumerate(outputs):  # scale head_size ** -0.5 = 0.125
         expected = dense_attention(case, layer, 0.125, window=window, **softmax)
         torch.testing.assert_close(output.double(), expected, atol=3e-2, rtol=3e-2)
 

@@ -22,6 +22,7 @@ from tests.paged_cases import (
     build_case,
     dense_attention,
     model_softmax,
+    run_kernel,
 )
 
 # (row lengths before the step [R][layers * heads], new tokens per request), 2 layers x 2 heads.
@@ -46,22 +47,6 @@ def dense_band_attention(case: PagedCase, layer: int, scale: float, window: int 
 def run_cpu_kernel(case: PagedCase, dtype: torch.dtype, window: int | None,
                    **softmax) -> list[torch.Tensor]:
     return run_kernel(CpuPagedKernel(case.layout, dtype), case, window, **softmax)
-
-
-def run_kernel(kernel, case: PagedCase, window: int | None, **softmax) -> list[torch.Tensor]:
-    """Both layers' outputs, the new tokens written first (as the engine does)."""
-    args = kernel.prepare(case.step)
-    scale = case.layout.head_size**-0.5
-    outputs = []
-    for layer in range(case.layout.num_layers):
-        rows = case.step.layer_rows(layer)
-        kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
-                     case.step.slot_mapping[:, rows])
-        output = torch.full_like(case.query, float("nan"))
-        kernel.attend(args, layer, case.query, case.pool, output, scale,
-                      sliding_window=window, **softmax)
-        outputs.append(output)
-    return outputs
 
 
 def sliding_case(layout_name: str, group: int, head_size: int, page_size: int,
