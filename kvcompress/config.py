@@ -59,6 +59,15 @@ PAGE_SIZE_RANGE = (4, 256)
 # shorter, and a longer one that outgrows it is preempted (the cheapest to recompute first).
 DEFAULT_ADMISSION_LOOKAHEAD = 512
 REUSE_CHOICES = ("on", "off")
+# Which prompt tokens a compressed head keeps is decided by scores: "window" (the prompt's
+# last queries, question-aware) or "reconstruct" (how much a reconstruction of the context
+# attends to each token, query-agnostic: what later questions about it can rely on).
+SCORINGS = ("window", "reconstruct")
+DEFAULT_SCORING = "reconstruct"
+# Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
+# of max_num_batched_tokens) and the scratch pages it writes its own K/V into.
+DEFAULT_RECONSTRUCT_CHUNK = 512
+RECONSTRUCT_CHUNK_RANGE = (16, 8192)
 
 
 class KVCompressionConfigError(ValueError):
@@ -193,11 +202,31 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "'on' (default) or 'off'; --no-enable-prefix-caching also turns it off.",
         REUSE_CHOICES,
     ),
+    FlagSpec(
+        "kv_scoring", "--kv-scoring", "scoring", str,
+        "Which tokens a compressed KV head keeps, whatever the method decides how many: "
+        "'reconstruct' scores each prompt token by the attention a reconstruction of the "
+        "context pays it (KVzip-style, one extra pass over the prompt, query-agnostic: later "
+        "questions and reused caches can rely on what is kept); 'window' by the attention of "
+        "the prompt's last --kv-window tokens (question-aware, no extra pass: best for one "
+        f"question per prompt). Default {DEFAULT_SCORING}.",
+        SCORINGS,
+    ),
+    FlagSpec(
+        "kv_reconstruct_chunk", "--kv-reconstruct-chunk", "reconstruct_chunk", int,
+        "With --kv-scoring reconstruct: prompt tokens reconstructed per extra forward (each "
+        "chunk attends to the whole prompt). Bounds that pass's activations and scratch "
+        "pages; capped at --max-num-batched-tokens. Integer in "
+        f"[{RECONSTRUCT_CHUNK_RANGE[0]}, {RECONSTRUCT_CHUNK_RANGE[1]}]; default "
+        f"{DEFAULT_RECONSTRUCT_CHUNK}.",
+    ),
 )
 CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
 # Settings a single request may override (``SamplingParams.extra_args`` offline,
 # ``vllm_xargs`` over HTTP). The page size and admission shape the shared pool: engine-wide.
-REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead", "kv_reuse"}
+# The reconstruction chunk sizes scratch pages reserved once for the engine.
+REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead", "kv_reuse",
+                              "kv_reconstruct_chunk"}
 _SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 
 
@@ -222,6 +251,8 @@ class KVCompressionConfig:
     decode_interval: int = DEFAULT_DECODE_INTERVAL
     admission_lookahead: int = DEFAULT_ADMISSION_LOOKAHEAD
     reuse: str = "on"
+    scoring: str = DEFAULT_SCORING
+    reconstruct_chunk: int = DEFAULT_RECONSTRUCT_CHUNK
 
     @property
     def enabled(self) -> bool:
@@ -230,6 +261,17 @@ class KVCompressionConfig:
     def compresses(self, prompt_len: int) -> bool:
         """Whether a prompt of this length is compacted after its prefill."""
         return self.enabled and (self.ratio is not None or prompt_len > (self.budget or 0))
+
+    def reconstructs(self, prompt_len: int) -> bool:
+        """Whether a prompt of this length is scored by reconstructing it (an extra pass)
+        rather than by its observation window."""
+        return (self.scoring == "reconstruct" and self.compresses(prompt_len)
+                and self.policy.compression_method.needs_scores)
+
+    @property
+    def reserves_reconstruction(self) -> bool:
+        """Whether the engine keeps scratch pages for reconstruction passes."""
+        return self.enabled and self.scoring == "reconstruct"
 
     @functools.cached_property
     def policy(self) -> PolicySettings:
@@ -331,6 +373,12 @@ class KVCompressionConfig:
         if self.admission_lookahead < 0:
             _fail("kv_admission_lookahead",
                   f"got {self.admission_lookahead}; allowed: an integer >= 0")
+        if self.scoring not in SCORINGS:
+            _fail("kv_scoring", f"got {self.scoring!r}; allowed: {', '.join(SCORINGS)}")
+        low, high = RECONSTRUCT_CHUNK_RANGE
+        if not (low <= self.reconstruct_chunk <= high):
+            _fail("kv_reconstruct_chunk",
+                  f"got {self.reconstruct_chunk}; allowed: an integer in [{low}, {high}]")
         low, high = PAGE_SIZE_RANGE
         size = self.page_size
         if size is not None and (not (low <= size <= high) or size & (size - 1)):
@@ -379,6 +427,13 @@ class KVCompressionConfig:
                 f"per-request setting rejected: {engine_only} can only be set for the "
                 "whole engine (flag or additional_config)"
             )
+        if (str(overrides.get("kv_scoring", "")).lower() == "reconstruct"
+                and self.scoring != "reconstruct"):
+            raise KVCompressionConfigError(
+                "invalid per-request setting 'kv_scoring': reconstruct needs the scratch pages "
+                "of a server started with --kv-scoring reconstruct (this one runs --kv-scoring "
+                f"{self.scoring}); allowed: {self.scoring}", "kv_scoring",
+                f"allowed: {self.scoring}")
         merged = self.to_mapping()
         if "kv_budget" in overrides or "kv_compression_ratio" in overrides:
             merged["kv_budget"] = merged["kv_compression_ratio"] = None
@@ -394,7 +449,7 @@ class KVCompressionConfig:
         return (
             f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
-            f"gqa={self.gqa_reduce} "
+            f"gqa={self.gqa_reduce} scoring={self.scoring} "
             + (f"adakv_floor={self.adakv_floor:g} adakv_totals={self.adakv_totals} "
                if self.method == "adakv" else "")
             + f"page_size={self.page_size or 'auto'}"

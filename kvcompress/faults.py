@@ -1,9 +1,10 @@
 """Fault injection, for the tests that prove one request's failure stays its own.
 
 ``KVCOMPRESS_FAULT_INJECTION="STAGE[:PROMPT_LEN]"`` makes compression stage STAGE (``score``,
-``plan`` or ``moves``) raise ``InjectedFault`` for requests of that prompt length (for every
-request when no length is given). Read from the environment each time, so worker processes
-started by the tests inherit it; unset, it costs one dictionary lookup per stage and step.
+``reconstruct``, ``plan`` or ``moves``) raise ``InjectedFault`` for requests of that prompt
+length (for every request when no length is given). Read from the environment each time,
+so worker processes started by the tests inherit it; unset, it costs one dictionary lookup
+per stage and step.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from collections.abc import Iterable
 
 ENV = "KVCOMPRESS_FAULT_INJECTION"
-STAGES = ("score", "plan", "moves")
+STAGES = ("score", "reconstruct", "plan", "moves")
 
 
 class InjectedFault(RuntimeError):

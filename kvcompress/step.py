@@ -104,6 +104,9 @@ class StepBatch:
     completing_prompt: list[int] = field(default_factory=list)
     # Time the attention backend spent scoring (observation windows, decode queries).
     score_seconds: float = 0.0
+    # A reconstruction pass (``engine.worker_reconstruction``): one request, its window entry
+    # covering every query, scored by ``attention.reconstruction_scores``; nothing compacts.
+    reconstruction: bool = False
     # Requests whose compression failed in this step (request id -> reason): they are not
     # compacted, and the scheduler ends them with an error.
     failures: dict[str, str] = field(default_factory=dict)

@@ -175,7 +175,8 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
         "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
         "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
-        "kv_gqa_reduce": "max", "kv_reuse": "off",
+        "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
+        "kv_reconstruct_chunk": 256,
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:
@@ -202,3 +203,36 @@ def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
     for field in shared:
         if field.name != "method":  # required in the policy, "none" in the config
             assert config_fields[field.name].default == field.default, field.name
+
+
+def test_scoring_is_reconstruct_by_default_and_validated():
+    config = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                               "kv_compression_ratio": 0.75})
+    assert (config.scoring, config.reconstruct_chunk) == ("reconstruct", 512)
+    assert config.reconstructs(100) and config.reserves_reconstruction
+    assert "scoring=reconstruct" in config.describe()
+    # StreamingLLM keeps sinks and recent tokens: nothing to score, no pass
+    streaming = config.with_request_overrides({"kv_compression": "streamingllm"})
+    assert not streaming.reconstructs(100)
+    # a budget the prompt fits in compresses nothing: no pass
+    budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 64})
+    assert not budget.reconstructs(64) and budget.reconstructs(65)
+    assert not KVCompressionConfig().reserves_reconstruction
+    window = config.with_request_overrides({"kv_scoring": "window"})
+    assert window.scoring == "window" and not window.reconstructs(100)
+    with pytest.raises(KVCompressionConfigError, match=r"--kv-scoring.*window, reconstruct"):
+        KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_scoring": "q"})
+    for chunk in (8, 9000):
+        with pytest.raises(KVCompressionConfigError,
+                           match=r"--kv-reconstruct-chunk.*\[16, 8192\]"):
+            KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                              "kv_reconstruct_chunk": chunk})
+
+
+def test_reconstruct_per_request_needs_the_engine_scratch_pages():
+    window_engine = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                                      "kv_scoring": "window"})
+    with pytest.raises(KVCompressionConfigError, match="kv_scoring.*--kv-scoring reconstruct"):
+        window_engine.with_request_overrides({"kv_scoring": "reconstruct"})
+    with pytest.raises(KVCompressionConfigError, match="whole engine"):
+        ENGINE.with_request_overrides({"kv_reconstruct_chunk": 128})

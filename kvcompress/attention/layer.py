@@ -14,6 +14,7 @@ from kvcompress.attention.decode_scores import (
     accumulate_decode_scores,
     accumulate_decode_scores_batch,
 )
+from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
@@ -46,6 +47,9 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
                   sliding_window=sliding_window, **softmax)
     if sliding_window:
         return output
+    if step.reconstruction:
+        _score_reconstruction(metadata, layer_index, query, pool, scale, softmax)
+        return output
     if step.window_queries:
         started = time.perf_counter()
         try:
@@ -62,6 +66,29 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
         _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
         step.score_seconds += time.perf_counter() - started
     return output
+
+
+def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,
+                          query: torch.Tensor, pool: torch.Tensor, scale: float,
+                          softmax: dict[str, Any]) -> None:
+    """A reconstruction pass's scores, request by request. A failure fails its request, not
+    the forward: every tensor-parallel rank runs the pass's layers to the end, so their
+    collectives match."""
+    step = metadata.step
+    started = time.perf_counter()
+    for window in step.window_queries:
+        request_id = step.req_ids[window.batch_index]
+        if request_id in step.failures:
+            continue  # failed in an earlier layer: its scores are not used
+        try:
+            maybe_fail("reconstruct", [window.prompt_len])
+            accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format, step,
+                                             window, layer_index, scale, **softmax)
+        except Exception as error:
+            logger.exception("kvcompress: reconstruction scoring failed for request %s",
+                             request_id)
+            step.fail([request_id], f"reconstruction scoring failed: {error!r}")
+    step.score_seconds += time.perf_counter() - started
 
 
 def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,

@@ -24,6 +24,20 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.policies.plan import MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
 
 SCORE_BYTES = 4  # fp32 accumulators
+# Tokens of a reconstruction pass's instruction the scratch pages are sized for (longer
+# instructions are cut; ``engine.worker_reconstruction``).
+MAX_REPEAT_TOKENS = 32
+
+
+def reconstruction_chunk(chunk: int, max_num_batched_tokens: int) -> int:
+    """Prompt tokens per reconstruction pass: ``--kv-reconstruct-chunk``, capped so that a
+    pass (instruction included) is no larger than the batches vLLM profiled activations for."""
+    return max(1, min(chunk, max_num_batched_tokens - MAX_REPEAT_TOKENS))
+
+
+def reconstruction_tokens(chunk: int, max_num_batched_tokens: int) -> int:
+    """Most tokens one reconstruction pass writes per row: what its scratch pages hold."""
+    return reconstruction_chunk(chunk, max_num_batched_tokens) + MAX_REPEAT_TOKENS
 
 
 def scored_token_reserve(max_model_len: int, max_num_batched_tokens: int) -> int:

@@ -9,8 +9,12 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
-from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE
-from kvcompress.engine.scoring_memory import reserved_bytes, scored_token_reserve
+from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
+from kvcompress.engine.scoring_memory import (
+    reconstruction_tokens,
+    reserved_bytes,
+    scored_token_reserve,
+)
 from kvcompress.paging import PageLayout
 
 
@@ -59,16 +63,21 @@ def _window(spec: Any) -> int:
 
 @dataclass(frozen=True)
 class ScoringReserve:
-    """What the window-score reserve is sized for (``scoring_memory``)."""
+    """What the window-score reserve is sized for (``scoring_memory``), and the tokens of
+    one reconstruction forward whose K/V the scratch pages hold (0: none)."""
 
     scored_tokens: int
     longest_prompt: int
+    reconstruction_tokens: int = 0
 
     @classmethod
     def of(cls, vllm_config: Any) -> ScoringReserve:
         max_model_len = vllm_config.model_config.max_model_len
         batched = vllm_config.scheduler_config.max_num_batched_tokens
-        return cls(scored_token_reserve(max_model_len, batched), max_model_len)
+        config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
+        scratch = (reconstruction_tokens(config.reconstruct_chunk, batched)
+                   if config.reserves_reconstruction else 0)
+        return cls(scored_token_reserve(max_model_len, batched), max_model_len, scratch)
 
 
 def default_page_size(dtype: torch.dtype, head_size: int) -> int:
@@ -106,6 +115,8 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         page_size=page_size,
         dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
         layer_windows=windows if any(windows) else (),
+        # Reconstruction passes run on full-attention models only (sliding rows drop pages).
+        scratch_tokens=0 if reserve is None or any(windows) else reserve.reconstruction_tokens,
     )
 
 

@@ -43,6 +43,7 @@ class CompactionStats:
     tokens_evicted: int = 0
     seconds: float = 0.0  # selection + moves, after the forward
     score_seconds: float = 0.0  # observation-window scoring inside attention
+    reconstruct_seconds: float = 0.0  # reconstruction passes (forwards and their scoring)
 
 
 def compact_completed_prompts(

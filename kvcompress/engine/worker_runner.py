@@ -10,16 +10,20 @@ from typing import Any
 
 import torch
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+from vllm.forward_context import set_forward_context
+from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport, merge_rank_reports
+from kvcompress.engine.scoring_memory import reconstruction_chunk
 from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
+from kvcompress.engine.worker_reconstruction import REPEAT_PROMPT, ReconstructionPass
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
-from kvcompress.step import PlatformKernel, register_runtime
+from kvcompress.step import PagedAttentionMetadata, PlatformKernel, register_runtime
 
 logger = get_logger(__name__)
 
@@ -54,6 +58,8 @@ class PagedKVRunnerMixin:
             rank=get_tensor_model_parallel_rank(),
         )
         runtime.bind_runner(self)
+        if layout.scratch_pages:
+            self._enable_reconstruction(runtime, config)
         self.paged_runtime = runtime
         self._pending_report = WorkerReport()
         register_runtime(self.vllm_config, runtime)
@@ -75,10 +81,36 @@ class PagedKVRunnerMixin:
             runtime.begin_step(scheduler_output)
         result = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         if runtime is not None:
+            runtime.reconstruct(self._forward_reconstruction)
             self._pending_report.merge(_gather_over_ranks(runtime.end_step()))
             if isinstance(result, ModelRunnerOutput):
                 result = self._attach_report(result)
         return result
+
+    def _enable_reconstruction(self, runtime: PagedKVRuntime,
+                               config: KVCompressionConfig) -> None:
+        """Reconstruction passes need the instruction's token ids; an engine started without
+        a tokenizer scores every prompt by its window (logged)."""
+        tokenizer = cached_tokenizer_from_config(self.vllm_config.model_config)
+        if tokenizer is None:
+            logger.warning("kvcompress: no tokenizer (skip_tokenizer_init): prompts are scored "
+                           "by their observation window instead of a reconstruction")
+            return
+        batched = self.vllm_config.scheduler_config.max_num_batched_tokens
+        runtime.enable_reconstruction(
+            tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False),
+            reconstruction_chunk(config.reconstruct_chunk, batched))
+
+    @torch.inference_mode()
+    def _forward_reconstruction(self, reconstruction: ReconstructionPass,
+                                metadata: PagedAttentionMetadata) -> None:
+        """The model over one reconstruction pass (hidden states only: nothing is sampled);
+        its attention layers score the prompt and write the pass's K/V to scratch slots."""
+        per_layer = dict.fromkeys(metadata.layer_index, metadata)
+        with set_forward_context(per_layer, self.vllm_config,
+                                 num_tokens=len(reconstruction.input_ids)):
+            self.model(input_ids=reconstruction.input_ids, positions=reconstruction.positions,
+                       intermediate_tensors=None, inputs_embeds=None)
 
     def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
         # Dummy batches (warm-up, graph capture, profiling) have no requests in the page

@@ -12,6 +12,7 @@ metadata builder finds it through ``kvcompress.step.runtime_for``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvcompress.engine.worker_compaction import (
     evict_generated_tokens,
 )
 from kvcompress.engine.worker_moves import copy_pages
+from kvcompress.engine.worker_reconstruction import ReconstructionPass, Reconstructor
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
@@ -50,8 +52,9 @@ class PagedKVRuntime:
         self.layout = layout
         self.kernel = kernel
         self.layer_index = {name: index for index, name in enumerate(layer_names)}
+        # Scratch pages (reconstruction passes) follow the pages the scheduler hands out.
         self.pool = torch.zeros(
-            (layout.total_pages, 2, layout.page_size, layout.head_size),
+            (layout.total_pages + layout.scratch_pages, 2, layout.page_size, layout.head_size),
             dtype=dtype, device=device,
         )
         self.state = WorkerKVState(layout, device)
@@ -63,6 +66,15 @@ class PagedKVRuntime:
         # Requests whose own kv_* settings the worker rejected (id -> reason), until reported.
         self.rejected_settings: dict[str, str] = {}
         self._runner: Any = None
+        self.reconstructor: Reconstructor | None = None
+        self._reconstructing: list[str] = []  # this step's requests scored by a pass
+
+    def enable_reconstruction(self, repeat_ids: list[int], chunk: int) -> None:
+        """Score ``--kv-scoring reconstruct`` prompts by reconstruction passes of ``chunk``
+        prompt tokens after ``repeat_ids`` (the instruction, tokenized). Without scratch
+        pages (a model with sliding-window layers) they are scored by their window."""
+        if self.layout.scratch_pages:
+            self.reconstructor = Reconstructor(self.state, repeat_ids, chunk)
 
     def bind_runner(self, runner: Any) -> None:
         """The vLLM model runner: its persistent batch gives the row order of each step,
@@ -139,6 +151,9 @@ class PagedKVRuntime:
         policy_layers = bool(self.layout.compressed_layers)
         failed_adoptions = self.state.adoption_failures
         requests = [self.state.requests[request_id] for request_id in req_ids]
+        reconstructs = [self._reconstructs(request_id, config, request.new_prompt_tokens(int(n)))
+                        for request_id, request, config, n in zip(req_ids, requests, configs,
+                                                                  prompt_lens)]
         step = self.state.prepare_step(
             req_ids,
             num_new,
@@ -153,7 +168,10 @@ class PagedKVRuntime:
                 for request_id, request, config, n in zip(req_ids, requests, configs,
                                                           prompt_lens)
             ],
+            reconstructs=reconstructs,
         )
+        self._reconstructing = [req_ids[index] for index in step.completing_prompt
+                                if reconstructs[index]]
         self.state.prepare_decode_scoring(step)
         for request_id in req_ids:
             if request_id in self.rejected_settings:
@@ -169,6 +187,45 @@ class PagedKVRuntime:
             layer_index=self.layer_index,
         )
         return self._metadata
+
+    def _reconstructs(self, request_id: str, config: KVCompressionConfig,
+                      new_prompt: int) -> bool:
+        """Whether a reconstruction pass scores this request's prompt: its settings ask for
+        one, the engine has scratch pages and the prompt's token ids are at hand (a prompt
+        given as embeddings is scored by its window)."""
+        if self.reconstructor is None or not config.reconstructs(new_prompt):
+            return False
+        request_state = self._runner.requests.get(request_id)
+        return getattr(request_state, "prompt_token_ids", None) is not None
+
+    def reconstruct(self, forward: Callable[[ReconstructionPass, PagedAttentionMetadata],
+                                            None]) -> None:
+        """After the step's forward, before ``end_step`` compacts: run the reconstruction
+        passes of the requests whose prompt completed with ``--kv-scoring reconstruct``.
+        ``forward(pass, metadata)`` runs the model over the pass with ``metadata`` for every
+        attention layer. A request whose pass fails is failed alone (the scheduler ends it);
+        the others go on."""
+        step = self.step
+        if step is None or not self._reconstructing or self.reconstructor is None:
+            return
+        requests = [request_id for request_id in self._reconstructing
+                    if request_id not in step.failures]
+        started = time.perf_counter()
+        passes = self.reconstructor.passes(
+            step, requests, lambda request_id: self._runner.requests[request_id].prompt_token_ids)
+        for reconstruction in passes:
+            metadata = PagedAttentionMetadata(
+                step=reconstruction.step,
+                num_actual_tokens=len(reconstruction.input_ids),
+                kernel=self.kernel,
+                kernel_args=self.kernel.prepare(reconstruction.step),
+                layer_index=self.layer_index,
+            )
+            forward(reconstruction, metadata)
+            for request_id, reason in reconstruction.step.failures.items():  # its requests
+                step.fail([request_id], reason)
+            step.score_seconds += reconstruction.step.score_seconds
+        self.stats.reconstruct_seconds += time.perf_counter() - started
 
     def _ends_this_step(self, request_id: str) -> bool:
         """Whether the request samples its last token (``max_tokens``) in this step: its

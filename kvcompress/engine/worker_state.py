@@ -160,10 +160,12 @@ class WorkerKVState:
         prompt_lens: np.ndarray,
         observation_windows: Sequence[int],
         wants_compression: Sequence[bool],
+        reconstructs: Sequence[bool] | None = None,
     ) -> StepBatch:
         """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
         when its prompt completes, so the queries of its last ``observation_windows[i]``
-        prompt positions score the prompt."""
+        prompt positions score the prompt, unless ``reconstructs[i]``: then a reconstruction
+        pass scores it after the forward (``worker_reconstruction``)."""
         layout = self.layout
         states = [self.requests[request_id] for request_id in req_ids]
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
@@ -199,6 +201,8 @@ class WorkerKVState:
             new_prompt = state.new_prompt_tokens(prompt_len)
             if state.config is not None and not scores_prompt(state.config, new_prompt):
                 continue  # compacted without window scores (StreamingLLM)
+            if reconstructs is not None and reconstructs[index]:
+                continue  # scored by its reconstruction pass
             # An adopter's window lies in its new segment: the adopted queries are gone.
             window_start = max(state.adopted_len, prompt_len - observation_windows[index])
             first = max(start, window_start)
@@ -216,9 +220,7 @@ class WorkerKVState:
                 )
 
         if window_queries:  # the scheduler's ScoringGate bounds this (scoring_memory)
-            held = sum(state.window_scores.shape[-1] for state in self.requests.values()
-                       if state.window_scores is not None)
-            self.peak_scored_tokens = max(self.peak_scored_tokens, held)
+            self.note_scores_held()
         return StepBatch(
             layout=layout,
             req_ids=list(req_ids),
@@ -234,6 +236,12 @@ class WorkerKVState:
             window_queries=window_queries,
             completing_prompt=completing,
         )
+
+    def note_scores_held(self) -> None:
+        """Keep ``peak_scored_tokens`` up to date after allocating score accumulators."""
+        held = sum(state.window_scores.shape[-1] for state in self.requests.values()
+                   if state.window_scores is not None)
+        self.peak_scored_tokens = max(self.peak_scored_tokens, held)
 
     def finish_step(self, batch: StepBatch) -> None:
         """The forward wrote every new token: advance the physical lengths."""

@@ -28,6 +28,10 @@ class PageLayout:
     dtype_bytes: int
     total_pages: int
     layer_windows: tuple[int, ...] = ()
+    # Pages past ``total_pages`` that only reconstruction passes write (their own K/V,
+    # dropped after the pass): the worker's pool holds them, the scheduler never hands
+    # them out, so they are outside page accounting.
+    scratch_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -89,10 +93,14 @@ class PageLayout:
         dtype_bytes: int,
         reserved_bytes: int = 0,
         layer_windows: tuple[int, ...] = (),
+        scratch_tokens: int = 0,
     ) -> PageLayout:
         """Fit as many pages as the bytes vanilla vLLM would give its KV cache, less
-        ``reserved_bytes`` kept for other per-request buffers (window scores)."""
+        ``reserved_bytes`` kept for other per-request buffers (window scores) and the
+        scratch pages of every row for ``scratch_tokens`` reconstruction tokens."""
         page_bytes = 2 * page_size * head_size * dtype_bytes
+        scratch_pages = num_layers * num_kv_heads * (-(-scratch_tokens // page_size))
+        reserved_bytes += scratch_pages * page_bytes
         total_pages = max(0, kv_cache_bytes - reserved_bytes) // page_bytes
         if total_pages < num_layers * num_kv_heads:
             raise ValueError(
@@ -103,7 +111,7 @@ class PageLayout:
                 "smaller --kv-page-size"
             )
         return cls(num_layers, num_kv_heads, head_size, page_size, dtype_bytes, total_pages,
-                   layer_windows)
+                   layer_windows, scratch_pages)
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages one request of ``num_tokens`` uncompressed tokens occupies."""

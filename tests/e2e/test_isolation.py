@@ -18,8 +18,8 @@ COMPRESSION = {"kv_compression": "pyramidkv", "kv_budget": 32}
 FAULTY_LEN = 300  # the injected fault hits requests of this prompt length only
 
 
-def run(tiny_llama, prompts, max_tokens=8):
-    harness = EngineHarness(tiny_llama, COMPRESSION, **TINY)
+def run(tiny_llama, prompts, max_tokens=8, compression=COMPRESSION):
+    harness = EngineHarness(tiny_llama, compression, **TINY)
     try:
         outputs = harness.generate(prompts, greedy(max_tokens))
         reasons = dict(harness.finish_reasons)
@@ -35,17 +35,21 @@ def run(tiny_llama, prompts, max_tokens=8):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["score", "plan", "moves"])
+@pytest.mark.parametrize("stage", ["score", "reconstruct", "plan", "moves"])
 def test_an_injected_fault_ends_only_its_request(tiny_llama, monkeypatch, stage):
+    """``score``: observation-window scoring (--kv-scoring window); ``reconstruct``: a
+    reconstruction pass (the default scoring), whose other requests share its forward."""
     prompts = random_prompts([200, FAULTY_LEN, 250], seed=3)
+    compression = dict(COMPRESSION, kv_scoring="window" if stage == "score" else "reconstruct")
     monkeypatch.setenv(ENV, f"{stage}:{FAULTY_LEN}")
-    outputs, reasons = run(tiny_llama, prompts)
+    outputs, reasons = run(tiny_llama, prompts, compression=compression)
     assert reasons["p1"] == "error"
     assert reasons["p0"] == reasons["p2"] == "length"
     assert len(outputs["p0"]) == len(outputs["p2"]) == 8
     # the healthy requests produced what they produce without any fault
     monkeypatch.delenv(ENV)
-    clean, _ = run(tiny_llama, {"p0": prompts["p0"], "p2": prompts["p2"]})
+    clean, _ = run(tiny_llama, {"p0": prompts["p0"], "p2": prompts["p2"]},
+                   compression=compression)
     assert outputs["p0"] == clean["p0"] and outputs["p2"] == clean["p2"]
 
 

@@ -3,7 +3,11 @@ than reserved, with several prompts at max_model_len reaching their windows toge
 
 import pytest
 
-from kvcompress.engine.scoring_memory import reserved_bytes, scored_token_reserve
+from kvcompress.engine.scoring_memory import (
+    reconstruction_tokens,
+    reserved_bytes,
+    scored_token_reserve,
+)
 
 from .harness import EngineHarness, greedy, random_prompts
 
@@ -16,7 +20,8 @@ MAX_MODEL_LEN, BATCHED = 512, 64
 def test_prompts_at_max_model_len_score_their_windows_within_the_reserve(tiny_llama):
     memory = 8 * MAX_MODEL_LEN * BYTES_PER_TOKEN
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 32},
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 32,
+                     "kv_scoring": "window"},
         dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
         # 16 tokens per request and step: four prefills advance together and reach their
         # observation windows in the same steps.
@@ -43,6 +48,38 @@ def test_prompts_at_max_model_len_score_their_windows_within_the_reserve(tiny_ll
         assert 0 < held <= reserve
         assert harness.scheduler.num_pages_freed_by_compression > 0
         assert not gate.scoring and gate.tokens_in_flight == 0
+        assert manager.num_available == manager.total_pages
+    finally:
+        harness.shutdown()
+
+
+def test_reconstruction_scratch_pages_come_out_of_the_kv_memory(tiny_llama):
+    """--kv-scoring reconstruct (the default): scratch pages for one pass per row are
+    reserved besides the window-score reserve; prompts scored at once by passes never hold
+    more accumulators than reserved, and every page comes back."""
+    memory = 8 * MAX_MODEL_LEN * BYTES_PER_TOKEN
+    harness = EngineHarness(
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64, "kv_reconstruct_chunk": 48},
+        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
+        long_prefill_token_threshold=16, max_num_seqs=8, kv_cache_memory_bytes=memory,
+    )
+    try:
+        manager = harness.page_manager
+        layout = manager.layout
+        page_bytes = layout.page_bytes
+        # a pass (its chunk capped so that it fits 64 batched tokens) in every row
+        per_row = -(-reconstruction_tokens(48, BATCHED) // layout.page_size)
+        assert layout.scratch_pages == 4 * 2 * per_row
+        reserved = reserved_bytes(scored_token_reserve(MAX_MODEL_LEN, BATCHED), 4, 2,
+                                  MAX_MODEL_LEN) + layout.scratch_pages * page_bytes
+        assert manager.total_pages == (memory - reserved) // page_bytes
+        outputs = harness.generate(random_prompts([MAX_MODEL_LEN - 2] * 4, seed=21), greedy(2))
+        assert all(len(tokens) == 2 for tokens in outputs.values())
+        (held,) = harness.on_workers(
+            lambda worker: worker.model_runner.paged_runtime.state.peak_scored_tokens
+        )
+        assert 0 < held <= scored_token_reserve(MAX_MODEL_LEN, BATCHED)
+        assert harness.scheduler.num_pages_freed_by_compression > 0
         assert manager.num_available == manager.total_pages
     finally:
         harness.shutdown()

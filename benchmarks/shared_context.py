@@ -1,0 +1,500 @@
+"""Shared context (SCBench-style): several questions about one document, asked as the turns of
+one conversation and as independent requests, with the KV cache compressed once.
+
+    python -m benchmarks.shared_context                          # the default grid
+    python -m benchmarks.shared_context --methods pyramidkv --ratios 0.75 \\
+        --scorings window,reconstruct --reuse on --conversations 10
+
+Each conversation has a document of about ``--doc-tokens`` tokens (filler sentences, as the
+quality tasks' haystacks) hiding four facts of different kinds (a five-digit code, a person's
+city, another person's job, an object's colour) and a non-retrieval task (name both people
+the document mentions). Turn 1 gives the document and asks one fact; turns 2-4 ask the other
+facts, turn 5 the task. Every answer starts with a prefix the assistant message is continued
+from ("The secret code of the blue safe is"), greedy, at most ``--answer-tokens`` tokens, and
+is right when it contains the reference (the task: the share of the two full names).
+
+Modes, one engine per configuration, run one after the other:
+- ``chat``: the turns of one conversation, turn k's prompt exactly turn k-1's prompt and
+  answer tokens plus the new question (what a chat client's next request holds), submitted
+  in rounds (turn k of every conversation, then k + 1). With ``kv_reuse`` on, turn k adopts
+  turn k-1's compressed cache: later turns can only find what turn 1's compression kept.
+- ``independent``: every question as its own request with the whole document (a document
+  with many questions, agents sharing a context), all submitted at once.
+
+Configurations: ``full`` (vanilla vLLM with its prefix cache, the accuracy reference and the
+speed baseline) and every method x scoring x ratio x reuse of the grid (``--configs`` adds
+more, in the other benchmarks' syntax, e.g. ``pyramidkv:r=0.75+scoring=window+reuse=off``),
+same KV-cache bytes. Reported per configuration and turn: accuracy with its 95% Wilson interval
+and the paired difference to the full cache over the same conversations; output tokens per
+second and mean time to first token of the chat mode as ratios to vanilla's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.quality.tasks import fill_haystack, spread_depths, unique_names
+from benchmarks.quality.words import CITIES, PROFESSIONS
+from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
+from benchmarks.specs import (
+    CompressionSpec,
+    EngineSettings,
+    benchmark_parser,
+    default_model_dir,
+    default_threads,
+    detect_device,
+    kv_bytes_per_token,
+    parse_kv_options,
+    parse_specs,
+    resolve_dtype,
+)
+
+WORKER_MODULE = "benchmarks.shared_context"
+MODES = ("chat", "independent")
+HEADER = "Read the following document carefully. I will ask you questions about it."
+COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "brown")
+THINGS = ("umbrella", "bicycle", "kite", "scarf", "teapot", "backpack", "lamp", "notebook")
+BLOCK_SLACK = 128  # vLLM's KV block on CPU, in tokens
+
+
+@dataclass(frozen=True)
+class Question:
+    kind: str  # code, city, job, color (retrieval) or people (aggregation)
+    text: str
+    prefix: str  # the assistant's answer starts with it
+    references: tuple[str, ...]
+    metric: str = "any"  # "all": the share of the references found
+
+
+@dataclass(frozen=True)
+class Document:
+    index: int
+    text: str
+    questions: tuple[Question, ...]  # in the order they are asked
+
+    def first_message(self, question: Question) -> str:
+        return f"{HEADER}\n\n{self.text}\n\nQuestion: {question.text}"
+
+
+def make_documents(num: int, doc_tokens: int, seed: int,
+                   count: Callable[[str], int]) -> list[Document]:
+    """Seeded documents, each with its own RNG: four facts at spread depths, asked in a
+    shuffled order, then the people task."""
+    documents = []
+    for index in range(num):
+        rng = random.Random(f"{seed}/shared-context/{index}")
+        first, second = unique_names(rng)[:2]
+        code, city = str(rng.randint(10000, 99999)), rng.choice(CITIES)
+        job = rng.choice(PROFESSIONS)
+        thing, color = rng.choice(THINGS), rng.choice(COLORS)
+        facts = [
+            (f"The secret code of the blue safe is {code}.",
+             Question("code", "What is the secret code of the blue safe?",
+                      "The secret code of the blue safe is", (code,))),
+            (f"{first} lives in the city of {city}.",
+             Question("city", f"In which city does {first} live?",
+                      f"{first} lives in the city of", (city,))),
+            (f"{second} works as a {job}.",
+             Question("job", f"What does {second} work as?", f"{second} works as a", (job,))),
+            (f"The {thing} in the hallway is painted {color}.",
+             Question("color", f"What color is the {thing} in the hallway?",
+                      f"The {thing} in the hallway is painted", (color,))),
+        ]
+        rng.shuffle(facts)
+        sentences = fill_haystack(rng, doc_tokens, count, [fact for fact, _ in facts],
+                                  spread_depths(rng, len(facts)))
+        people = Question("people", "Which two people does the document mention? Give their "
+                          "full names.", "The two people are", (first, second), "all")
+        documents.append(Document(index, " ".join(sentences),
+                                  tuple(q for _, q in facts) + (people,)))
+    return documents
+
+
+class Prompts:
+    """Token ids of every request, built through the model's chat template with the
+    assistant message continued from the answer prefix."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  continue_final_message=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def independent(self, document: Document, question: Question) -> list[int]:
+        return self.encode(self.render([
+            {"role": "user", "content": document.first_message(question)},
+            {"role": "assistant", "content": question.prefix}]))
+
+    def chat_turn(self, document: Document, turn: int, history: Sequence[tuple[str, list[int]]],
+                  previous: list[int]) -> list[int]:
+        """Turn ``turn`` (0-based) of ``document``'s conversation: the previous prompt's ids and
+        each earlier answer's (``history``: (text, ids), the last one's ids are in
+        ``previous``'s continuation), then the template's text after them, tokenized alone:
+        an exact extension, as a client that keeps token ids sends it."""
+        questions = document.questions
+        messages = [{"role": "user", "content": document.first_message(questions[0])}]
+        for number, (answer_text, _) in enumerate(history):
+            messages.append({"role": "assistant", "content": questions[number].prefix
+                             + answer_text})
+            messages.append({"role": "user", "content": f"Question: {questions[number + 1].text}"})
+        messages.append({"role": "assistant", "content": questions[turn].prefix})
+        if turn == 0:
+            return self.encode(self.render(messages))
+        head = self.render(messages[:-2])  # through the last answer
+        text = self.render(messages)
+        if not text.startswith(head):
+            raise ValueError("the chat template renders earlier turns differently in a "
+                             "longer conversation")
+        return previous + history[-1][1] + self.encode(text[len(head):])
+
+
+def score_answer(text: str, question: Question) -> float:
+    from benchmarks.quality.scoring import score
+
+    return score(text, list(question.references), question.metric)
+
+
+# ----------------------------------------------------------------------------- worker side
+@dataclass
+class Answer:
+    document: int
+    turn: int  # 1-based question number
+    mode: str
+    correct: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    text: str
+
+
+def run_requests(engine: Any, requests: Sequence[tuple[str, list[int]]], params: Any,
+                 ) -> tuple[dict[str, Any], dict[str, float]]:
+    """Submit all, step to completion; (finished outputs, time to first token) by id."""
+    from vllm.inputs import TokensPrompt
+
+    submitted = {}
+    for request_id, ids in requests:
+        submitted[request_id] = time.monotonic()
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+    done: dict[str, Any] = {}
+    first: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.monotonic()
+        for output in outputs:
+            if output.outputs[0].token_ids and output.request_id not in first:
+                first[output.request_id] = now - submitted[output.request_id]
+            if output.finished:
+                done[output.request_id] = output
+    return done, first
+
+
+def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from benchmarks.engine import build_engine, shutdown_engine
+
+    settings = EngineSettings(**job["settings"])
+    spec = CompressionSpec(**job["spec"])
+    workload = json.loads(Path(job["workload_path"]).read_text())
+    documents = [Document(d["index"], d["text"], tuple(Question(q["kind"], q["text"],
+                          q["prefix"], tuple(q["references"]), q["metric"])
+                          for q in d["questions"])) for d in workload["documents"]]
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    prompts = Prompts(tokenizer)
+    special = sorted(set(tokenizer.all_special_ids))
+    params = SamplingParams(max_tokens=workload["answer_tokens"], temperature=0.0,
+                            stop_token_ids=special)
+    engine = build_engine(settings, spec, enable_prefix_caching=True)
+    answers: list[Answer] = []
+    try:
+        elapsed = 0.0
+        generated = 0
+        if "chat" in workload["modes"]:
+            histories: dict[int, list[tuple[str, list[int]]]] = {d.index: [] for d in documents}
+            previous: dict[int, list[int]] = {}
+            started = time.perf_counter()
+            for turn in range(len(documents[0].questions)):
+                requests = []
+                for document in documents:
+                    ids = prompts.chat_turn(document, turn, histories[document.index],
+                                            previous.get(document.index, []))
+                    previous[document.index] = ids
+                    requests.append((f"c{document.index}t{turn}", ids))
+                done, first = run_requests(engine, requests, params)
+                for document in documents:
+                    request_id = f"c{document.index}t{turn}"
+                    output = done[request_id]
+                    completion = output.outputs[0]
+                    ids = [t for t in completion.token_ids if t not in special]
+                    histories[document.index].append((completion.text, ids))
+                    generated += len(completion.token_ids)
+                    question = document.questions[turn]
+                    answers.append(Answer(document.index, turn + 1, "chat",
+                                          score_answer(completion.text, question),
+                                          len(output.prompt_token_ids or ()),
+                                          output.num_cached_tokens or 0,
+                                          len(completion.token_ids), first.get(request_id),
+                                          completion.text))
+                reporter.progress(len(answers))
+            elapsed = time.perf_counter() - started
+        if "independent" in workload["modes"]:
+            requests = [(f"d{d.index}q{turn}", prompts.independent(d, q))
+                        for d in documents for turn, q in enumerate(d.questions)]
+            done, first = run_requests(engine, requests, params)
+            for document in documents:
+                for turn, question in enumerate(document.questions):
+                    output = done[f"d{document.index}q{turn}"]
+                    completion = output.outputs[0]
+                    answers.append(Answer(document.index, turn + 1, "independent",
+                                          score_answer(completion.text, question),
+                                          len(output.prompt_token_ids or ()),
+                                          output.num_cached_tokens or 0,
+                                          len(completion.token_ids),
+                                          first.get(f"d{document.index}q{turn}"),
+                                          completion.text))
+            reporter.progress(len(answers))
+    finally:
+        shutdown_engine(engine)
+    return {"answers": [asdict(a) for a in answers], "chat_elapsed_s": elapsed,
+            "chat_output_tokens": generated}
+
+
+# ----------------------------------------------------------------------------- parent side
+def grid_specs(methods: Sequence[str], ratios: Sequence[float], scorings: Sequence[str],
+               reuse: Sequence[str]) -> list[CompressionSpec]:
+    """The full cache, then every method x ratio x scoring x reuse."""
+    specs = [CompressionSpec()]
+    for method, ratio, scoring, reuse_setting in itertools.product(methods, ratios, scorings,
+                                                                    reuse):
+        specs.append(CompressionSpec(method, ratio=ratio, options=(
+            ("kv_scoring", scoring), ("kv_reuse", reuse_setting))))
+    return specs
+
+
+def summarize(answers: Sequence[Mapping[str, Any]], mode: str,
+              turns: int) -> list[dict[str, Any]]:
+    """Per turn: accuracy, its Wilson interval and the per-document scores (in order)."""
+    from benchmarks.quality.scoring import mean, wilson_interval
+
+    rows = []
+    for turn in range(1, turns + 1):
+        picked = sorted((a for a in answers if a["mode"] == mode and a["turn"] == turn),
+                        key=lambda a: a["document"])
+        scores = [float(a["correct"]) for a in picked]
+        ttfts = [a["ttft_s"] for a in picked if a["ttft_s"] is not None]
+        rows.append({"turn": turn, "accuracy": mean(scores),
+                     "interval": wilson_interval(scores), "scores": scores,
+                     "cached_tokens": mean([float(a["cached_tokens"]) for a in picked]),
+                     "ttft_s": mean(ttfts)})
+    return rows
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Paired differences of every configuration's accuracy to the full cache's, per mode
+    and turn, and chat-mode speed as ratios to vanilla's."""
+    from benchmarks.quality.scoring import paired_difference
+
+    full = next((row for row in rows if row["label"] == "vanilla" and row["ok"]), None)
+    for row in rows:
+        if not row["ok"] or full is None:
+            continue
+        for mode in row["turns"]:
+            for mine, theirs in zip(row["turns"][mode], full["turns"][mode]):
+                mine["vs_full"] = paired_difference(mine["scores"], theirs["scores"])
+                mine["of_full"] = (mine["accuracy"] / theirs["accuracy"]
+                                   if theirs["accuracy"] else None)
+        if full["tok_s"] and row["tok_s"]:
+            row["tok_s_ratio"] = row["tok_s"] / full["tok_s"]
+        chat, base = row["turns"].get("chat"), full["turns"].get("chat")
+        if chat and base:
+            mine_ttft = [t["ttft_s"] for t in chat if t["ttft_s"]]
+            base_ttft = [t["ttft_s"] for t in base if t["ttft_s"]]
+            if mine_ttft and base_ttft:
+                row["ttft_ratio"] = (sum(mine_ttft) / len(mine_ttft)) / (
+                    sum(base_ttft) / len(base_ttft))
+
+
+def config_row(spec: CompressionSpec, outcome: Any, modes: Sequence[str],
+               turns: int) -> dict[str, Any]:
+    options = dict(spec.options)
+    row: dict[str, Any] = {"label": spec.label, "spec": vars(spec), "ok": outcome.error is None,
+                           "method": spec.method, "ratio": spec.ratio,
+                           "scoring": options.get("kv_scoring"),
+                           "reuse": options.get("kv_reuse"), "seconds": outcome.seconds}
+    if outcome.error is not None:
+        row["error"] = outcome.error
+        return row
+    result = outcome.result
+    row["turns"] = {mode: summarize(result["answers"], mode, turns) for mode in modes}
+    row["tok_s"] = (result["chat_output_tokens"] / result["chat_elapsed_s"]
+                    if result["chat_elapsed_s"] else None)
+    row["answers"] = result["answers"]
+    return row
+
+
+def render(rows: Sequence[Mapping[str, Any]], mode: str, turns: int) -> str:
+    def cell(turn: Mapping[str, Any]) -> str:
+        interval = turn.get("interval") or [0, 0]
+        return f"{turn['accuracy']:.2f} [{interval[0]:.2f},{interval[1]:.2f}]"
+
+    table = []
+    for row in rows:
+        if not row["ok"]:
+            continue
+        line: dict[str, Any] = {"config": row["label"]}
+        for turn in row["turns"][mode]:
+            line[f"t{turn['turn']}"] = cell(turn)
+        later = [t for t in row["turns"][mode] if t["turn"] > 1 and t.get("of_full")]
+        line["later/full"] = (sum(t["of_full"] for t in later) / len(later)) if later else None
+        if mode == "chat":
+            line["tok/s x"] = row.get("tok_s_ratio")
+            line["ttft x"] = row.get("ttft_ratio")
+        table.append(line)
+    columns = [("config", "config")] + [(f"t{t}", f"turn {t}") for t in range(1, turns + 1)]
+    columns.append(("later/full", "turns 2+ / full"))
+    if mode == "chat":
+        columns += [("tok/s x", "tok/s vs vanilla"), ("ttft x", "TTFT vs vanilla")]
+    return format_table(table, columns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = benchmark_parser(WORKER_MODULE, __doc__)
+    grid = parser.add_argument_group("configurations (the full cache always runs)")
+    grid.add_argument("--methods", default="pyramidkv,snapkv,adakv")
+    grid.add_argument("--ratios", default="0.5,0.75,0.875",
+                      help="compression ratios (0.5 = 2x, 0.75 = 4x, 0.875 = 8x)")
+    grid.add_argument("--scorings", default="window,reconstruct")
+    grid.add_argument("--reuse", default="on,off")
+    grid.add_argument("--configs", default="",
+                      help="more configurations in the benchmarks' syntax "
+                           "(pyramidkv:r=0.75+scoring=window)")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--conversations", type=int, default=20)
+    workload.add_argument("--doc-tokens", type=int, default=750)
+    workload.add_argument("--answer-tokens", type=int, default=12)
+    workload.add_argument("--modes", default="chat,independent")
+    workload.add_argument("--seed", type=int, default=0)
+    engine = parser.add_argument_group("engine (identical for every configuration)")
+    engine.add_argument("--kv-cache-conversations", type=float, default=None,
+                        help="KV cache in conversations at their longest, uncompressed "
+                             "(default: every conversation fits)")
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--dtype", default="auto",
+                        help="auto = bfloat16, or float32 on CPUs without native bf16")
+    engine.add_argument("--threads", type=int, default=None)
+    engine.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE")
+    run = parser.add_argument_group("run")
+    run.add_argument("--job-timeout", type=float, default=3600.0)
+    run.add_argument("--output-json", type=Path, default=RESULTS_DIR / "shared_context.json")
+    run.add_argument("--log-file", type=Path, default=None)
+    run.add_argument("--verbose", action="store_true")
+    run.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1:], run_job)
+    args = build_parser().parse_args(argv)
+    started = time.perf_counter()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: allowed {', '.join(MODES)}")
+    try:
+        specs = grid_specs(
+            [m for m in args.methods.split(",") if m],
+            [float(r) for r in args.ratios.split(",") if r],
+            [s for s in args.scorings.split(",") if s],
+            [r for r in args.reuse.split(",") if r])
+        specs += [s for s in parse_specs(args.configs) if s.label not in {x.label for x in specs}]
+        for spec in specs:
+            CompressionSpec(**vars(spec))  # re-validated
+        options = parse_kv_options(args.kv_option)
+    except ValueError as error:
+        raise SystemExit(f"configurations: {error}") from None
+
+    from transformers import AutoTokenizer
+
+    device = detect_device()
+    model = args.model or default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    documents = make_documents(args.conversations, args.doc_tokens, args.seed, count)
+    turns = len(documents[0].questions)
+    prompts = Prompts(tokenizer)
+    # A conversation at its end: every question and answer after the document.
+    longest = max(len(prompts.independent(d, d.questions[0])) for d in documents) + turns * (
+        48 + args.answer_tokens)
+    dtype = resolve_dtype(args.dtype, device)
+    per_token = kv_bytes_per_token(model, dtype)
+    in_conversations = args.kv_cache_conversations or float(args.conversations)
+    kv_tokens = max(int(in_conversations * longest), longest + 2 * BLOCK_SLACK)
+    settings = EngineSettings(
+        model=model, dtype=dtype, max_model_len=longest + BLOCK_SLACK,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=kv_tokens * per_token, seed=args.seed,
+        compression_options=options)
+    threads = (args.threads or default_threads()) if device == "cpu" else None
+    workdir = make_workdir("shared-context")
+    workload = {"documents": [asdict(d) for d in documents], "modes": modes,
+                "answer_tokens": args.answer_tokens}
+    workload_path = workdir / "workload.json"
+    workload_path.write_text(json.dumps(workload))
+    log_path = args.log_file or workdir / "vllm.log"
+    header = {
+        "benchmark": "shared_context",
+        "command": command_string([sys.argv[0], *argv]),
+        "machine": machine_info(device),
+        "settings": {**vars(settings), "kv_cache_capacity_tokens": kv_tokens,
+                     "threads": threads},
+        "workload": {"conversations": args.conversations, "doc_tokens": args.doc_tokens,
+                     "turns": turns, "kinds": [q.kind for q in documents[0].questions],
+                     "modes": modes, "answer_tokens": args.answer_tokens, "seed": args.seed},
+    }
+    print(f"command: {header['command']}")
+    print(f"configs: {', '.join(s.label for s in specs)}; vLLM logs: {log_path}", flush=True)
+    jobs = [{"id": spec.label, "spec": vars(spec), "settings": vars(settings), "isolate": True,
+             "workload_path": str(workload_path)} for spec in specs]
+    units = float(len(documents) * turns * len(modes))
+    results = run_jobs(WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
+                       units={job["id"]: units for job in jobs}, job_timeout=args.job_timeout,
+                       env=worker_env(args.verbose, False, threads), desc="shared-context",
+                       show_progress=not args.no_progress)
+    rows = [config_row(spec, results[spec.label], modes, turns) for spec in specs]
+    add_comparisons(rows)
+    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
+    write_json(args.output_json, report)
+    for mode in modes:
+        print(f"\n{mode}: accuracy per turn [95% Wilson interval]")
+        print(render(rows, mode, turns))
+    for row in rows:
+        if not row["ok"]:
+            print(f"\n{row['label']} FAILED:\n{row['error']}")
+    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
+    return 0 if all(row["ok"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

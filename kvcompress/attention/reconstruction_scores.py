@@ -1,0 +1,96 @@
+"""Reconstruction scores (KVzip-style), collected where a reconstruction pass attends.
+
+A reconstruction pass feeds the model "repeat the previous context" plus a chunk of the
+context itself, after the request's prompt, and its K/V goes to scratch slots past each
+row's prompt. Every query of that pass attends to the prompt and to the pass's own earlier
+tokens; the probability it pays a prompt key is that key's evidence of being needed to
+reproduce the context. A key's score is the largest such probability over the pass's
+queries and the query heads of its KV head, combined by max into the request's
+``[layers, kv_heads, width]`` accumulator (chunks and passes commute). The softmax runs over
+every key the query sees, the pass's own included (a head that copies locally spends its
+attention there and scores the prompt low), but only prompt slots are stored.
+
+Every prompt key precedes every query of the pass, so the prompt's logits need no mask; the
+largest probability of a key is ``exp(max over queries of (logit - lse))``, with ``lse`` each
+query's log-normalizer over all it sees (sink included): the big ``[heads, group, queries,
+prompt]`` block is only multiplied, shifted and max-reduced, never exponentiated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcompress.kernels.logits import NEG_INF, soft_cap_logits
+from kvcompress.paging.page_format import PageFormat
+from kvcompress.step import StepBatch, WindowQueries
+
+# Largest [kv_heads, group, queries, keys] logits block scored at once (fp32): bounds the
+# temporary memory of one layer's scoring whatever the chunk and prompt lengths.
+MAX_LOGITS_ELEMENTS = 1 << 24
+
+
+def accumulate_reconstruction_scores(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    page_format: PageFormat,
+    step: StepBatch,
+    window: WindowQueries,
+    layer: int,
+    scale: float,
+    *,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """``query [T, Hq, D]``: a pass's queries of ``layer``; ``step`` is the pass's batch
+    (``StepBatch.reconstruction``), ``window`` one of its requests: its entry covers all the
+    request's queries and holds its accumulator; its rows held ``host_lengths_before`` prompt
+    slots before the pass. The pass's K/V are already written (attention ran first)."""
+    start = step.query_start_loc[window.batch_index]
+    _score_request(query[start : start + window.num_queries], pool, page_format, step,
+                   window, layer, scale, soft_cap, sinks)
+
+
+def _score_request(queries: torch.Tensor, pool: torch.Tensor, page_format: PageFormat,
+                   step: StepBatch, window: WindowQueries, layer: int, scale: float,
+                   soft_cap: float | None, sinks: torch.Tensor | None) -> None:
+    index = window.batch_index
+    rows = step.layer_rows(layer)
+    num_kv_heads = step.layout.num_kv_heads
+    # Every slot the rows held before the pass is a key of the softmax; the accumulator
+    # stores the first ``stored`` (a resumed request's rows also hold generated tokens).
+    width = int(step.host_lengths_before[index, rows].max())
+    stored = min(window.scores.shape[-1], width)
+    num_keys = int(step.host_lengths_after[index, rows].max())
+    num_pages = -(-num_keys // pool.shape[2])
+    tables = step.tables.gather([index], rows, num_pages)[0]
+    keys = page_format.gather_keys(pool, tables, num_keys).float()  # [H, D, S]
+    context = step.lengths_before[index, rows]  # [H] on the device
+    num_queries = queries.shape[0]
+    group = queries.shape[1] // num_kv_heads
+    grouped = queries.float().view(num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
+    # The pass's own keys, per row right after its prompt: [H, D, T] by gathering slots.
+    offsets = torch.arange(num_queries, device=keys.device)
+    own_keys = keys.gather(2, (context[:, None] + offsets).clamp(max=num_keys - 1)[:, None, :]
+                           .expand(-1, keys.shape[1], -1))
+    own_visible = offsets[None, :] <= offsets[:, None]  # [T, T] causal among the pass
+    prompt_keys = keys[:, :, :width]
+    best = torch.full((num_kv_heads, width), NEG_INF, device=keys.device)
+    block = max(1, MAX_LOGITS_ELEMENTS // (num_kv_heads * group * max(width, num_queries)))
+    for first in range(0, num_queries, block):
+        part = grouped[:, :, first : first + block]  # [H, G, b, D]
+        prompt_logits = soft_cap_logits(torch.matmul(part, prompt_keys[:, None]) * scale,
+                                        soft_cap)  # [H, G, b, width]
+        # A shorter row's slots past its prompt hold its pass's own keys: not prompt keys.
+        prompt_logits.masked_fill_(
+            torch.arange(width, device=keys.device)[None, None, None, :]
+            >= context[:, None, None, None], NEG_INF)
+        own_logits = soft_cap_logits(torch.matmul(part, own_keys[:, None]) * scale, soft_cap)
+        own_logits.masked_fill_(~own_visible[first : first + part.shape[2]], NEG_INF)
+        lse = torch.logaddexp(torch.logsumexp(prompt_logits, dim=-1),
+                              torch.logsumexp(own_logits, dim=-1))  # [H, G, b]
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.float().view(num_kv_heads, group, 1))
+        shifted = prompt_logits.sub_(lse[..., None])
+        best = torch.maximum(best, shifted.amax(dim=(1, 2)))
+    scores = window.scores[layer, :, :stored]
+    torch.maximum(scores, best[:, :stored].exp(), out=scores)

@@ -1,0 +1,158 @@
+"""Reconstruction passes (``--kv-scoring reconstruct``) on the worker, without vLLM: the pass's
+batch (where its K/V go, what it attends to) and its scores against a dense reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
+from kvcompress.engine.worker_reconstruction import Reconstructor
+from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.kernels.logits import attention_probs
+from kvcompress.paging import PageLayout, PageTableDelta
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+from tests.paged_cases import model_softmax
+
+LAYERS, HEADS, GROUP, DIM, PAGE = 3, 2, 3, 16, 8
+
+
+def make_state(lengths: list[int], chunk: int, repeat: int, spare_pages: int = 5):
+    """One request whose rows hold ``lengths`` prompt slots, pages in a shuffled pool with
+    scratch pages for ``chunk + repeat`` tokens per row after them."""
+    rows = LAYERS * HEADS
+    needed = [-(-length // PAGE) for length in lengths]
+    total = sum(needed) + spare_pages
+    scratch = rows * (-(-(chunk + repeat) // PAGE))
+    layout = PageLayout(LAYERS, HEADS, DIM, PAGE, 4, total, scratch_pages=scratch)
+    state = WorkerKVState(layout, torch.device("cpu"))
+    ids = np.random.default_rng(0).permutation(total).astype(np.int32)[: sum(needed)]
+    state.apply_deltas({"r": PageTableDelta(fresh=True,
+                                            appends=[(np.array(needed, np.int32), ids)])})
+    request = state.requests["r"]
+    request.lengths = np.array(lengths, dtype=np.int64)
+    request.prompt_len = max(lengths)
+    return layout, state
+
+
+def dense_reference(queries, keys, context, scale, soft_cap=None, sinks=None):
+    """Loop reference for one row: queries [T, G, D] at slots context + i, keys [context + T,
+    D] -> [context] max probability over the queries and the group."""
+    best = torch.zeros(context, dtype=torch.float64)
+    for i in range(queries.shape[0]):
+        for g in range(queries.shape[1]):
+            logits = keys[: context + i + 1].double() @ queries[i, g].double() * scale
+            sink = None if sinks is None else sinks[g].view(1)
+            probs = attention_probs(logits[None], soft_cap, sink)[0].double()
+            best = torch.maximum(best, probs[:context])
+    return best
+
+
+@pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT],
+                         ids=["transposed", "row"])
+@pytest.mark.parametrize("softmax", [None, "soft_cap", "sinks"])
+def test_scores_match_dense_reference(page_format, softmax):
+    """Rows of unequal length (an adopter's), two chunks combined by max, GQA, soft-cap and
+    sinks: every stored score equals the loop reference's, nothing past a row's prompt."""
+    lengths = [21, 21, 17, 30, 9, 21]
+    layout, state = make_state(lengths, chunk=7, repeat=3)
+    request = state.requests["r"]
+    request.window_scores = torch.zeros(LAYERS, HEADS, max(lengths))
+    pool = torch.full((layout.total_pages + layout.scratch_pages, 2, PAGE, DIM), 50.0)
+    generator = torch.Generator().manual_seed(1)
+    dense = {}
+    for row, length in enumerate(lengths):
+        keys, values = torch.randn(2, length, DIM, generator=generator)
+        positions = torch.arange(length)
+        slots = torch.as_tensor(request.table.pages[row])[positions // PAGE].long() * PAGE
+        page_format.write_tokens(pool, keys, values, slots + positions % PAGE)
+        dense[row] = keys
+    kwargs = {} if softmax is None else model_softmax(softmax, HEADS * GROUP)
+    reconstructor = Reconstructor(state, [101, 102, 103], chunk=7)
+    step = _completed_step(state, lengths)
+    prompt = list(range(max(lengths)))
+    expected = torch.zeros(LAYERS, HEADS, max(lengths), dtype=torch.float64)
+    scale = DIM**-0.5
+    passes = 0
+    # One at a time, as the runtime runs them: a pass's tables hold until the next is built.
+    for one in reconstructor.passes(step, ["r"], lambda _: prompt):
+        passes += 1
+        batch = one.step
+        tokens = len(one.input_ids)
+        assert one.positions.tolist() == list(range(max(lengths), max(lengths) + tokens))
+        keys = torch.randn(tokens, layout.num_rows, DIM, generator=generator)
+        query = torch.randn(tokens, HEADS * GROUP, DIM, generator=generator)
+        for layer in range(LAYERS):
+            rows = batch.layer_rows(layer)
+            page_format.write_tokens(pool, keys[:, rows].reshape(-1, DIM),
+                                     keys[:, rows].reshape(-1, DIM),
+                                     batch.slot_mapping[:, rows].reshape(-1))
+            (window,) = batch.window_queries
+            accumulate_reconstruction_scores(query, pool, page_format, batch, window, layer,
+                                             scale, **kwargs)
+            for head in range(HEADS):
+                row = layer * HEADS + head
+                context = lengths[row]
+                sinks = kwargs.get("sinks")
+                reference = dense_reference(
+                    query[:, head * GROUP : (head + 1) * GROUP],
+                    torch.cat([dense[row], keys[:, row]]), context, scale,
+                    kwargs.get("soft_cap"),
+                    None if sinks is None else sinks[head * GROUP : (head + 1) * GROUP].float())
+                expected[layer, head, :context] = torch.maximum(
+                    expected[layer, head, :context], reference)
+    assert passes == -(-max(lengths) // 7)
+    torch.testing.assert_close(request.window_scores.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_pass_writes_only_its_rows_tails_and_scratch():
+    """The pass's K/V go after each row's prompt: into the tail of the row's last page, then
+    into that row's own scratch pages; no other page of the pool is written."""
+    lengths = [13, 13, 16, 5, 13, 13]
+    layout, state = make_state(lengths, chunk=13, repeat=4)
+    request = state.requests["r"]
+    reconstructor = Reconstructor(state, [1, 2, 3, 4], chunk=13)
+    step = _completed_step(state, lengths)
+    (one,) = reconstructor.passes(step, ["r"], lambda _: list(range(13)))
+    slots = one.step.slot_mapping.numpy()  # [T, rows]
+    assert slots.shape == (4 + 13, layout.num_rows)
+    tokens = slots.shape[0]
+    pages = slots // PAGE
+    scratch = np.arange(layout.total_pages, layout.total_pages + layout.scratch_pages)
+    for row, length in enumerate(lengths):
+        own = request.table.pages[row, : request.table.num_pages[row]]
+        allowed = set(own.tolist()) | set(scratch.tolist())
+        assert set(pages[:, row].tolist()) <= allowed
+        # consecutive slots of the row after its prompt
+        scratch_used = [page for page in dict.fromkeys(pages[:, row].tolist()) if page not in own]
+        table = np.concatenate([own, np.array(scratch_used, dtype=own.dtype)])
+        positions = [int(np.flatnonzero(table == page)[0]) * PAGE + slot % PAGE
+                     for page, slot in zip(pages[:, row], slots[:, row])]
+        assert positions == list(range(length, length + tokens))
+    scratch_rows = {row: set(pages[:, row].tolist()) & set(scratch.tolist())
+                    for row in range(layout.num_rows)}
+    for a in range(layout.num_rows):  # rows never share a scratch page
+        for b in range(a + 1, layout.num_rows):
+            assert not scratch_rows[a] & scratch_rows[b]
+    assert one.step.reconstruction and one.step.window_queries[0].group_reduce == "max"
+
+
+def test_too_few_scratch_pages_is_refused():
+    layout, state = make_state([10] * 6, chunk=8, repeat=0)
+    with pytest.raises(ValueError, match="scratch pages"):
+        Reconstructor(state, [1] * 9, chunk=8)
+
+
+def _completed_step(state: WorkerKVState, lengths: list[int]):
+    """A step whose forward wrote the whole prompt (lengths after = ``lengths``)."""
+    from kvcompress.step import StepBatch
+
+    request = state.requests["r"]
+    after = np.array([lengths], dtype=np.int64)
+    return StepBatch(
+        layout=state.layout, req_ids=["r"], query_start_loc=[0, 1],
+        num_new_tokens=torch.tensor([1]), lengths_before=torch.as_tensor(after - 1),
+        tables=None, slot_mapping=torch.zeros(1, state.layout.num_rows, dtype=torch.long),
+        logical_after=np.array([request.prompt_len]), host_lengths_before=after - 1,
+        host_lengths_after=after, completing_prompt=[0])
