@@ -159,7 +159,8 @@ class KVCompressScheduler(Scheduler):
             return  # finished or aborted while the step ran: its pages are free already
         before = manager.all_physical_lengths(request_id)
         self.num_pages_freed_by_compression += manager.release_after_compression(
-            request_id, compaction.logical_len, compaction.physical_lengths, compaction.kind
+            request_id, compaction.logical_len, compaction.physical_lengths, compaction.kind,
+            compaction.prompt_evicted,
         )
         if self.log_stats:
             self.figures.add_compaction(compaction, before)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import WorkerReport, page_deltas
+from kvcompress.engine.messages import WorkerReport, merge_compactions, page_deltas
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
@@ -193,10 +193,10 @@ class PagedKVRuntime:
         compactions = compact_completed_prompts(
             self.state, step, self.pool, self.kernel, self.stats
         )
-        # Later report wins: it holds the final lengths of a request handled by both.
-        compactions.update(
-            evict_generated_tokens(self.state, step, self.pool, self.kernel, self.stats)
-        )
+        # A request resumed after preemption may have both in one step: the decode
+        # eviction's lengths are final, the prompt's eviction must reach the scheduler too.
+        merge_compactions(compactions, evict_generated_tokens(
+            self.state, step, self.pool, self.kernel, self.stats))
         seconds = time.perf_counter() - started if compactions else 0.0
         self.stats.seconds += seconds
         return WorkerReport(compactions, step.failures, step.score_seconds, seconds)

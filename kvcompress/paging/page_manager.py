@@ -341,12 +341,14 @@ class PageManager:
 
     def release_after_compression(
         self, request_id: str, logical_len: int, physical_lengths: np.ndarray,
-        kind: str = "prompt",
+        kind: str = "prompt", prompt_evicted: np.ndarray | None = None,
     ) -> int:
         """The worker compacted the request: ``logical_len`` logical tokens now occupy
         ``physical_lengths[row]`` slots. Free the trailing pages; return how many.
         ``kind``: "prompt" (the prompt part was compacted, a generated tail kept whole) or
-        "decode" (generated tokens were evicted: their slots no longer follow positions)."""
+        "decode" (generated tokens were evicted: their slots no longer follow positions).
+        ``prompt_evicted``: with "decode", the per-row prompt tokens a prompt compaction
+        reported together with it evicted (``Compaction.prompt_evicted``)."""
         state = self._requests.get(request_id)
         if state is None:
             return 0  # finished or aborted while the step ran; already freed
@@ -365,6 +367,8 @@ class PageManager:
         state.evicted_fill = None
         if kind == "decode":
             state.tail_in_order = False
+            if prompt_evicted is not None:
+                state.prompt_evicted = np.asarray(prompt_evicted, dtype=np.int64).copy()
         else:
             state.prompt_evicted = state.evicted.copy()
         freed = state.table.truncate(state.logical_len - state.evicted)
