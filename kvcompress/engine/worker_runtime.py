@@ -102,7 +102,8 @@ class PagedKVRuntime:
         """Every adoption's page copies in one index copy on the pool; if that fails, each
         request's alone, and those that fail again fail their request (reported with the
         step, ``WorkerKVState.adoption_failures``). Re-running a copy is harmless: its
-        sources are a cached entry's pages, which nothing writes."""
+        sources are a cached entry's pages, which no copy of the step writes (the scheduler
+        pins the entries its copies read until the step's deltas are taken)."""
         copies = self.state.take_copies()
         if not copies:
             return
