@@ -134,10 +134,16 @@ class KVCompressScheduler(Scheduler):
         if self.log_stats:
             self.figures.add_report(report)
             self.figures.failed_requests += len(failed)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self.scoring_gate.prune(self.requests)
-        if failed:
-            self._finish_with_error(failed, outputs)
+        # vLLM frees (and kvcompress files) the requests that finish in this step before the
+        # failed ones are ended: a failed one must not be filed on the way.
+        self.kv_cache_manager.unfileable = set(failed)
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            self.scoring_gate.prune(self.requests)
+            if failed:
+                self._finish_with_error(failed, outputs)
+        finally:
+            self.kv_cache_manager.unfileable = set()
         if self.check_pages_every_step:
             self.check_pages()
         return outputs
