@@ -163,7 +163,12 @@ class PagedKVCacheManager:
         elif (self.pages.pages_needed(request_id, logical_len) + reserve
               > self.pages.num_available):
             return None
-        if admitting and not self.admission.admits(request, reserve):
+        # An adopter is planned from what it will hold: the entry's rows, then its new part.
+        adoption = None
+        if match is not None:
+            rows = self.pages.entry_lengths(match.entry_id, match.hit)
+            adoption = None if rows is None else (match.hit, rows)
+        if admitting and not self.admission.admits(request, reserve, adoption):
             return None  # fits now, but not beside the running requests' growth
         blocks = self.inner.allocate_slots(
             request,

@@ -89,6 +89,15 @@ class ShardedPageManager:
             return None
         return adoptions[0][0], np.max([rows for _, rows in adoptions], axis=0)
 
+    def entry_lengths(self, entry_id: int, hit: int) -> np.ndarray | None:
+        """Per row of one rank, the longest over the ranks: the physical tokens an adoption
+        of the entry's first ``hit`` logical tokens starts with (None: no cut there)."""
+        lengths = [shard.entry(entry_id) for shard in self.shards]
+        rows = [None if entry is None else entry.lengths_at(hit) for entry in lengths]
+        if any(row is None for row in rows):
+            return None
+        return np.max(rows, axis=0)
+
     def pages_needed(self, request_id: str, logical_len: int) -> int:
         return max(shard.pages_needed(request_id, logical_len) for shard in self.shards)
 
