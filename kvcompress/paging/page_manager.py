@@ -500,7 +500,7 @@ class PageManager:
             return 0
         pages = entry.table.all_pages()
         self._num_cached -= len(pages)
-        if entry_id in self._pinned:  # reset_prefix_cache: nothing is scheduled meanwhile
+        if entry_id in self._pinned:  # only a reset drops one, and never inside a schedule
             self._pinned.discard(entry_id)
             self._num_pinned -= len(pages)
         self._push(pages)

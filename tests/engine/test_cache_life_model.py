@@ -19,6 +19,12 @@ result that keeps a subset of what the rows held, the generated part in order.
 
 Faults model a device error reported after the device wrote: a batched page copy that wrote
 and then raised, and a request's token moves that wrote half of them and then raised.
+
+On c3ea803 (before issue 30's fixes) it found, 150 steps a life: without faults, an entry
+of a resumed request offering a cut inside its compacted prompt (item 1) in 38 of seeds
+0-39; with copy faults alone (once item 1 was fixed), an adopter given another entry's K/V
+(item 2) in seeds 0 and 30; with move faults, an entry holding half-moved rows (item 3) in
+most seeds (28 of 0-39, copy 0.5 and moves 0.1).
 """
 
 from __future__ import annotations
