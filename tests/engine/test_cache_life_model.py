@@ -486,3 +486,9 @@ def test_cache_life(seed, monkeypatch):
 @pytest.mark.parametrize("seed", range(20))
 def test_cache_life_with_device_faults(seed, monkeypatch):
     run_life(seed, Faults(copy_batch=0.5, moves=0.1), monkeypatch, steps=150)
+
+
+# Copy faults alone: seeds 0 and 30 gave an adopter another entry's K/V before item 2's fix.
+@pytest.mark.parametrize("seed", range(0, 40, 5))
+def test_cache_life_with_copy_faults(seed, monkeypatch):
+    run_life(seed, Faults(copy_batch=0.5), monkeypatch, steps=150)
