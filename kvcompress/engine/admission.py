@@ -190,15 +190,21 @@ class AdmissionPlanner:
         self.running = running
         self._configs: dict[str, KVCompressionConfig] = {}
 
-    def admits(self, request: Any, reserve_pages: int = 0) -> bool:
+    def admits(self, request: Any, reserve_pages: int = 0,
+               adoption: tuple[int, np.ndarray] | None = None) -> bool:
+        """``adoption``: (logical tokens, per-row physical tokens) the request is about to
+        adopt from a cached entry (it is admitted before it adopts)."""
         if self.lookahead == 0:
             return True
         request_id = request.request_id
         others = [r for r in self.running() if r.request_id != request_id]
         if not others:
             return True  # alone it only has to fit now, which the caller checks
-        others.append(request)
-        return peak_pages(self.trajectories(others)) <= self.pages.total_pages - reserve_pages
+        planned = Trajectories.concat([
+            self.trajectories(others),
+            Trajectories.stack([self.trajectory(request, adoption)], self.pages.layout.page_size),
+        ])
+        return peak_pages(planned) <= self.pages.total_pages - reserve_pages
 
     def trajectories(self, requests: Sequence[Any]) -> Trajectories:
         """``trajectory`` of each request, as arrays. Most of a running set decodes: those
@@ -241,8 +247,10 @@ class AdmissionPlanner:
         return batch if np.array_equal(order, np.arange(count)) else batch.take(
             np.argsort(order))
 
-    def trajectory(self, request: Any) -> Trajectory:
-        """One request's trajectory, whatever its state (``trajectories`` for many)."""
+    def trajectory(self, request: Any,
+                   adoption: tuple[int, np.ndarray] | None = None) -> Trajectory:
+        """One request's trajectory, whatever its state (``trajectories`` for many).
+        ``adoption``: what a request not yet admitted will adopt (``admits``)."""
         layout = self.pages.layout
         config = self._config(request)
         tokens = min(request.num_tokens, self.max_model_len)
@@ -260,15 +268,24 @@ class AdmissionPlanner:
             prefill_steps = 0
         else:
             generated = tokens - prompt_len  # resumed after preemption: outputs kept whole
-            adoption = self.pages.adoption(request_id)
+            if request_id in self.pages:
+                adoption = self.pages.adoption(request_id)  # adopted already, or not at all
+                held = self.pages.owned_pages(request_id) + self.pages.pages_needed_for_sequence(
+                    request_id, tokens, self.max_num_batched_tokens)
+            elif adoption is not None:
+                # To adopt: its rows will hold the adopted tokens and the rest of the prompt.
+                held = int(pages_for_lengths(adoption[1] + (tokens - adoption[0]),
+                                             layout.page_size).sum())
+            else:
+                held = self.pages.pages_needed_for_sequence(request_id, tokens,
+                                                            self.max_num_batched_tokens)
             if adoption is None:
                 lengths = self._kept_after_prompt(config, prompt_len) + generated
             else:  # the adopted rows stay; only the new part of the prompt is compacted
                 hit, adopted_rows = adoption
                 lengths = adopted_rows + self._kept_after_prompt(config, prompt_len - hit)
                 lengths = lengths + generated
-            held = self.pages.owned_pages(request_id) + self.pages.pages_needed_for_sequence(
-                request_id, tokens, self.max_num_batched_tokens)
+                computed = max(computed, hit)  # vLLM counts the adopted tokens as computed
             prefill_steps = -(-(tokens - computed) // self.max_num_batched_tokens)
         growth = min(remaining, self.lookahead)
         if eviction is not None:

@@ -9,7 +9,7 @@ ranks' reports are gathered first and merged (``merge_rank_reports``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,20 @@ class Compaction:
     logical_len: int
     physical_lengths: np.ndarray
     kind: str = "prompt"
+    # A "decode" eviction that follows a prompt compaction in the same report (a resumed
+    # request recomputes its prompt and outputs in one step, or two steps' reports merged):
+    # per row, the prompt tokens that compaction evicted. Without it the scheduler would
+    # take the prompt for uncompacted and file its cache as exact.
+    prompt_evicted: np.ndarray | None = None
+
+    def then(self, later: Compaction) -> Compaction:
+        """This compaction of a request followed by ``later`` of the same request, as one:
+        the later lengths, and the prompt's eviction if either holds it."""
+        if later.kind == "prompt":
+            return later  # a prompt compacted again: the request was readmitted since
+        prompt_evicted = (self.logical_len - self.physical_lengths if self.kind == "prompt"
+                          else self.prompt_evicted)
+        return replace(later, prompt_evicted=prompt_evicted)
 
 
 @dataclass
@@ -48,11 +62,18 @@ class WorkerReport:
                     or self.compaction_seconds)
 
     def merge(self, later: WorkerReport) -> None:
-        # A later compaction of the same request holds its final lengths.
-        self.compactions.update(later.compactions)
+        merge_compactions(self.compactions, later.compactions)
         self.failures.update(later.failures)
         self.score_seconds += later.score_seconds
         self.compaction_seconds += later.compaction_seconds
+
+
+def merge_compactions(compactions: dict[str, Compaction],
+                      later: dict[str, Compaction]) -> None:
+    """Add ``later`` compactions to ``compactions`` (in place), request by request."""
+    for request_id, compaction in later.items():
+        earlier = compactions.get(request_id)
+        compactions[request_id] = compaction if earlier is None else earlier.then(compaction)
 
 
 def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
@@ -76,10 +97,13 @@ def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
             merged.failures[request_id] = ("tensor-parallel ranks disagree on a compaction "
                                            f"of {request_id}")
             continue
+        prompt_evicted = [part.prompt_evicted for part in parts]  # type: ignore[union-attr]
         merged.compactions[request_id] = Compaction(
             first.logical_len,
             np.concatenate([part.physical_lengths for part in parts]),  # type: ignore[union-attr]
             first.kind,
+            None if any(rows is None for rows in prompt_evicted)
+            else np.concatenate(prompt_evicted),  # type: ignore[arg-type]
         )
     for report in reports[1:]:
         for request_id in report.compactions.keys() - reports[0].compactions.keys():

@@ -134,10 +134,16 @@ class KVCompressScheduler(Scheduler):
         if self.log_stats:
             self.figures.add_report(report)
             self.figures.failed_requests += len(failed)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self.scoring_gate.prune(self.requests)
-        if failed:
-            self._finish_with_error(failed, outputs)
+        # vLLM frees (and kvcompress files) the requests that finish in this step before the
+        # failed ones are ended: a failed one must not be filed on the way.
+        self.kv_cache_manager.unfileable = set(failed)
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            self.scoring_gate.prune(self.requests)
+            if failed:
+                self._finish_with_error(failed, outputs)
+        finally:
+            self.kv_cache_manager.unfileable = set()
         if self.check_pages_every_step:
             self.check_pages()
         return outputs
@@ -159,7 +165,8 @@ class KVCompressScheduler(Scheduler):
             return  # finished or aborted while the step ran: its pages are free already
         before = manager.all_physical_lengths(request_id)
         self.num_pages_freed_by_compression += manager.release_after_compression(
-            request_id, compaction.logical_len, compaction.physical_lengths, compaction.kind
+            request_id, compaction.logical_len, compaction.physical_lengths, compaction.kind,
+            compaction.prompt_evicted,
         )
         if self.log_stats:
             self.figures.add_compaction(compaction, before)

@@ -70,6 +70,9 @@ class PagedKVCacheManager:
         self._matches: dict[str, Match] = {}
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        # Requests whose compression failed in the step being processed: their rows may be
+        # half moved, so when they finish their pages are freed, never filed.
+        self.unfileable: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -160,7 +163,12 @@ class PagedKVCacheManager:
         elif (self.pages.pages_needed(request_id, logical_len) + reserve
               > self.pages.num_available):
             return None
-        if admitting and not self.admission.admits(request, reserve):
+        # An adopter is planned from what it will hold: the entry's rows, then its new part.
+        adoption = None
+        if match is not None:
+            rows = self.pages.entry_lengths(match.entry_id, match.hit)
+            adoption = None if rows is None else (match.hit, rows)
+        if admitting and not self.admission.admits(request, reserve, adoption):
             return None  # fits now, but not beside the running requests' growth
         blocks = self.inner.allocate_slots(
             request,
@@ -195,5 +203,6 @@ class PagedKVCacheManager:
         """A finished request's pages become a cached entry (when reuse is on and they
         are worth it); a preempted or failed one's are freed."""
         self._matches.pop(request.request_id, None)
-        if not (request.is_finished() and self.reuse.retire(request)):
+        if (request.request_id in self.unfileable or not request.is_finished()
+                or not self.reuse.retire(request)):
             self.pages.free(request.request_id)

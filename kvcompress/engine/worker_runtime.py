@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import WorkerReport, page_deltas
+from kvcompress.engine.messages import WorkerReport, merge_compactions, page_deltas
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
@@ -114,7 +114,8 @@ class PagedKVRuntime:
         """Every adoption's page copies in one index copy on the pool; if that fails, each
         request's alone, and those that fail again fail their request (reported with the
         step, ``WorkerKVState.adoption_failures``). Re-running a copy is harmless: its
-        sources are a cached entry's pages, which nothing writes."""
+        sources are a cached entry's pages, which no copy of the step writes (the scheduler
+        pins the entries its copies read until the step's deltas are taken)."""
         copies = self.state.take_copies()
         if not copies:
             return
@@ -250,10 +251,10 @@ class PagedKVRuntime:
         compactions = compact_completed_prompts(
             self.state, step, self.pool, self.kernel, self.stats
         )
-        # Later report wins: it holds the final lengths of a request handled by both.
-        compactions.update(
-            evict_generated_tokens(self.state, step, self.pool, self.kernel, self.stats)
-        )
+        # A request resumed after preemption may have both in one step: the decode
+        # eviction's lengths are final, the prompt's eviction must reach the scheduler too.
+        merge_compactions(compactions, evict_generated_tokens(
+            self.state, step, self.pool, self.kernel, self.stats))
         seconds = time.perf_counter() - started if compactions else 0.0
         self.stats.seconds += seconds
         return WorkerReport(compactions, step.failures, step.score_seconds, seconds)

@@ -4,7 +4,10 @@ Admission and preemption are decided in pages. Every page is on the free stack, 
 one request's page table, or in exactly one cached entry (a finished request's pages kept for
 a later prompt that continues it, multi-turn reuse); ``check_invariants`` verifies it.
 Cached pages count as available: they are evicted, least recently used first, only when
-the free stack runs short.
+the free stack runs short. Entries that an adoption of this schedule copies from are pinned
+until its deltas are taken: the worker copies after the schedule, and the pages of an entry
+evicted meanwhile could be another adopter's copy destinations (a retried copy would then
+read them overwritten).
 """
 
 from __future__ import annotations
@@ -152,6 +155,9 @@ class PageManager:
         self._num_cached = 0
         # Entries evicted for pages since the owner last asked (take_evicted_entries).
         self._evicted_entries: list[int] = []
+        # Entries this schedule's copies read (until take_deltas), and the pages they hold.
+        self._pinned: set[int] = set()
+        self._num_pinned = 0
 
     # ----------------------------------------------------------------- figures
     @property
@@ -169,8 +175,9 @@ class PageManager:
 
     @property
     def num_available(self) -> int:
-        """Pages an allocation may take: free ones, then cached ones (evicted for it)."""
-        return self._num_free + self._num_cached
+        """Pages an allocation may take: free ones, then cached ones (evicted for it) but
+        those a copy of this schedule reads."""
+        return self._num_free + self._num_cached - self._num_pinned
 
     @property
     def usage(self) -> float:
@@ -341,12 +348,14 @@ class PageManager:
 
     def release_after_compression(
         self, request_id: str, logical_len: int, physical_lengths: np.ndarray,
-        kind: str = "prompt",
+        kind: str = "prompt", prompt_evicted: np.ndarray | None = None,
     ) -> int:
         """The worker compacted the request: ``logical_len`` logical tokens now occupy
         ``physical_lengths[row]`` slots. Free the trailing pages; return how many.
         ``kind``: "prompt" (the prompt part was compacted, a generated tail kept whole) or
-        "decode" (generated tokens were evicted: their slots no longer follow positions)."""
+        "decode" (generated tokens were evicted: their slots no longer follow positions).
+        ``prompt_evicted``: with "decode", the per-row prompt tokens a prompt compaction
+        reported together with it evicted (``Compaction.prompt_evicted``)."""
         state = self._requests.get(request_id)
         if state is None:
             return 0  # finished or aborted while the step ran; already freed
@@ -365,6 +374,8 @@ class PageManager:
         state.evicted_fill = None
         if kind == "decode":
             state.tail_in_order = False
+            if prompt_evicted is not None:
+                state.prompt_evicted = np.asarray(prompt_evicted, dtype=np.int64).copy()
         else:
             state.prompt_evicted = state.evicted.copy()
         freed = state.table.truncate(state.logical_len - state.evicted)
@@ -382,7 +393,11 @@ class PageManager:
         return len(pages)
 
     def take_deltas(self) -> dict[str, PageTableDelta]:
+        """The changes since the last call, for the worker, which runs their copies before
+        anything else: the copies' sources may be evicted from now on."""
         deltas, self._pending = self._pending, {}
+        self._pinned.clear()
+        self._num_pinned = 0
         return deltas
 
     # ---------------------------------------------------------- cached entries
@@ -428,10 +443,12 @@ class PageManager:
         lengths = None if entry is None else entry.lengths_at(hit)
         if lengths is None:
             return False
+        if not copy and entry_id in self._pinned:
+            return False  # a copy of this schedule reads it: handed over next schedule
         grown = pages_for_lengths(lengths + (logical_len - hit), self.layout.page_size)
-        # A copy takes new pages for every row while the entry stays cached; a handover
-        # keeps the entry's first pages and frees the rest, so only growth costs pages.
-        available = self.num_available - (entry.table.total_pages if copy else 0)
+        # A copy takes new pages for every row while the entry stays cached (and pinned); a
+        # handover keeps the entry's first pages and frees the rest: only growth costs pages.
+        available = self.num_available - (self._unpinned_pages(entry_id) if copy else 0)
         return int(grown.sum()) + reserve <= available
 
     def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
@@ -451,11 +468,15 @@ class PageManager:
         copies = None
         if copy:
             needed = int(counts.sum())
-            if needed > self.num_available - entry.table.total_pages:
+            if needed > self.num_available - self._unpinned_pages(entry_id):
                 return False
             self._entries.move_to_end(entry_id)
-            page_ids = self._pop(needed, keep=entry_id)
+            self._num_pinned += self._unpinned_pages(entry_id)
+            self._pinned.add(entry_id)
+            page_ids = self._pop(needed)
             copies = (entry.table.leading_pages(counts), page_ids)
+        elif entry_id in self._pinned:
+            return False
         else:
             del self._entries[entry_id]
             self._num_cached -= entry.table.total_pages
@@ -479,6 +500,9 @@ class PageManager:
             return 0
         pages = entry.table.all_pages()
         self._num_cached -= len(pages)
+        if entry_id in self._pinned:  # only a reset drops one, and never inside a schedule
+            self._pinned.discard(entry_id)
+            self._num_pinned -= len(pages)
         self._push(pages)
         return len(pages)
 
@@ -494,6 +518,9 @@ class PageManager:
         num_cached = sum(len(pages) for pages in cached)
         assert num_cached == self._num_cached, (
             f"cached entries hold {num_cached} pages, counted {self._num_cached}")
+        assert self._pinned <= set(self._entries) and self._num_pinned == sum(
+            self._entries[entry_id].table.total_pages for entry_id in self._pinned), (
+            "pinned entries miscounted")
         everything = np.concatenate([self._free_stack[: self._num_free], *owned, *cached])
         assert len(everything) == self.layout.total_pages, (
             f"free {self._num_free} + owned {len(everything) - self._num_free - num_cached} "
@@ -520,14 +547,18 @@ class PageManager:
         return np.concatenate(([whole.sum()], rows_below))
 
     # ------------------------------------------------------------ free stack
-    def _pop(self, count: int, keep: int | None = None) -> np.ndarray:
+    def _unpinned_pages(self, entry_id: int) -> int:
+        """Pages of the entry that pinning it would take from ``num_available``."""
+        return 0 if entry_id in self._pinned else self._entries[entry_id].table.total_pages
+
+    def _pop(self, count: int) -> np.ndarray:
         """``count`` free pages, evicting cached entries (least recently used first, never
-        entry ``keep``) only as far as the free stack falls short."""
+        a pinned one) only as far as the free stack falls short."""
         if count > self._num_free:
             for entry_id in list(self._entries):
                 if self._num_free >= count:
                     break
-                if entry_id != keep:
+                if entry_id not in self._pinned:
                     self.drop_entry(entry_id)
                     self._evicted_entries.append(entry_id)
             if count > self._num_free:

@@ -89,6 +89,15 @@ class ShardedPageManager:
             return None
         return adoptions[0][0], np.max([rows for _, rows in adoptions], axis=0)
 
+    def entry_lengths(self, entry_id: int, hit: int) -> np.ndarray | None:
+        """Per row of one rank, the longest over the ranks: the physical tokens an adoption
+        of the entry's first ``hit`` logical tokens starts with (None: no cut there)."""
+        lengths = [shard.entry(entry_id) for shard in self.shards]
+        rows = [None if entry is None else entry.lengths_at(hit) for entry in lengths]
+        if any(row is None for row in rows):
+            return None
+        return np.max(rows, axis=0)
+
     def pages_needed(self, request_id: str, logical_len: int) -> int:
         return max(shard.pages_needed(request_id, logical_len) for shard in self.shards)
 
@@ -136,17 +145,24 @@ class ShardedPageManager:
         return sum(shard.drop_outside_window(request_id, processed) for shard in self.shards)
 
     def release_after_compression(self, request_id: str, logical_len: int,
-                                  physical_lengths: np.ndarray, kind: str = "prompt") -> int:
-        """``physical_lengths``: every rank's rows, rank-major. Pages freed over all ranks."""
-        physical_lengths = np.asarray(physical_lengths)
+                                  physical_lengths: np.ndarray, kind: str = "prompt",
+                                  prompt_evicted: np.ndarray | None = None) -> int:
+        """``physical_lengths`` (and ``prompt_evicted``): every rank's rows, rank-major.
+        Pages freed over all ranks."""
+        per_rank = self._per_rank(physical_lengths, "physical lengths")
+        prompt_per_rank = ([None] * len(self.shards) if prompt_evicted is None
+                           else self._per_rank(prompt_evicted, "prompt evictions"))
+        return sum(shard.release_after_compression(request_id, logical_len, lengths, kind,
+                                                   prompt)
+                   for shard, lengths, prompt in zip(self.shards, per_rank, prompt_per_rank))
+
+    def _per_rank(self, rows: np.ndarray, what: str) -> np.ndarray:
+        rows = np.asarray(rows)
         expected = (self.layout.num_rows * len(self.shards),)
-        if physical_lengths.shape != expected:
-            raise ValueError(f"expected {expected[0]} physical lengths ({len(self.shards)} "
-                             f"ranks x {self.layout.num_rows} rows), got "
-                             f"{physical_lengths.shape}")
-        per_rank = physical_lengths.reshape(len(self.shards), self.layout.num_rows)
-        return sum(shard.release_after_compression(request_id, logical_len, lengths, kind)
-                   for shard, lengths in zip(self.shards, per_rank))
+        if rows.shape != expected:
+            raise ValueError(f"expected {expected[0]} {what} ({len(self.shards)} ranks x "
+                             f"{self.layout.num_rows} rows), got {rows.shape}")
+        return rows.reshape(len(self.shards), self.layout.num_rows)
 
     def free(self, request_id: str) -> int:
         return sum(shard.free(request_id) for shard in self.shards)

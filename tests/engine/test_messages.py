@@ -36,3 +36,15 @@ def test_a_request_failed_or_compacted_differently_on_one_rank_fails():
 def test_one_rank_is_passed_through():
     single = report({"a": Compaction(9, np.array([1]))})
     assert merge_rank_reports([single]) is single
+
+
+def test_a_decode_eviction_after_a_prompt_compaction_carries_the_prompts_eviction():
+    merged = report({"a": Compaction(60, np.array([48, 40]))})  # prompt of 20: 8 and 0 gone
+    merged.merge(report({"a": Compaction(61, np.array([16, 16]), "decode"),
+                         "b": Compaction(30, np.array([9, 9]), "decode")}))
+    assert merged.compactions["a"].kind == "decode"
+    assert merged.compactions["a"].prompt_evicted.tolist() == [12, 20]
+    assert merged.compactions["b"].prompt_evicted is None
+    ranks = merge_rank_reports([merged, merged])
+    assert ranks.compactions["a"].prompt_evicted.tolist() == [12, 20, 12, 20]
+    assert ranks.compactions["b"].prompt_evicted is None

@@ -108,7 +108,9 @@ def test_entries_are_evicted_least_recently_used_and_only_when_pages_run_short()
     finished(manager, "a", 1, logical=8, prompt_len=8)  # 8 pages
     finished(manager, "b", 2, logical=8, prompt_len=8)  # 8 pages
     assert manager.adopt("c", 1, 4, copy=True)  # touches entry 1: entry 2 is now the oldest
+    assert manager.num_available == 36 - 4 - 8  # c's pages; entry 1 is read by its copy
     manager.free("c")
+    manager.take_deltas()  # a later schedule: entry 1 may be evicted again
     assert manager.allocate("d", 8 * 4)  # 32 pages: 20 free, so 12 come from eviction
     assert manager.take_evicted_entries() == [2, 1]
     assert manager.num_cached == 0 and accounted(manager) == 36

@@ -1,0 +1,291 @@
+"""Issue 30, items 1-4: holes in the prefix cache (multi-turn reuse), each shown on the
+pieces that make it, without an engine: the scheduler's page manager, KV-cache manager and
+update, the worker runtime and its mirror.
+
+1. a prompt compacted and generated tokens evicted in one step (a resumed request) must
+   still reach the scheduler as a compacted prompt;
+2. one adoption's page copies must never write another adoption's source pages of the
+   same step;
+3. a request whose compaction failed is never filed as a cache entry;
+4. an adopter is admitted by what it holds once it has adopted.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from kvcompress.attention.gpu_kernel import TritonPagedKernel
+from kvcompress.config import KVCompressionConfig
+from kvcompress.engine import worker_runtime
+from kvcompress.engine.admission import AdmissionPlanner, peak_pages
+from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
+from kvcompress.engine.reuse import ContinuationCache
+from kvcompress.engine.scheduler import KVCompressScheduler
+from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
+from kvcompress.engine.worker_runtime import PagedKVRuntime
+from kvcompress.paging import PageLayout, ShardedPageManager
+
+
+class Request(SimpleNamespace):
+    """What the scheduler-side code reads of a vLLM request."""
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+
+def request(request_id: str, tokens, prompt_len: int, computed: int = 0, max_tokens: int = 64,
+            status=RequestStatus.WAITING) -> Request:
+    tokens = list(tokens)
+    return Request(request_id=request_id, all_token_ids=tokens, num_tokens=len(tokens),
+                   num_prompt_tokens=prompt_len, num_output_tokens=len(tokens) - prompt_len,
+                   num_computed_tokens=computed, max_tokens=max_tokens, status=status,
+                   sampling_params=None, lora_request=None, has_encoder_inputs=False,
+                   prompt_embeds=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+
+def release(pages: ShardedPageManager, report: WorkerReport) -> None:
+    """The scheduler's handling of a worker report's compactions (its own code)."""
+    scheduler = SimpleNamespace(page_manager=pages, num_pages_freed_by_compression=0,
+                                log_stats=False)
+    for request_id, compaction in report.compactions.items():
+        KVCompressScheduler._release(scheduler, request_id, compaction)
+
+
+def fake_runner(requests: dict[str, tuple[int, int, int]], max_tokens: int = 1000):
+    """A vLLM model runner as the runtime reads it: id -> (computed, prompt, outputs)."""
+    req_ids = list(requests)
+    return SimpleNamespace(
+        requests={rid: SimpleNamespace(
+            sampling_params=SimpleNamespace(extra_args={}, max_tokens=max_tokens),
+            output_token_ids=[0] * outputs) for rid, (_, _, outputs) in requests.items()},
+        input_batch=SimpleNamespace(
+            req_ids=req_ids,
+            num_computed_tokens_cpu=np.array([c for c, _, _ in requests.values()]),
+            num_prompt_tokens=np.array([p for _, p, _ in requests.values()])))
+
+
+def runtime_for(config: KVCompressionConfig, layout: PageLayout) -> PagedKVRuntime:
+    return PagedKVRuntime(config, layout, [f"layer{i}" for i in range(layout.num_layers)],
+                          TritonPagedKernel(layout, torch.float32), torch.float32,
+                          torch.device("cpu"))
+
+
+def step_output(pages: ShardedPageManager, finished=(), preempted=()) -> SimpleNamespace:
+    return SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(preempted),
+                           kvcompress_page_deltas=pages.take_deltas())
+
+
+# --------------------------------------------------------------------------- claim 1
+RESUMED = KVCompressionConfig.from_mapping({
+    "kv_compression": "streamingllm", "kv_budget": 8, "kv_decode_budget": 8,
+    "kv_decode_policy": "window", "kv_decode_interval": 4})
+SMALL = PageLayout(num_layers=2, num_kv_heads=2, head_size=32, page_size=16, dtype_bytes=4,
+                   total_pages=64)
+
+
+def test_a_resumed_requests_prompt_compaction_reaches_the_scheduler_with_its_decode_eviction():
+    """A request resumed after preemption recomputes its 20-token prompt and its 40 earlier
+    outputs in one step: the worker compacts the prompt (to 8 per row) and evicts generated
+    tokens (to 8) in that step. The entry filed when it ends must know its prompt kept 8
+    tokens per row: it is not exact, and its prompt's end is 8 slots into every row."""
+    pages = ShardedPageManager(SMALL)
+    assert pages.allocate("r", 60)
+    runtime = runtime_for(RESUMED, SMALL)
+    runtime.bind_runner(fake_runner({"r": (0, 20, 40)}))
+    runtime.begin_step(step_output(pages))
+    runtime.build_attention_metadata(SimpleNamespace(
+        num_reqs=1, query_start_loc_cpu=torch.tensor([0, 60])))
+    report = runtime.end_step()
+    worker = runtime.state.requests["r"]
+    assert worker.prompt_kept.tolist() == [8] * 4 and worker.lengths.tolist() == [16] * 4
+    release(pages, report)
+    assert pages.physical_lengths("r").tolist() == [16] * 4
+    assert pages.retire("r", 1, 60, prompt_len=20)
+    entry = pages.shards[0].entry(1)
+    assert not entry.exact_prompt, "a compacted prompt filed as exact"
+    assert entry.lengths_at(20).tolist() == worker.prompt_kept.tolist()
+    assert entry.lengths_at(12) is None  # inside a compacted prompt: no cut
+    # A handover at the prompt's end takes the rows as they are.
+    assert pages.adopt("b", 1, 20, copy=False)
+    assert pages.physical_lengths("b").tolist() == [8] * 4
+    pages.check_invariants()
+
+
+def test_merged_reports_keep_a_prompt_compaction_followed_by_a_decode_eviction():
+    """Reports of two steps merged before the scheduler reads them (``WorkerReport.merge``):
+    the first compacted the prompt, the second evicted generated tokens."""
+    from kvcompress.engine.messages import Compaction
+
+    pages = ShardedPageManager(SMALL)
+    assert pages.allocate("r", 60)
+    merged = WorkerReport({"r": Compaction(60, np.full(4, 48))})  # 20 -> 8, tail of 40 kept
+    merged.merge(WorkerReport({"r": Compaction(61, np.full(4, 16), "decode")}))
+    assert pages.allocate("r", 61)
+    release(pages, merged)
+    assert pages.retire("r", 1, 61, prompt_len=20)
+    entry = pages.shards[0].entry(1)
+    assert not entry.exact_prompt and entry.lengths_at(20).tolist() == [8] * 4
+
+
+# --------------------------------------------------------------------------- claim 2
+TINY = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=4, dtype_bytes=4,
+                  total_pages=32)
+
+
+def adopt_as_the_scheduler_does(pages: ShardedPageManager, request_id: str, entry_id: int,
+                                hit: int, logical_len: int) -> bool:
+    """``PagedKVCacheManager.allocate_slots``: a copy when it fits, else a handover."""
+    copy = pages.can_adopt(entry_id, hit, logical_len, True)
+    if not copy and not pages.can_adopt(entry_id, hit, logical_len, False):
+        return False
+    assert pages.adopt(request_id, entry_id, hit, copy)
+    assert pages.allocate(request_id, logical_len)
+    return True
+
+
+def test_a_copy_never_writes_the_source_of_another_copy_of_the_same_step(monkeypatch):
+    """Entries 1 and 2 hold 8 pages each, 16 are free. Adopter a1 copies entry 1 and grows
+    (12 pages); adopter a2 then copies entry 2 into the 4 free pages plus what evicting
+    entry 1 freed: a1's sources, now a2's destinations. The batched copy reads first, but
+    if it fails after writing, the retry request by request reads them again."""
+    pages = ShardedPageManager(TINY)
+    for name, entry_id in (("e1", 1), ("e2", 2)):
+        assert pages.allocate(name, 8)
+        assert pages.retire(name, entry_id, 8, prompt_len=8)
+    runtime = runtime_for(KVCompressionConfig(), TINY)
+    runtime.pool.copy_(torch.arange(runtime.pool.numel(), dtype=torch.float32)
+                       .view_as(runtime.pool))  # every slot its own value
+    entry_pages = {e: pages.shards[0].entry(e).table.all_pages() for e in (1, 2)}
+    expected = {e: runtime.pool[torch.as_tensor(p, dtype=torch.long)].clone()
+                for e, p in entry_pages.items()}
+    pages.take_deltas()
+
+    assert adopt_as_the_scheduler_does(pages, "a1", 1, hit=8, logical_len=12)
+    assert adopt_as_the_scheduler_does(pages, "a2", 2, hit=8, logical_len=9)
+    deltas = pages.shards[0].take_deltas()
+    sources = set(deltas["a1"].copies[0].tolist())
+    destinations = set() if deltas["a2"].copies is None else set(deltas["a2"].copies[1].tolist())
+
+    real_copy = worker_runtime.copy_pages
+    calls = []
+
+    def copy_then_fail_the_batch(pool, src, dst):
+        real_copy(pool, src, dst)  # the device wrote, then reported an error
+        calls.append(len(src))
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+
+    monkeypatch.setattr(worker_runtime, "copy_pages", copy_then_fail_the_batch)
+    runtime.begin_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(),
+                                       kvcompress_page_deltas=[deltas]))
+    for adopter, entry_id in (("a1", 1), ("a2", 2)):
+        table = runtime.state.requests[adopter].table
+        held = runtime.pool[torch.as_tensor(table.pages[:, :2].reshape(-1), dtype=torch.long)]
+        assert torch.equal(held, expected[entry_id]), f"{adopter} holds another entry's K/V"
+    overwritten = sources & destinations
+    assert not overwritten, f"a2 copies onto a1's source pages {sorted(overwritten)}"
+
+
+# --------------------------------------------------------------------------- claim 3
+REUSE = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 16,
+                                          "kv_reuse": "on"})
+
+
+def paged_manager(layout: PageLayout, config: KVCompressionConfig, running=(),
+                  max_model_len: int = 4096) -> PagedKVCacheManager:
+    pages = ShardedPageManager(layout)
+    inner = SimpleNamespace(empty_kv_cache_blocks=(), max_model_len=max_model_len,
+                            allocate_slots=lambda *args, **kwargs: ("blocks",),
+                            free=lambda request: None)
+    admission = AdmissionPlanner(pages, config, max_model_len=max_model_len,
+                                 max_num_batched_tokens=512,
+                                 lookahead=config.admission_lookahead,
+                                 running=lambda: list(running))
+    return PagedKVCacheManager(inner, pages, 0.0, admission, 512,
+                               ContinuationCache(pages, config))
+
+
+def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that_step(
+        monkeypatch):
+    """The worker's moves for ``a`` failed halfway in the step where ``a`` also sampled its
+    last token: vLLM's update frees (files) finished requests before kvcompress ends the
+    failed ones, so the half-moved rows must be kept out of the cache before that."""
+    layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=64)
+    manager = paged_manager(layout, REUSE)
+    done = request("a", range(100, 141), prompt_len=36, computed=40,
+                   status=RequestStatus.RUNNING)
+    assert manager.pages.allocate("a", 40)
+    scheduler = object.__new__(KVCompressScheduler)
+    scheduler.__dict__.update(
+        kv_cache_manager=manager, page_manager=manager.pages, reuse=manager.reuse,
+        log_stats=False, check_pages_every_step=False, requests={"a": done},
+        scoring_gate=SimpleNamespace(prune=lambda requests: None))
+
+    def vllm_update(self, scheduler_output, model_runner_output):
+        # vLLM: "a" hit its stop condition in this step, so it is finished and freed.
+        for finished in list(self.requests.values()):
+            finished.status = RequestStatus.FINISHED_STOPPED
+            self.kv_cache_manager.free(finished)
+            del self.requests[finished.request_id]
+        return {}
+
+    monkeypatch.setattr(Scheduler, "update_from_output", vllm_update)
+    output = SimpleNamespace(**{REPORT_ATTR: WorkerReport(
+        failures={"a": "moving the kept tokens failed: device fault"})})
+    scheduler.update_from_output(SimpleNamespace(), output)
+    assert manager.pages.entry_ids() == [], "half-moved rows filed as a cache entry"
+    assert manager.pages.num_free == layout.total_pages
+
+
+# --------------------------------------------------------------------------- claim 4
+LOOKAHEAD = KVCompressionConfig.from_mapping({
+    "kv_compression": "snapkv", "kv_budget": 16, "kv_reuse": "on",
+    "kv_admission_lookahead": 200})
+
+
+def adoption_case(total_pages: int):
+    """A running request decoding for a long while, an entry (a 100-token prompt compacted
+    to 40 per row plus 10 generated: 50 per row) and a waiting continuation of it."""
+    layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=total_pages)
+    running = request("run", range(5000, 5021), prompt_len=20, computed=20, max_tokens=400,
+                      status=RequestStatus.RUNNING)
+    manager = paged_manager(layout, LOOKAHEAD, running=[running])
+    pages = manager.pages
+    assert pages.allocate("run", 21)
+    first = list(range(100, 210))
+    assert pages.allocate("e", 100)
+    pages.release_after_compression("e", 100, np.full(4, 40))
+    assert pages.allocate("e", 110)
+    assert manager.reuse.retire(request("e", first, prompt_len=100, computed=110,
+                                        status=RequestStatus.FINISHED_STOPPED))
+    pages.take_deltas()
+    follow = request("b", [*first, *range(300, 340)], prompt_len=150, max_tokens=200)
+    return manager, running, follow
+
+
+def test_an_adopter_is_admitted_by_what_it_holds_once_adopted():
+    """Admission plans the continuation as if it prefilled its 150 tokens and kept a budget
+    of 16 per row; it adopts 50 per row and keeps 16 of its 40 new tokens: 66. With a pool
+    just too small for the plan made from what it really holds, it must wait."""
+    # The pool the adopter's real trajectory needs beside the running request's.
+    probe, running, follow = adoption_case(total_pages=10_000)
+    assert probe.pages.can_adopt(1, 110, 150, copy=True)
+    assert probe.pages.adopt("b", 1, 110, copy=True) and probe.pages.allocate("b", 150)
+    assert probe.pages.adoption("b")[1].tolist() == [50] * 4
+    follow.num_computed_tokens = 0  # as planned at admission: its prefill to come
+    needed = peak_pages(probe.admission.trajectories([running, follow]))
+    # The copy keeps the entry cached: it is evictable, so it counts as available.
+    manager, _, follow = adoption_case(total_pages=needed - 1)
+    blocks, hit, _ = manager.get_computed_blocks(follow)
+    assert hit == 110
+    assert manager.allocate_slots(follow, 150 - hit, num_new_computed_tokens=hit) is None, (
+        f"admitted although it needs {needed} pages of {needed - 1}")
+    manager, _, follow = adoption_case(total_pages=needed)
+    assert manager.get_computed_blocks(follow)[1] == 110
+    assert manager.allocate_slots(follow, 40, num_new_computed_tokens=110) is not None
+    assert manager.pages.adoption("b")[1].tolist() == [50] * 4
