@@ -60,9 +60,11 @@ PAGE_SIZE_RANGE = (4, 256)
 DEFAULT_ADMISSION_LOOKAHEAD = 512
 REUSE_CHOICES = ("on", "off")
 # Which prompt tokens a compressed head keeps is decided by scores: "window" (the prompt's
-# last queries, question-aware) or "reconstruct" (how much a reconstruction of the context
-# attends to each token, query-agnostic: what later questions about it can rely on).
-SCORINGS = ("window", "reconstruct")
+# last queries, question-aware), "reconstruct" (how much a reconstruction of the context
+# attends to each token, query-agnostic: what later questions about it can rely on) or
+# "hybrid" (the union of both rankings).
+SCORINGS = ("window", "reconstruct", "hybrid")
+RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
 DEFAULT_SCORING = "reconstruct"
 # Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
 # of max_num_batched_tokens) and the scratch pages it writes its own K/V into.
@@ -209,12 +211,14 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "context pays it (KVzip-style, one extra pass over the prompt, query-agnostic: later "
         "questions and reused caches can rely on what is kept); 'window' by the attention of "
         "the prompt's last --kv-window tokens (question-aware, no extra pass: best for one "
-        f"question per prompt). Default {DEFAULT_SCORING}.",
+        "question per prompt); 'hybrid' keeps what ranks high by either (the extra pass too). "
+        f"Default {DEFAULT_SCORING}.",
         SCORINGS,
     ),
     FlagSpec(
         "kv_reconstruct_chunk", "--kv-reconstruct-chunk", "reconstruct_chunk", int,
-        "With --kv-scoring reconstruct: prompt tokens reconstructed per extra forward (each "
+        "With --kv-scoring reconstruct or hybrid: prompt tokens reconstructed per extra "
+        "forward (each "
         "chunk attends to the whole prompt). Bounds that pass's activations and scratch "
         "pages; capped at --max-num-batched-tokens. Integer in "
         f"[{RECONSTRUCT_CHUNK_RANGE[0]}, {RECONSTRUCT_CHUNK_RANGE[1]}]; default "
@@ -265,13 +269,18 @@ class KVCompressionConfig:
     def reconstructs(self, prompt_len: int) -> bool:
         """Whether a prompt of this length is scored by reconstructing it (an extra pass)
         rather than by its observation window."""
-        return (self.scoring == "reconstruct" and self.compresses(prompt_len)
+        return (self.scoring in RECONSTRUCTING_SCORINGS and self.compresses(prompt_len)
                 and self.policy.compression_method.needs_scores)
+
+    @property
+    def scores_window(self) -> bool:
+        """Whether the observation window's queries score the prompt (window, hybrid)."""
+        return self.scoring != "reconstruct"
 
     @property
     def reserves_reconstruction(self) -> bool:
         """Whether the engine keeps scratch pages for reconstruction passes."""
-        return self.enabled and self.scoring == "reconstruct"
+        return self.enabled and self.scoring in RECONSTRUCTING_SCORINGS
 
     @functools.cached_property
     def policy(self) -> PolicySettings:
@@ -427,12 +436,12 @@ class KVCompressionConfig:
                 f"per-request setting rejected: {engine_only} can only be set for the "
                 "whole engine (flag or additional_config)"
             )
-        if (str(overrides.get("kv_scoring", "")).lower() == "reconstruct"
-                and self.scoring != "reconstruct"):
+        asked = str(overrides.get("kv_scoring", "")).lower()
+        if asked in RECONSTRUCTING_SCORINGS and not self.reserves_reconstruction:
             raise KVCompressionConfigError(
-                "invalid per-request setting 'kv_scoring': reconstruct needs the scratch pages "
-                "of a server started with --kv-scoring reconstruct (this one runs --kv-scoring "
-                f"{self.scoring}); allowed: {self.scoring}", "kv_scoring",
+                f"invalid per-request setting 'kv_scoring': {asked} needs the scratch pages "
+                "of a server started with --kv-scoring reconstruct or hybrid (this one runs "
+                f"--kv-scoring {self.scoring}); allowed: {self.scoring}", "kv_scoring",
                 f"allowed: {self.scoring}")
         merged = self.to_mapping()
         if "kv_budget" in overrides or "kv_compression_ratio" in overrides:

@@ -220,7 +220,10 @@ def test_scoring_is_reconstruct_by_default_and_validated():
     assert not KVCompressionConfig().reserves_reconstruction
     window = config.with_request_overrides({"kv_scoring": "window"})
     assert window.scoring == "window" and not window.reconstructs(100)
-    with pytest.raises(KVCompressionConfigError, match=r"--kv-scoring.*window, reconstruct"):
+    hybrid = config.with_request_overrides({"kv_scoring": "hybrid"})
+    assert hybrid.reconstructs(100) and hybrid.scores_window and not config.scores_window
+    with pytest.raises(KVCompressionConfigError,
+                       match=r"--kv-scoring.*window, reconstruct, hybrid"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_scoring": "q"})
     for chunk in (8, 9000):
         with pytest.raises(KVCompressionConfigError,
@@ -232,7 +235,9 @@ def test_scoring_is_reconstruct_by_default_and_validated():
 def test_reconstruct_per_request_needs_the_engine_scratch_pages():
     window_engine = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                                       "kv_scoring": "window"})
-    with pytest.raises(KVCompressionConfigError, match="kv_scoring.*--kv-scoring reconstruct"):
-        window_engine.with_request_overrides({"kv_scoring": "reconstruct"})
+    for scoring in ("reconstruct", "hybrid"):
+        with pytest.raises(KVCompressionConfigError,
+                           match=f"kv_scoring.*{scoring} needs.*--kv-scoring reconstruct"):
+            window_engine.with_request_overrides({"kv_scoring": scoring})
     with pytest.raises(KVCompressionConfigError, match="whole engine"):
         ENGINE.with_request_overrides({"kv_reconstruct_chunk": 128})

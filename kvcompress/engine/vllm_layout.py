@@ -63,21 +63,25 @@ def _window(spec: Any) -> int:
 
 @dataclass(frozen=True)
 class ScoringReserve:
-    """What the window-score reserve is sized for (``scoring_memory``), and the tokens of
-    one reconstruction forward whose K/V the scratch pages hold (0: none)."""
+    """What the window-score reserve is sized for (``scoring_memory``): prompt tokens scored at
+    once, the accumulators each holds (2 where hybrid scoring keeps its window's apart from
+    its reconstruction's), and the tokens of one reconstruction pass whose K/V the scratch
+    pages hold (0: none)."""
 
     scored_tokens: int
     longest_prompt: int
     reconstruction_tokens: int = 0
+    accumulators: int = 1
 
     @classmethod
     def of(cls, vllm_config: Any) -> ScoringReserve:
         max_model_len = vllm_config.model_config.max_model_len
         batched = vllm_config.scheduler_config.max_num_batched_tokens
         config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
-        scratch = (reconstruction_tokens(config.reconstruct_chunk, batched)
-                   if config.reserves_reconstruction else 0)
-        return cls(scored_token_reserve(max_model_len, batched), max_model_len, scratch)
+        if not config.reserves_reconstruction:
+            return cls(scored_token_reserve(max_model_len, batched), max_model_len)
+        return cls(scored_token_reserve(max_model_len, batched), max_model_len,
+                   reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2)
 
 
 def default_page_size(dtype: torch.dtype, head_size: int) -> int:
@@ -108,7 +112,8 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     return PageLayout.for_memory(
         kv_cache_bytes=kv_cache_bytes(kv_cache_config),
         reserved_bytes=0 if reserve is None else reserved_bytes(
-            reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt),
+            reserve.scored_tokens * reserve.accumulators, len(layers), spec.num_kv_heads,
+            reserve.longest_prompt),
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,

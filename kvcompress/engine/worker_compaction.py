@@ -26,7 +26,7 @@ from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
-from kvcompress.policies import KeepPlan, plan_keep
+from kvcompress.policies import KeepPlan, plan_keep, rank_union
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.selection import PAD_INDEX
 from kvcompress.step import KVMover, StepBatch
@@ -105,7 +105,7 @@ def compact_completed_prompts(
     for request_id in compactions:
         request = state.requests[request_id]
         request.compressed = True
-        request.window_scores = None
+        request.window_scores = request.query_scores = None
     return compactions
 
 
@@ -250,14 +250,23 @@ def _after_adopted(counts: torch.Tensor, indices: torch.Tensor,
     return full_counts, full
 
 
-def _segment_scores(request: RequestKV) -> torch.Tensor:
-    """``[L, H, N]`` window scores of an adopter's ``N`` new prompt tokens: row ``(l, h)``'s
-    token ``j`` sits at physical slot ``adopted_rows[l, h] + j`` of the accumulator."""
-    scores = request.window_scores
-    assert scores is not None and request.adopted_rows is not None
+def _segment_scores(request: RequestKV, scores: torch.Tensor) -> torch.Tensor:
+    """``[L, H, N]`` of an accumulator of an adopter's ``N`` new prompt tokens: row
+    ``(l, h)``'s token ``j`` sits at physical slot ``adopted_rows[l, h] + j``."""
+    assert request.adopted_rows is not None
     segment = request.new_prompt_tokens(request.prompt_len)
     first = torch.as_tensor(request.adopted_rows, device=scores.device).view(*scores.shape[:2], 1)
     return scores.gather(-1, first + torch.arange(segment, device=scores.device))
+
+
+def _request_scores(request: RequestKV, adopters: bool) -> torch.Tensor:
+    """The scores the plan ranks the request's (new) prompt tokens by: its accumulator, or
+    with hybrid scoring the union of the window's and the reconstruction's rankings."""
+    accumulators = [scores for scores in (request.window_scores, request.query_scores)
+                    if scores is not None]
+    if adopters:
+        accumulators = [_segment_scores(request, scores) for scores in accumulators]
+    return accumulators[0] if len(accumulators) == 1 else rank_union(accumulators)
 
 
 def _plan_isolated(
@@ -313,8 +322,7 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
     needs_scores = policy.compression_method.needs_scores
     scores = None
     if needs_scores:
-        scores = [_segment_scores(request) if adopters else request.window_scores
-                  for request in requests]
+        scores = [_request_scores(request, adopters) for request in requests]
         if len(layers) != scores[0].shape[0]:
             index = torch.as_tensor(layers, device=scores[0].device)
             scores = [score.index_select(0, index) for score in scores]

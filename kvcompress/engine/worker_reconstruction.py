@@ -83,6 +83,8 @@ class Reconstructor:
         layout = self.state.layout
         for request_id in request_ids:
             request = self.state.requests[request_id]
+            if request.window_scores is not None:  # hybrid: the window's, kept apart
+                request.query_scores, request.window_scores = request.window_scores, None
             if request.window_scores is None:
                 request.window_scores = self.state.to_device(torch.zeros(
                     layout.num_layers, layout.num_kv_heads, request.score_width(),

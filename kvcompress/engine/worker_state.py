@@ -40,6 +40,9 @@ class RequestKV:
     # [num_layers, num_kv_heads, score_width()] summed window probabilities by physical slot
     # of the row, fp32.
     window_scores: torch.Tensor | None = None
+    # Hybrid scoring: the window's scores, kept apart while reconstruction passes fill
+    # ``window_scores`` (the plan ranks by both).
+    query_scores: torch.Tensor | None = None
     # This request's compression config (engine config + its own overrides).
     config: KVCompressionConfig | None = None
     # Per row: slots [0, prompt_kept) hold prompt tokens, the rest generated tokens in
@@ -201,8 +204,9 @@ class WorkerKVState:
             new_prompt = state.new_prompt_tokens(prompt_len)
             if state.config is not None and not scores_prompt(state.config, new_prompt):
                 continue  # compacted without window scores (StreamingLLM)
-            if reconstructs is not None and reconstructs[index]:
-                continue  # scored by its reconstruction pass
+            if (reconstructs is not None and reconstructs[index]
+                    and (state.config is None or not state.config.scores_window)):
+                continue  # scored by its reconstruction pass alone
             # An adopter's window lies in its new segment: the adopted queries are gone.
             window_start = max(state.adopted_len, prompt_len - observation_windows[index])
             first = max(start, window_start)
@@ -239,8 +243,8 @@ class WorkerKVState:
 
     def note_scores_held(self) -> None:
         """Keep ``peak_scored_tokens`` up to date after allocating score accumulators."""
-        held = sum(state.window_scores.shape[-1] for state in self.requests.values()
-                   if state.window_scores is not None)
+        held = sum(scores.shape[-1] for state in self.requests.values()
+                   for scores in (state.window_scores, state.query_scores) if scores is not None)
         self.peak_scored_tokens = max(self.peak_scored_tokens, held)
 
     def finish_step(self, batch: StepBatch) -> None:

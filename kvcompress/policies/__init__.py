@@ -21,6 +21,7 @@ from .scores import (
     finalize_window_scores,
     observation_window_scores,
     pool_scores,
+    rank_union,
     window_attention_probs,
 )
 from .selection import (
@@ -57,6 +58,7 @@ __all__ = [
     "plan_keep",
     "pool_scores",
     "positions_to_mask",
+    "rank_union",
     "ranking_keys",
     "resolve_budget",
     "shared_quota_mask",

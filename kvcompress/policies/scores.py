@@ -14,6 +14,7 @@ the accumulated scores. Layout of query heads: query head ``h_kv * G + g`` belon
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -154,3 +155,19 @@ def accumulate_attention_mass(
             f"probs cover {added.shape[-1]} tokens but the running score has {running.shape[-1]}"
         )
     return F.pad(running.float(), (0, grown)) + added
+
+
+def rank_union(scores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Scores of the same positions ``[..., S]`` from several sources -> one fp32 ``[..., S]``
+    whose top-k is what ranks high by any source: each source's scores become their rank
+    among the row's positions, scaled to [0, 1], and the ranks are max-combined (so the top
+    k/2 of each source rank above everything else, whatever their scales)."""
+    if not scores:
+        raise ValueError("rank_union needs at least one score tensor")
+    shape = scores[0].shape
+    if any(score.shape != shape for score in scores):
+        raise ValueError(f"rank_union needs scores of one shape, got "
+                         f"{[list(score.shape) for score in scores]}")
+    scale = 1.0 / max(1, shape[-1] - 1)
+    ranks = [score.float().argsort(dim=-1).argsort(dim=-1).float() * scale for score in scores]
+    return torch.stack(ranks).amax(dim=0)

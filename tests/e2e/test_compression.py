@@ -77,10 +77,13 @@ def assert_holds_policy_budget(manager, internal, name, overrides, prompt_len, s
     return lengths
 
 
-def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama):
+@pytest.mark.parametrize("scoring", ["window", "reconstruct", "hybrid"])
+def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama, scoring):
+    """Whichever scoring picks the tokens, every head keeps exactly its budget."""
     window, page, layers, heads = 8, 16, 4, 2
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window},
+        tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
+                     "kv_scoring": scoring},
         kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN, **TINY,
     )
     try:

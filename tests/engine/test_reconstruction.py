@@ -138,6 +138,93 @@ def test_pass_writes_only_its_rows_tails_and_scratch():
     assert one.step.reconstruction and one.step.window_queries[0].group_reduce == "max"
 
 
+def test_short_prompts_share_one_pass_without_sharing_slots():
+    """Two requests whose chunks fit one pass together: one forward, each request's queries
+    at its own positions, its K/V in its own rows' tails and scratch pages, scores like the
+    reference of each alone."""
+    rows = LAYERS * HEADS
+    lengths = {"a": [11] * rows, "b": [6] * rows}
+    needed = {name: [-(-n // PAGE) for n in rows_] for name, rows_ in lengths.items()}
+    total = sum(map(sum, needed.values())) + 3
+    scratch = rows * (-(-(24 + 2) // PAGE))
+    layout = PageLayout(LAYERS, HEADS, DIM, PAGE, 4, total, scratch_pages=scratch)
+    state = WorkerKVState(layout, torch.device("cpu"))
+    ids = iter(np.random.default_rng(3).permutation(total).astype(np.int32).tolist())
+    pool = torch.zeros(total + scratch, 2, PAGE, DIM)
+    generator = torch.Generator().manual_seed(5)
+    dense = {}
+    for name, row_lengths in lengths.items():
+        counts = np.array(needed[name], np.int32)
+        state.apply_deltas({name: PageTableDelta(
+            fresh=True, appends=[(counts, np.array([next(ids) for _ in range(counts.sum())],
+                                                   np.int32))])})
+        request = state.requests[name]
+        request.lengths = np.array(row_lengths, dtype=np.int64)
+        request.prompt_len = row_lengths[0]
+        request.window_scores = torch.zeros(LAYERS, HEADS, row_lengths[0])
+        for row, length in enumerate(row_lengths):
+            keys = torch.randn(length, DIM, generator=generator)
+            positions = torch.arange(length)
+            slots = torch.as_tensor(request.table.pages[row])[positions // PAGE].long() * PAGE
+            CPU_PAGE_FORMAT.write_tokens(pool, keys, keys, slots + positions % PAGE)
+            dense[name, row] = keys
+    from kvcompress.step import StepBatch
+
+    after = np.array([lengths["a"], lengths["b"]], dtype=np.int64)
+    step = StepBatch(
+        layout=layout, req_ids=["a", "b"], query_start_loc=[0, 1, 2],
+        num_new_tokens=torch.tensor([1, 1]), lengths_before=torch.as_tensor(after - 1),
+        tables=None, slot_mapping=torch.zeros(2, rows, dtype=torch.long),
+        logical_after=np.array([11, 6]), host_lengths_before=after - 1,
+        host_lengths_after=after, completing_prompt=[0, 1])
+    reconstructor = Reconstructor(state, [7, 8], chunk=24)
+    (one,) = list(reconstructor.passes(step, ["a", "b"], lambda name: list(range(100, 111))))
+    assert one.request_ids == ["a", "b"]
+    assert one.step.query_start_loc == [0, 13, 21]
+    assert one.positions.tolist() == list(range(11, 24)) + list(range(6, 14))
+    assert one.input_ids.tolist()[:3] == [7, 8, 100]
+    slots = one.step.slot_mapping.numpy()
+    for row in range(rows):  # no slot written twice, none inside a prompt
+        assert len(set(slots[:, row].tolist())) == 21
+    pages_a, pages_b = set((slots[:13] // PAGE).ravel()), set((slots[13:] // PAGE).ravel())
+    assert not pages_a & pages_b
+    query = torch.randn(21, HEADS * GROUP, DIM, generator=generator)
+    keys = torch.randn(21, rows, DIM, generator=generator)
+    scale = DIM**-0.5
+    for layer in range(LAYERS):
+        layer_rows = one.step.layer_rows(layer)
+        CPU_PAGE_FORMAT.write_tokens(pool, keys[:, layer_rows].reshape(-1, DIM),
+                                     keys[:, layer_rows].reshape(-1, DIM),
+                                     one.step.slot_mapping[:, layer_rows].reshape(-1))
+        for window in one.step.window_queries:
+            accumulate_reconstruction_scores(query, pool, CPU_PAGE_FORMAT, one.step, window,
+                                             layer, scale)
+    for name, first, last in (("a", 0, 13), ("b", 13, 21)):
+        for row in range(rows):
+            layer, head = divmod(row, HEADS)
+            reference = dense_reference(
+                query[first:last, head * GROUP : (head + 1) * GROUP],
+                torch.cat([dense[name, row], keys[first:last, row]]), lengths[name][row], scale)
+            torch.testing.assert_close(state.requests[name].window_scores[layer, head].double(),
+                                       reference, atol=1e-5, rtol=1e-4)
+
+
+def test_hybrid_keeps_the_window_scores_apart_from_the_passes():
+    """Hybrid scoring: the window's accumulator (filled in the forward) moves aside and the
+    passes fill a fresh one; the plan ranks by both."""
+    lengths = [12] * (LAYERS * HEADS)
+    layout, state = make_state(lengths, chunk=16, repeat=2)
+    request = state.requests["r"]
+    window = torch.rand(LAYERS, HEADS, 12)
+    request.window_scores = window
+    step = _completed_step(state, lengths)
+    passes = Reconstructor(state, [1, 2], chunk=16).passes(step, ["r"], lambda _: list(range(12)))
+    one = next(passes)
+    assert request.query_scores is window
+    assert request.window_scores is not window and float(request.window_scores.abs().sum()) == 0
+    assert one.step.window_queries[0].scores is request.window_scores
+
+
 def test_too_few_scratch_pages_is_refused():
     layout, state = make_state([10] * 6, chunk=8, repeat=0)
     with pytest.raises(ValueError, match="scratch pages"):

@@ -127,3 +127,21 @@ def test_attention_mass_accumulates_and_grows():
     torch.testing.assert_close(running, expected)
     with pytest.raises(ValueError, match="running score"):
         accumulate_attention_mass(running, first)
+
+
+def test_rank_union_keeps_the_top_of_every_source_whatever_its_scale():
+    from kvcompress.policies import rank_union
+
+    generator = torch.Generator().manual_seed(0)
+    window = torch.rand(3, 2, 40, generator=generator) * 8.0  # sums over 8 queries
+    reconstruction = torch.rand(3, 2, 40, generator=generator) * 1e-3  # tiny maxima
+    union = rank_union([window, reconstruction])
+    assert union.shape == window.shape and union.dtype == torch.float32
+    top = union.topk(10, dim=-1).indices
+    for scores in (window, reconstruction):  # each source's best 5 are in the top 10
+        best = scores.topk(5, dim=-1).indices
+        assert all(set(best[i, j].tolist()) <= set(top[i, j].tolist())
+                   for i in range(3) for j in range(2))
+    assert torch.equal(rank_union([window]).argsort(-1), window.argsort(-1))
+    with pytest.raises(ValueError, match="one shape"):
+        rank_union([window, reconstruction[..., :5]])
