@@ -10,10 +10,10 @@ queries and the query heads of its KV head, combined by max into the request's
 every key the query sees, the pass's own included (a head that copies locally spends its
 attention there and scores the prompt low), but only prompt slots are stored.
 
-Every prompt key precedes every query of the pass, so the prompt's logits need no mask; the
-largest probability of a key is ``exp(max over queries of (logit - lse))``, with ``lse`` each
-query's log-normalizer over all it sees (sink included): the big ``[heads, group, queries,
-prompt]`` block is only multiplied, shifted and max-reduced, never exponentiated.
+Every prompt key precedes every query of the pass, so the prompt's logits need no causal
+mask; the largest probability of a key is ``exp(max over queries of (logit - lse))``, with
+``lse`` each query's log-normalizer over all it sees (sink included): past the normalizer,
+the big ``[heads, group, queries, prompt]`` block is only shifted and max-reduced.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def _score_request(queries: torch.Tensor, pool: torch.Tensor, page_format: PageF
     num_kv_heads = step.layout.num_kv_heads
     # Every slot the rows held before the pass is a key of the softmax; the accumulator
     # stores the first ``stored`` (a resumed request's rows also hold generated tokens).
-    width = int(step.host_lengths_before[index, rows].max())
+    host_context = step.host_lengths_before[index, rows]
+    width = int(host_context.max())
     stored = min(window.scores.shape[-1], width)
     num_keys = int(step.host_lengths_after[index, rows].max())
     num_pages = -(-num_keys // pool.shape[2])
@@ -68,29 +69,33 @@ def _score_request(queries: torch.Tensor, pool: torch.Tensor, page_format: PageF
     num_queries = queries.shape[0]
     group = queries.shape[1] // num_kv_heads
     grouped = queries.float().view(num_queries, num_kv_heads, group, -1).permute(1, 2, 0, 3)
-    # The pass's own keys, per row right after its prompt: [H, D, T] by gathering slots.
+    # Keys in one block: the prompt's slots, then the pass's own (gathered from right after
+    # each row's prompt), so one product and one log-normalizer cover both.
     offsets = torch.arange(num_queries, device=keys.device)
-    own_keys = keys.gather(2, (context[:, None] + offsets).clamp(max=num_keys - 1)[:, None, :]
-                           .expand(-1, keys.shape[1], -1))
-    own_visible = offsets[None, :] <= offsets[:, None]  # [T, T] causal among the pass
-    prompt_keys = keys[:, :, :width]
+    own_slots = (context[:, None] + offsets).clamp(max=num_keys - 1)
+    own_keys = keys.gather(2, own_slots[:, None, :].expand(-1, keys.shape[1], -1))
+    block_keys = torch.cat([keys[:, :, :width], own_keys], dim=-1)[:, None]  # [H, 1, D, W+T]
+    # The pass is causal among itself; a shorter row's slots past its prompt hold its own
+    # pass's keys, already in the own part, so they are not prompt keys.
+    own_mask = torch.zeros(num_queries, num_queries, device=keys.device).masked_fill_(
+        offsets[None, :] > offsets[:, None], NEG_INF)
+    past_prompt = None
+    if (host_context < width).any():
+        past_prompt = (torch.arange(width, device=keys.device)[None, :]
+                       >= context[:, None])[:, None, None, :]  # [H, 1, 1, W]
+    sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, group, 1)
     best = torch.full((num_kv_heads, width), NEG_INF, device=keys.device)
-    block = max(1, MAX_LOGITS_ELEMENTS // (num_kv_heads * group * max(width, num_queries)))
+    block = max(1, MAX_LOGITS_ELEMENTS // (num_kv_heads * group * (width + num_queries)))
     for first in range(0, num_queries, block):
         part = grouped[:, :, first : first + block]  # [H, G, b, D]
-        prompt_logits = soft_cap_logits(torch.matmul(part, prompt_keys[:, None]) * scale,
-                                        soft_cap)  # [H, G, b, width]
-        # A shorter row's slots past its prompt hold its pass's own keys: not prompt keys.
-        prompt_logits.masked_fill_(
-            torch.arange(width, device=keys.device)[None, None, None, :]
-            >= context[:, None, None, None], NEG_INF)
-        own_logits = soft_cap_logits(torch.matmul(part, own_keys[:, None]) * scale, soft_cap)
-        own_logits.masked_fill_(~own_visible[first : first + part.shape[2]], NEG_INF)
-        lse = torch.logaddexp(torch.logsumexp(prompt_logits, dim=-1),
-                              torch.logsumexp(own_logits, dim=-1))  # [H, G, b]
-        if sinks is not None:
-            lse = torch.logaddexp(lse, sinks.float().view(num_kv_heads, group, 1))
-        shifted = prompt_logits.sub_(lse[..., None])
+        logits = soft_cap_logits(torch.matmul(part, block_keys) * scale, soft_cap)
+        logits[..., width:] += own_mask[first : first + part.shape[2]]
+        if past_prompt is not None:
+            logits[..., :width].masked_fill_(past_prompt, NEG_INF)
+        lse = torch.logsumexp(logits, dim=-1)  # [H, G, b]
+        if sink_logits is not None:
+            lse = torch.logaddexp(lse, sink_logits)
+        shifted = logits[..., :width].sub_(lse[..., None])
         best = torch.maximum(best, shifted.amax(dim=(1, 2)))
     scores = window.scores[layer, :, :stored]
     torch.maximum(scores, best[:, :stored].exp(), out=scores)

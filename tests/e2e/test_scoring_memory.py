@@ -54,12 +54,13 @@ def test_prompts_at_max_model_len_score_their_windows_within_the_reserve(tiny_ll
 
 
 def test_reconstruction_scratch_pages_come_out_of_the_kv_memory(tiny_llama):
-    """--kv-scoring reconstruct (the default): scratch pages for one pass per row are
-    reserved besides the window-score reserve; prompts scored at once by passes never hold
-    more accumulators than reserved, and every page comes back."""
+    """--kv-scoring reconstruct: scratch pages for one pass per row are reserved besides the
+    score reserve; prompts scored at once by passes never hold more accumulators than
+    reserved, and every page comes back."""
     memory = 8 * MAX_MODEL_LEN * BYTES_PER_TOKEN
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64, "kv_reconstruct_chunk": 48},
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64, "kv_reconstruct_chunk": 48,
+                     "kv_scoring": "reconstruct"},
         dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
         long_prefill_token_threshold=16, max_num_seqs=8, kv_cache_memory_bytes=memory,
     )
@@ -70,7 +71,8 @@ def test_reconstruction_scratch_pages_come_out_of_the_kv_memory(tiny_llama):
         # a pass (its chunk capped so that it fits 64 batched tokens) in every row
         per_row = -(-reconstruction_tokens(48, BATCHED) // layout.page_size)
         assert layout.scratch_pages == 4 * 2 * per_row
-        reserved = reserved_bytes(scored_token_reserve(MAX_MODEL_LEN, BATCHED), 4, 2,
+        # two accumulators per scored prompt (hybrid scoring keeps its window's apart)
+        reserved = reserved_bytes(2 * scored_token_reserve(MAX_MODEL_LEN, BATCHED), 4, 2,
                                   MAX_MODEL_LEN) + layout.scratch_pages * page_bytes
         assert manager.total_pages == (memory - reserved) // page_bytes
         outputs = harness.generate(random_prompts([MAX_MODEL_LEN - 2] * 4, seed=21), greedy(2))
