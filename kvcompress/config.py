@@ -65,7 +65,7 @@ REUSE_CHOICES = ("on", "off")
 # "hybrid" (the union of both rankings).
 SCORINGS = ("window", "reconstruct", "hybrid")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
-DEFAULT_SCORING = "reconstruct"
+DEFAULT_SCORING = "hybrid"  # measured: docs/methods.md, "Scoring, by measurement"
 # Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
 # of max_num_batched_tokens) and the scratch pages it writes its own K/V into.
 DEFAULT_RECONSTRUCT_CHUNK = 512

@@ -10,7 +10,8 @@
 #                                      runs this (scripts/test.sh)
 #
 # vLLM is made unimportable in the test process, so a pass also shows that the worker pipeline
-# (page tables, K/V write, attention, window scores, policies, compaction) needs none of it.
+# (page tables, K/V write, attention, window and reconstruction scores, policies, compaction)
+# needs none of it.
 # Writes OUTDIR/gpu_check.log, OUTDIR/tests.xml (JUnit) and OUTDIR/kernels.json; exits non-zero
 # if any test or the benchmark's reference checks fail.
 set -uo pipefail
@@ -54,6 +55,7 @@ tests=(
   tests/engine/test_worker_pipeline.py
   tests/engine/test_worker_moves.py
   tests/engine/test_worker_compaction.py
+  tests/engine/test_reconstruction.py
   tests/engine/test_host_device_boundary.py
   tests/paging
   tests/policies

@@ -205,12 +205,14 @@ def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
             assert config_fields[field.name].default == field.default, field.name
 
 
-def test_scoring_is_reconstruct_by_default_and_validated():
-    config = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
-                                               "kv_compression_ratio": 0.75})
-    assert (config.scoring, config.reconstruct_chunk) == ("reconstruct", 512)
-    assert config.reconstructs(100) and config.reserves_reconstruction
-    assert "scoring=reconstruct" in config.describe()
+def test_scoring_is_hybrid_by_default_and_validated():
+    default = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                                "kv_compression_ratio": 0.75})
+    assert (default.scoring, default.reconstruct_chunk) == ("hybrid", 512)
+    assert default.reconstructs(100) and default.scores_window
+    assert default.reserves_reconstruction and "scoring=hybrid" in default.describe()
+    config = default.with_request_overrides({"kv_scoring": "reconstruct"})
+    assert config.reconstructs(100) and not config.scores_window
     # StreamingLLM keeps sinks and recent tokens: nothing to score, no pass
     streaming = config.with_request_overrides({"kv_compression": "streamingllm"})
     assert not streaming.reconstructs(100)
@@ -220,8 +222,6 @@ def test_scoring_is_reconstruct_by_default_and_validated():
     assert not KVCompressionConfig().reserves_reconstruction
     window = config.with_request_overrides({"kv_scoring": "window"})
     assert window.scoring == "window" and not window.reconstructs(100)
-    hybrid = config.with_request_overrides({"kv_scoring": "hybrid"})
-    assert hybrid.reconstructs(100) and hybrid.scores_window and not config.scores_window
     with pytest.raises(KVCompressionConfigError,
                        match=r"--kv-scoring.*window, reconstruct, hybrid"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_scoring": "q"})
