@@ -294,14 +294,15 @@ def summarize(answers: Sequence[Mapping[str, Any]], mode: str,
     from benchmarks.quality.scoring import mean, wilson_interval
 
     rows = []
+    records = [Answer(**answer) for answer in answers]
     for turn in range(1, turns + 1):
-        picked = sorted((a for a in answers if a["mode"] == mode and a["turn"] == turn),
-                        key=lambda a: a["document"])
-        scores = [float(a["correct"]) for a in picked]
-        ttfts = [a["ttft_s"] for a in picked if a["ttft_s"] is not None]
+        picked = sorted((a for a in records if a.mode == mode and a.turn == turn),
+                        key=lambda a: a.document)
+        scores = [float(a.correct) for a in picked]
+        ttfts = [a.ttft_s for a in picked if a.ttft_s is not None]
         rows.append({"turn": turn, "accuracy": mean(scores),
                      "interval": wilson_interval(scores), "scores": scores,
-                     "cached_tokens": mean([float(a["cached_tokens"]) for a in picked]),
+                     "cached_tokens": mean([float(a.cached_tokens) for a in picked]),
                      "ttft_s": mean(ttfts)})
     return rows
 
@@ -450,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     per_token = kv_bytes_per_token(model, dtype)
     in_conversations = args.kv_cache_conversations or float(args.conversations)
-    kv_tokens = max(int(in_conversations * longest), longest + 2 * BLOCK_SLACK)
+    # At least eight conversations' worth: compressed engines give up the score reserve and
+    # the reconstruction scratch pages out of the same bytes and must still hold one.
+    kv_tokens = max(int(in_conversations * longest), 8 * longest)
     settings = EngineSettings(
         model=model, dtype=dtype, max_model_len=longest + BLOCK_SLACK,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -42,8 +42,7 @@ class CompactionStats:
     tokens_moved: int = 0
     tokens_evicted: int = 0
     seconds: float = 0.0  # selection + moves, after the forward
-    score_seconds: float = 0.0  # observation-window scoring inside attention
-    reconstruct_seconds: float = 0.0  # reconstruction passes (forwards and their scoring)
+    score_seconds: float = 0.0  # window and reconstruction scoring inside attention
 
 
 def compact_completed_prompts(

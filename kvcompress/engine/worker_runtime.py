@@ -211,7 +211,6 @@ class PagedKVRuntime:
             return
         requests = [request_id for request_id in self._reconstructing
                     if request_id not in step.failures]
-        started = time.perf_counter()
         passes = self.reconstructor.passes(
             step, requests, lambda request_id: self._runner.requests[request_id].prompt_token_ids)
         for reconstruction in passes:
@@ -226,7 +225,6 @@ class PagedKVRuntime:
             for request_id, reason in reconstruction.step.failures.items():  # its requests
                 step.fail([request_id], reason)
             step.score_seconds += reconstruction.step.score_seconds
-        self.stats.reconstruct_seconds += time.perf_counter() - started
 
     def _ends_this_step(self, request_id: str) -> bool:
         """Whether the request samples its last token (``max_tokens``) in this step: its
