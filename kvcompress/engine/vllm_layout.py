@@ -11,6 +11,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, Sliding
 
 from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
+    MAX_REPEAT_TOKENS,
     reconstruction_tokens,
     reserved_bytes,
     scored_token_reserve,
@@ -121,8 +122,19 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
         layer_windows=windows if any(windows) else (),
         # Reconstruction passes run on full-attention models only (sliding rows drop pages).
-        scratch_tokens=0 if reserve is None or any(windows) else reserve.reconstruction_tokens,
+        scratch_tokens=0 if reserve is None or any(windows) else _scratch_tokens(
+            reserve.reconstruction_tokens, kv_cache_bytes(kv_cache_config),
+            len(layers) * spec.num_kv_heads * 2 * spec.head_size
+            * torch.empty((), dtype=spec.dtype).element_size()),
     )
+
+
+def _scratch_tokens(wanted: int, kv_bytes: int, bytes_per_token: int) -> int:
+    """Tokens per row of reconstruction scratch: one pass's, but at most a sixteenth of the
+    KV memory (a small pool then runs shorter passes, ``worker_reconstruction``), and never
+    fewer than the instruction plus a few tokens of prompt."""
+    affordable = kv_bytes // 16 // max(1, bytes_per_token)
+    return max(min(wanted, affordable), MAX_REPEAT_TOKENS + 16) if wanted else 0
 
 
 def kv_cache_bytes(kv_cache_config: KVCacheConfig) -> int:

@@ -59,14 +59,15 @@ class Reconstructor:
         layout = state.layout
         self.state = state
         self.repeat_ids = list(repeat_ids)[:MAX_REPEAT_TOKENS]
-        self.chunk = chunk
         # Row r's scratch pages: [first + r * per_row, first + (r + 1) * per_row).
         self.pages_per_row = layout.scratch_pages // layout.num_rows
-        self.max_tokens = chunk + len(self.repeat_ids)
-        if self.pages_per_row * layout.page_size < self.max_tokens:
+        # A small pool's scratch holds shorter passes than --kv-reconstruct-chunk asks.
+        self.chunk = min(chunk, self.pages_per_row * layout.page_size - len(self.repeat_ids))
+        if self.chunk < 1:
             raise ValueError(
                 f"{layout.scratch_pages} scratch pages do not hold a reconstruction pass of "
-                f"{self.max_tokens} tokens per row")
+                f"{len(self.repeat_ids)} instruction tokens and a prompt token per row")
+        self.max_tokens = self.chunk + len(self.repeat_ids)
         self.first_scratch_page = layout.total_pages
         # Its own table cache: the step's kept class tables stay as they are.
         self.tables = PageTableCache(layout.num_rows, layout.page_size, state.to_device)

@@ -20,10 +20,13 @@ def test_tiny_llama_identical_with_chunked_prefill_and_preemption(tiny_llama):
     # holds ~2100 tokens (kvcompress: ~1600, the rest is its window-score reserve): six
     # 250-token prompts fit, but not once each grows by 60 tokens besides the longer ones,
     # so decoding forces preemptions (and recomputation) in both engines: kvcompress admits
-    # like vLLM here (no lookahead), which would otherwise hold prompts back instead.
+    # like vLLM here (no lookahead), which would otherwise hold prompts back instead. Window
+    # scoring: nothing is scored here, and reconstruction's scratch pages would take most
+    # of so small a pool.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     results = run_both(
-        tiny_llama, prompts, greedy(60), {**NO_EVICTION, "kv_admission_lookahead": 0},
+        tiny_llama, prompts, greedy(60),
+        {**NO_EVICTION, "kv_admission_lookahead": 0, "kv_scoring": "window"},
         dtype="float32", max_model_len=1536, max_num_batched_tokens=256, max_num_seqs=8,
         kv_cache_memory_bytes=17 * 128 * (4 * 2 * 2 * 32 * 4),  # 17 vLLM blocks of 128
     )

@@ -225,10 +225,11 @@ def test_hybrid_keeps_the_window_scores_apart_from_the_passes():
     assert one.step.window_queries[0].scores is request.window_scores
 
 
-def test_too_few_scratch_pages_is_refused():
-    layout, state = make_state([10] * 6, chunk=8, repeat=0)
+def test_a_small_scratch_runs_shorter_passes_and_none_is_refused():
+    layout, state = make_state([10] * 6, chunk=8, repeat=0)  # one page of 8 per row
+    assert Reconstructor(state, [1] * 3, chunk=64).chunk == 5
     with pytest.raises(ValueError, match="scratch pages"):
-        Reconstructor(state, [1] * 9, chunk=8)
+        Reconstructor(state, [1] * 8, chunk=64)
 
 
 def _completed_step(state: WorkerKVState, lengths: list[int]):
