@@ -155,8 +155,12 @@ class PagedKVCacheManager:
                 return None
         copy = False
         if match is not None:
-            # A copy keeps the entry for another continuation; a handover when only that fits.
-            copy = self.pages.can_adopt(match.entry_id, match.hit, logical_len, True, reserve)
+            # A copy keeps the entry for another continuation, but only from free pages:
+            # under memory pressure copies evicted other conversations' entries, each turn
+            # fewer of them found their cache (issue 30 item 5). Otherwise the entry is
+            # handed over; its adopter files a longer one when it finishes.
+            copy = self.pages.can_copy_from_free(match.entry_id, match.hit, logical_len,
+                                                 reserve)
             if not copy and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,
                                                      False, reserve):
                 return None
