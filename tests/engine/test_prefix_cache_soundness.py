@@ -200,7 +200,7 @@ REUSE = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget
 
 
 def paged_manager(layout: PageLayout, config: KVCompressionConfig, running=(),
-                  max_model_len: int = 4096) -> PagedKVCacheManager:
+                  max_model_len: int = 4096, waiting=()) -> PagedKVCacheManager:
     pages = ShardedPageManager(layout)
     inner = SimpleNamespace(empty_kv_cache_blocks=(), max_model_len=max_model_len,
                             allocate_slots=lambda *args, **kwargs: ("blocks",),
@@ -210,7 +210,7 @@ def paged_manager(layout: PageLayout, config: KVCompressionConfig, running=(),
                                  lookahead=config.admission_lookahead,
                                  running=lambda: list(running))
     return PagedKVCacheManager(inner, pages, 0.0, admission, 512,
-                               ContinuationCache(pages, config))
+                               ContinuationCache(pages, config), waiting=lambda: waiting)
 
 
 def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that_step(
@@ -295,11 +295,11 @@ def test_an_adopter_is_admitted_by_what_it_holds_once_adopted():
 
 
 # --------------------------------------------------------------------------- claim 5
-def two_conversations(total_pages: int):
+def two_conversations(total_pages: int, waiting=()):
     """Conversations a and b each ended a turn of 40 tokens, kept whole (10 pages per row,
     40 pages per entry), and a's next turn (48 tokens, 40 of them cached) is waiting."""
     layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=total_pages)
-    manager = paged_manager(layout, REUSE)
+    manager = paged_manager(layout, REUSE, waiting=waiting)
     for name, first in (("a", 100), ("b", 200)):
         assert manager.pages.allocate(name, 40)
         assert manager.reuse.retire(request(name, range(first, first + 40), prompt_len=36,
@@ -329,4 +329,17 @@ def test_an_adoption_copies_when_the_free_pages_take_it():
     assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
     assert manager.pages.entry_ids() == [2, 1]  # a's entry copied: used most recently
     assert manager.reuse.totals.copies == 1 and manager.reuse.totals.evicted_entries == 0
+    manager.pages.check_invariants()
+
+
+def test_an_entry_is_copied_for_a_waiting_branch_of_the_same_context():
+    """Two samples of a's next turn wait (parallel sampling): a copy serves both, so it is
+    made although it evicts b's entry."""
+    waiting = []
+    manager, follow = two_conversations(total_pages=100, waiting=waiting)
+    sibling = request("a2-1", follow.all_token_ids, prompt_len=48)
+    waiting += [follow, sibling]
+    assert manager.get_computed_blocks(follow)[1] == 40
+    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
+    assert manager.pages.entry_ids() == [1] and manager.reuse.totals.copies == 1
     manager.pages.check_invariants()
