@@ -4,9 +4,11 @@ When a request ends, its pages become a cached entry (``PageManager.retire``) fi
 tokens (``ContinuationIndex``). vLLM asks the KV-cache manager for a waiting request's cached
 prefix; this answers with the longest entry the prompt continues (``lookup``), and the
 adoption happens when vLLM allocates the request's slots: the entry's rows are copied onto
-new pages (it stays cached for another continuation) or, when the pool is too short for a
-copy, handed over (``scheduler_kv_cache``). vLLM then prefills only the rest of the prompt,
-and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache metrics).
+new pages (it stays cached for another continuation) when free pages take the copy or a
+waiting branch continues it too, else handed over, so that no other conversation's entry is
+evicted for a copy (``scheduler_kv_cache``). vLLM then prefills only the rest of the
+prompt, and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache
+metrics).
 
 Who may adopt an entry: a request with the same compression settings; or, when the entry's
 prompt part kept every token (its rows are exactly what a full cache holds), a request whose

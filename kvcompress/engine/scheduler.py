@@ -66,7 +66,7 @@ class KVCompressScheduler(Scheduler):
         self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark,
             self.admission, self.scheduler_config.max_num_batched_tokens, self.reuse,
-            log_stats=self.log_stats,
+            log_stats=self.log_stats, waiting=lambda: self.waiting,
         )
         self.num_pages_freed_by_compression = 0
         self.scoring_gate = ScoringGate(reserve.scored_tokens)

@@ -14,6 +14,7 @@ inner manager those tokens as already computed ("external") so it keeps its logi
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -58,8 +59,10 @@ class PagedKVCacheManager:
 
     def __init__(self, inner: KVCacheManager, pages: ShardedPageManager, watermark: float,
                  admission: AdmissionPlanner, max_num_batched_tokens: int,
-                 reuse: ContinuationCache, log_stats: bool = False) -> None:
+                 reuse: ContinuationCache, log_stats: bool = False,
+                 waiting: Callable[[], Iterable[Request]] = tuple) -> None:
         self.inner = inner
+        self.waiting = waiting  # the scheduler's waiting requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pages = pages
         self.watermark_pages = int(watermark * pages.total_pages)
@@ -155,8 +158,16 @@ class PagedKVCacheManager:
                 return None
         copy = False
         if match is not None:
-            # A copy keeps the entry for another continuation; a handover when only that fits.
-            copy = self.pages.can_adopt(match.entry_id, match.hit, logical_len, True, reserve)
+            # A copy keeps the entry for another continuation, but it evicts other
+            # entries when the free pages fall short: under memory pressure each turn fewer
+            # conversations found their cache (issue 30 item 5). So it is made from free
+            # pages, or for a waiting branch of the same context; otherwise the entry is
+            # handed over, and its adopter files a longer one when it finishes.
+            copy = self.pages.can_copy_from_free(match.entry_id, match.hit, logical_len,
+                                                 reserve) or (
+                self._branch_waits(request, match.hit)
+                and self.pages.can_adopt(match.entry_id, match.hit, logical_len, True,
+                                         reserve))
             if not copy and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,
                                                      False, reserve):
                 return None
@@ -190,6 +201,13 @@ class PagedKVCacheManager:
         assert allocated, "page check and allocation disagree"
         self.reuse.forget_evicted()
         return blocks
+
+    def _branch_waits(self, request: Request, hit: int) -> bool:
+        """Whether another waiting request starts with the same ``hit`` tokens (parallel
+        samples, retries, several questions on one context): the entry would serve it too."""
+        prefix = request.all_token_ids[:hit]
+        return any(other is not request and other.num_prompt_tokens > hit
+                   and other.all_token_ids[:hit] == prefix for other in self.waiting())
 
     def free(self, request: Request) -> None:
         self.inner.free(request)

@@ -451,6 +451,18 @@ class PageManager:
         available = self.num_available - (self._unpinned_pages(entry_id) if copy else 0)
         return int(grown.sum()) + reserve <= available
 
+    def can_copy_from_free(self, entry_id: int, hit: int, logical_len: int,
+                           reserve: int = 0) -> bool:
+        """Whether ``adopt(..., hit, copy=True)`` and the growth to ``logical_len`` logical
+        tokens fit in free pages, leaving ``reserve`` of them free: no other cached entry
+        is evicted for the copy."""
+        entry = self._entries.get(entry_id)
+        lengths = None if entry is None else entry.lengths_at(hit)
+        if lengths is None:
+            return False
+        grown = pages_for_lengths(lengths + (logical_len - hit), self.layout.page_size)
+        return int(grown.sum()) + reserve <= self._num_free
+
     def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
         """Start ``request_id`` from the entry's first ``hit`` logical tokens; all or
         nothing. ``copy``: onto new pages (the worker copies them before the next forward)

@@ -184,6 +184,11 @@ class ShardedPageManager:
         return all(shard.can_adopt(entry_id, hit, logical_len, copy, reserve)
                    for shard in self.shards)
 
+    def can_copy_from_free(self, entry_id: int, hit: int, logical_len: int,
+                           reserve: int = 0) -> bool:
+        return all(shard.can_copy_from_free(entry_id, hit, logical_len, reserve)
+                   for shard in self.shards)
+
     def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
         """On every rank (``can_adopt`` first: ranks cannot roll an adoption back)."""
         adopted = [shard.adopt(request_id, entry_id, hit, copy) for shard in self.shards]

@@ -44,7 +44,8 @@ def test_throughput_end_to_end(tmp_path, embedded_model):
         assert 0 < row["prefill_only_s"] < row["elapsed_s"]
         assert 0 < row["cap"]["reached"] < 1
     assert compressed["preempted_tokens"] == 0 and vanilla["preempted_tokens"] is None
-    assert vanilla["vs_vanilla"]["output_tok_s"] == 1.0
+    assert compressed["vs_vanilla"]["output_tok_s"] == pytest.approx(
+        compressed["output_tok_s"] / vanilla["output_tok_s"])
     assert compressed["prompt_compression"] == pytest.approx(4.0)
     # pages of 16 tokens holding a quarter of each prompt vs vLLM's 128-token blocks
     assert compressed["mean_kv_tokens_per_running"] < vanilla["mean_kv_tokens_per_running"]
@@ -64,7 +65,10 @@ def test_memory_sweep_end_to_end(tmp_path, embedded_model):
         (272, "vanilla"), (272, "pyramidkv:r=0.875"), (816, "vanilla"),
         (816, "pyramidkv:r=0.875")]
     assert all(row["ok"] and row["all_outputs_full_length"] for row in rows)
-    assert rows[0]["vs_vanilla"]["output_tok_s"] == rows[2]["vs_vanilla"]["output_tok_s"] == 1
+    # each point's compressed run over the vanilla run on the same memory
+    for vanilla, compressed in (rows[:2], rows[2:]):
+        assert compressed["vs_vanilla"]["output_tok_s"] == pytest.approx(
+            compressed["output_tok_s"] / vanilla["output_tok_s"])
     # a tight pool runs fewer requests at once than an ample one
     assert rows[0]["peak_running"] < rows[2]["peak_running"]
     assert out.with_suffix(".png").stat().st_size > 0
@@ -104,8 +108,8 @@ def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
     rows = {row["label"]: row for row in report["configs"]}
     assert list(rows) == ["vanilla", "pyramidkv:100000@window:8", "pyramidkv:100000@h2o:40"]
     assert all(row["ok"] for row in rows.values())
-    assert rows["vanilla"]["prefix@80"] == rows["vanilla"]["match@80"] == 1.0
-    # nothing evicted in 80 tokens: the full cache's output exactly
+    # nothing evicted in 80 tokens: the full cache's output exactly (vanilla is the reference:
+    # its own figures are 1 by construction)
     assert rows["pyramidkv:100000@h2o:40"]["prefix@80"] == 1.0
     window = rows["pyramidkv:100000@window:8"]
     assert 0.0 <= window["prefix@80"] <= window["match@80"] <= 1.0

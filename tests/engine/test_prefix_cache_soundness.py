@@ -1,4 +1,4 @@
-"""Issue 30, items 1-4: holes in the prefix cache (multi-turn reuse), each shown on the
+"""Issue 30, items 1-5: holes in the prefix cache (multi-turn reuse), each shown on the
 pieces that make it, without an engine: the scheduler's page manager, KV-cache manager and
 update, the worker runtime and its mirror.
 
@@ -7,7 +7,8 @@ update, the worker runtime and its mirror.
 2. one adoption's page copies must never write another adoption's source pages of the
    same step;
 3. a request whose compaction failed is never filed as a cache entry;
-4. an adopter is admitted by what it holds once it has adopted.
+4. an adopter is admitted by what it holds once it has adopted;
+5. an adoption never evicts another conversation's entry to copy its own (it hands over).
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ TINY = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=4, dtype_
 
 def adopt_as_the_scheduler_does(pages: ShardedPageManager, request_id: str, entry_id: int,
                                 hit: int, logical_len: int) -> bool:
-    """``PagedKVCacheManager.allocate_slots``: a copy when it fits, else a handover."""
+    """A copy whenever one fits, else a handover: ``PagedKVCacheManager.allocate_slots``
+    before item 5 (it now copies from free pages only), and what the page manager must
+    stay sound under for any caller."""
     copy = pages.can_adopt(entry_id, hit, logical_len, True)
     if not copy and not pages.can_adopt(entry_id, hit, logical_len, False):
         return False
@@ -197,7 +200,7 @@ REUSE = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget
 
 
 def paged_manager(layout: PageLayout, config: KVCompressionConfig, running=(),
-                  max_model_len: int = 4096) -> PagedKVCacheManager:
+                  max_model_len: int = 4096, waiting=()) -> PagedKVCacheManager:
     pages = ShardedPageManager(layout)
     inner = SimpleNamespace(empty_kv_cache_blocks=(), max_model_len=max_model_len,
                             allocate_slots=lambda *args, **kwargs: ("blocks",),
@@ -207,7 +210,7 @@ def paged_manager(layout: PageLayout, config: KVCompressionConfig, running=(),
                                  lookahead=config.admission_lookahead,
                                  running=lambda: list(running))
     return PagedKVCacheManager(inner, pages, 0.0, admission, 512,
-                               ContinuationCache(pages, config))
+                               ContinuationCache(pages, config), waiting=lambda: waiting)
 
 
 def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that_step(
@@ -289,3 +292,54 @@ def test_an_adopter_is_admitted_by_what_it_holds_once_adopted():
     assert manager.get_computed_blocks(follow)[1] == 110
     assert manager.allocate_slots(follow, 40, num_new_computed_tokens=110) is not None
     assert manager.pages.adoption("b")[1].tolist() == [50] * 4
+
+
+# --------------------------------------------------------------------------- claim 5
+def two_conversations(total_pages: int, waiting=()):
+    """Conversations a and b each ended a turn of 40 tokens, kept whole (10 pages per row,
+    40 pages per entry), and a's next turn (48 tokens, 40 of them cached) is waiting."""
+    layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=total_pages)
+    manager = paged_manager(layout, REUSE, waiting=waiting)
+    for name, first in (("a", 100), ("b", 200)):
+        assert manager.pages.allocate(name, 40)
+        assert manager.reuse.retire(request(name, range(first, first + 40), prompt_len=36,
+                                            computed=40, status=RequestStatus.FINISHED_STOPPED))
+    manager.pages.take_deltas()
+    return manager, request("a2", [*range(100, 140), *range(500, 508)], prompt_len=48)
+
+
+def test_an_adoption_evicts_no_other_conversations_entry():
+    """100 pages: both entries (80) and 20 free. Copying a's entry for its next turn takes 48
+    pages, which only evicting b's entry frees; handing it over takes 8 free ones. b's
+    next turn must still find its cache."""
+    manager, follow = two_conversations(total_pages=100)
+    assert manager.get_computed_blocks(follow)[1] == 40
+    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
+    assert manager.pages.entry_ids() == [2], "a's adoption evicted b's entry"
+    assert manager.reuse.totals.handovers == 1 and manager.reuse.totals.evicted_entries == 0
+    b2 = request("b2", [*range(200, 240), *range(600, 608)], prompt_len=48)
+    assert manager.get_computed_blocks(b2)[1] == 40
+    manager.pages.check_invariants()
+
+
+def test_an_adoption_copies_when_the_free_pages_take_it():
+    """With 48 free pages beside the entries a copy evicts nothing: a's entry stays cached."""
+    manager, follow = two_conversations(total_pages=128)
+    assert manager.get_computed_blocks(follow)[1] == 40
+    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
+    assert manager.pages.entry_ids() == [2, 1]  # a's entry copied: used most recently
+    assert manager.reuse.totals.copies == 1 and manager.reuse.totals.evicted_entries == 0
+    manager.pages.check_invariants()
+
+
+def test_an_entry_is_copied_for_a_waiting_branch_of_the_same_context():
+    """Two samples of a's next turn wait (parallel sampling): a copy serves both, so it is
+    made although it evicts b's entry."""
+    waiting = []
+    manager, follow = two_conversations(total_pages=100, waiting=waiting)
+    sibling = request("a2-1", follow.all_token_ids, prompt_len=48)
+    waiting += [follow, sibling]
+    assert manager.get_computed_blocks(follow)[1] == 40
+    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
+    assert manager.pages.entry_ids() == [1] and manager.reuse.totals.copies == 1
+    manager.pages.check_invariants()
