@@ -47,14 +47,16 @@ def scored_token_reserve(max_model_len: int, max_num_batched_tokens: int) -> int
 
 
 def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
-                   longest_prompt: int) -> int:
+                   longest_prompt: int, accumulators: int = 1) -> int:
     """Bytes taken from the KV-cache memory for ``scored_tokens`` prompt tokens of
-    accumulators over every (layer, KV head) row, plus the planning workspace: plans run in
-    padded blocks of at most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or
-    one layer of one request when that alone is larger."""
+    accumulators over every (layer, KV head) row (``accumulators`` of them per prompt:
+    hybrid scoring keeps two), plus the planning workspace: plans run in padded blocks of at
+    most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or one layer of one
+    request when that alone is larger."""
     scores = scored_tokens * num_layers * num_kv_heads
     largest_block = max(MAX_BLOCK_ELEMENTS, num_kv_heads * longest_prompt)
-    return scores * SCORE_BYTES + min(2 * scores, largest_block) * PLAN_BYTES_PER_SCORE
+    return (scores * SCORE_BYTES * accumulators
+            + min(2 * scores, largest_block) * PLAN_BYTES_PER_SCORE)
 
 
 def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:

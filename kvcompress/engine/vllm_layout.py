@@ -113,8 +113,8 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     return PageLayout.for_memory(
         kv_cache_bytes=kv_cache_bytes(kv_cache_config),
         reserved_bytes=0 if reserve is None else reserved_bytes(
-            reserve.scored_tokens * reserve.accumulators, len(layers), spec.num_kv_heads,
-            reserve.longest_prompt),
+            reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
+            reserve.accumulators),
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,

@@ -26,7 +26,7 @@ from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
-from kvcompress.policies import KeepPlan, plan_keep, rank_union
+from kvcompress.policies import KeepPlan, PolicySettings, plan_keep, pool_scores, rank_union
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.selection import PAD_INDEX
 from kvcompress.step import KVMover, StepBatch
@@ -258,14 +258,23 @@ def _segment_scores(request: RequestKV, scores: torch.Tensor) -> torch.Tensor:
     return scores.gather(-1, first + torch.arange(segment, device=scores.device))
 
 
-def _request_scores(request: RequestKV, adopters: bool) -> torch.Tensor:
+def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
+                    hybrid: bool) -> torch.Tensor:
     """The scores the plan ranks the request's (new) prompt tokens by: its accumulator, or
-    with hybrid scoring the union of the window's and the reconstruction's rankings."""
+    with ``hybrid`` scoring (some request of the group kept its window's scores apart) each
+    accumulator pooled, then the union of their rankings: pooling ranks instead would spread
+    the top of either source over everything. Hybrid scores come pooled."""
     accumulators = [scores for scores in (request.window_scores, request.query_scores)
                     if scores is not None]
     if adopters:
         accumulators = [_segment_scores(request, scores) for scores in accumulators]
-    return accumulators[0] if len(accumulators) == 1 else rank_union(accumulators)
+    if not hybrid:
+        return accumulators[0]
+    prompt = request.new_prompt_tokens(request.prompt_len)
+    prefix = torch.tensor(max(0, prompt - policy.window), device=accumulators[0].device)
+    pooled = [pool_scores(scores[..., :prompt], policy.pooling, policy.pooling_kernel,
+                          lengths=prefix) for scores in accumulators]
+    return rank_union(pooled)
 
 
 def _plan_isolated(
@@ -321,7 +330,10 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
     needs_scores = policy.compression_method.needs_scores
     scores = None
     if needs_scores:
-        scores = [_request_scores(request, adopters) for request in requests]
+        hybrid = any(request.query_scores is not None for request in requests)
+        scores = [_request_scores(request, adopters, policy, hybrid) for request in requests]
+        if hybrid:
+            policy = replace(policy, pooling="none")  # pooled above
         if len(layers) != scores[0].shape[0]:
             index = torch.as_tensor(layers, device=scores[0].device)
             scores = [score.index_select(0, index) for score in scores]

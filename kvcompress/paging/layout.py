@@ -105,7 +105,8 @@ class PageLayout:
         if total_pages < num_layers * num_kv_heads:
             raise ValueError(
                 f"KV-cache memory ({kv_cache_bytes} bytes, {reserved_bytes} of them reserved "
-                f"for window scores) holds {total_pages} pages of "
+                f"for scores and reconstruction scratch; --kv-scoring window reserves less) "
+                f"holds {total_pages} pages of "
                 f"{page_size} tokens, fewer than one page per (layer, KV head) "
                 f"({num_layers * num_kv_heads}); give the KV cache more memory or use a "
                 "smaller --kv-page-size"
@@ -132,6 +133,8 @@ class PageLayout:
                 f"({self.num_rows} (layer, KV head) rows x ceil({max_model_len} / "
                 f"{self.page_size}) pages{sliding}, each row rounded up to whole pages); use "
                 "a smaller --kv-page-size or --max-model-len, or give the KV cache more memory"
+                + (f" (or --kv-scoring window: {self.scratch_pages} pages are reconstruction "
+                   "scratch)" if self.scratch_pages else "")
             )
 
     @property

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow
 
 # tiny_llama: 4 layers x 2 KV heads, head dim 32, fp32 -> 2048 bytes per token (all rows)
 TINY = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16)
+# Tests of pool arithmetic under pressure score by window: reconstruction's scratch pages and
+# second accumulator would take a real share of pools this small (its own tests size for it).
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4
 
 
@@ -190,7 +192,8 @@ def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
     memory = 14 * 128 * BYTES_PER_TOKEN
     peaks = {}
     for name, compression in (("vanilla", None),
-                              ("pyramidkv", {"kv_compression": "pyramidkv", "kv_budget": 64})):
+                              ("pyramidkv", {"kv_compression": "pyramidkv", "kv_budget": 64,
+                                             "kv_scoring": "window"})):
         harness = EngineHarness(tiny_llama, compression, kv_cache_memory_bytes=memory, **TINY)
         try:
             outputs = harness.generate(prompts, greedy(48))
@@ -209,7 +212,7 @@ def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
     memory = 14 * 128 * BYTES_PER_TOKEN
     figures = {}
     for lookahead in (0, None):
-        compression = {"kv_compression": "pyramidkv", "kv_budget": 64}
+        compression = {"kv_compression": "pyramidkv", "kv_budget": 64, "kv_scoring": "window"}
         if lookahead is not None:
             compression["kv_admission_lookahead"] = lookahead
         harness = EngineHarness(tiny_llama, compression, kv_cache_memory_bytes=memory, **TINY)
@@ -242,7 +245,8 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
     the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
     rng = np.random.default_rng(7)
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96, "kv_admission_lookahead": 0},
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96, "kv_admission_lookahead": 0,
+                     "kv_scoring": "window"},
         kv_cache_memory_bytes=12 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     try:
@@ -393,7 +397,7 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
     budget, interval, tokens = 16, 8, 150
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
-                     "kv_admission_lookahead": 0},
+                     "kv_admission_lookahead": 0, "kv_scoring": "window"},
         kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,
@@ -433,5 +437,6 @@ def test_engine_refuses_a_page_size_that_strands_a_max_model_len_request(tiny_ll
     settings = {**TINY, "max_model_len": 1030, "max_num_batched_tokens": 1030,
                 "block_size": 16}
     with pytest.raises(Exception, match=r"--max-model-len 1030 needs 40.*--kv-page-size"):
-        EngineHarness(tiny_llama, {"kv_compression": "pyramidkv", "kv_page_size": 256},
+        EngineHarness(tiny_llama, {"kv_compression": "pyramidkv", "kv_page_size": 256,
+                                   "kv_scoring": "window"},
                       kv_cache_memory_bytes=1100 * BYTES_PER_TOKEN, **settings)

@@ -72,8 +72,8 @@ def test_reconstruction_scratch_pages_come_out_of_the_kv_memory(tiny_llama):
         per_row = -(-reconstruction_tokens(48, BATCHED) // layout.page_size)
         assert layout.scratch_pages == 4 * 2 * per_row
         # two accumulators per scored prompt (hybrid scoring keeps its window's apart)
-        reserved = reserved_bytes(2 * scored_token_reserve(MAX_MODEL_LEN, BATCHED), 4, 2,
-                                  MAX_MODEL_LEN) + layout.scratch_pages * page_bytes
+        reserved = reserved_bytes(scored_token_reserve(MAX_MODEL_LEN, BATCHED), 4, 2,
+                                  MAX_MODEL_LEN, accumulators=2) + layout.scratch_pages * page_bytes
         assert manager.total_pages == (memory - reserved) // page_bytes
         outputs = harness.generate(random_prompts([MAX_MODEL_LEN - 2] * 4, seed=21), greedy(2))
         assert all(len(tokens) == 2 for tokens in outputs.values())
