@@ -114,7 +114,7 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         kv_cache_bytes=kv_cache_bytes(kv_cache_config),
         reserved_bytes=0 if reserve is None else reserved_bytes(
             reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
-            reserve.accumulators),
+            1 if any(windows) else reserve.accumulators),
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,

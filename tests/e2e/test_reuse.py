@@ -110,7 +110,9 @@ def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(tiny_l
     requests; four continuations of one entry copy it and, too long to run together, are
     preempted and resume; an adopter is aborted mid-prefill. The page invariants hold after
     every step (KVCOMPRESS_CHECK_PAGES) and every page comes back."""
-    settings = {"kv_compression": "snapkv", "kv_budget": 48, "kv_admission_lookahead": 0}
+    # Window scoring: this pool is sized to the page (reconstruction's scratch would eat it).
+    settings = {"kv_compression": "snapkv", "kv_budget": 48, "kv_admission_lookahead": 0,
+                "kv_scoring": "window"}
     token_bytes = 4 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x fp32
     harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=1700 * token_bytes,
                             **{**ENGINE, "max_model_len": 1024})
