@@ -103,38 +103,43 @@ def default_page_size(dtype: torch.dtype, head_size: int) -> int:
 def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
                 reserve: ScoringReserve | None = None) -> PageLayout:
     """Pages of ``page_size`` tokens (None: ``default_page_size``) fitting in the bytes vLLM
-    budgets for its KV cache, less the window-score ``reserve``."""
+    budgets for its KV cache, less the score ``reserve`` and reconstruction scratch."""
     layers = _layer_specs(kv_cache_config)
     spec: Any = layers[0][1]
     page_size = page_size or default_page_size(spec.dtype, spec.head_size)
     if spec.head_size_v != spec.head_size:
         raise NotImplementedError("kvcompress needs equal key and value head sizes")
     windows = tuple(_window(layer_spec) for _, layer_spec in layers)
+    dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
+    memory = kv_cache_bytes(kv_cache_config)
+    # Reconstruction passes run on full-attention models only (sliding rows drop pages).
+    scratch = 0 if reserve is None or any(windows) else _scratch_tokens(
+        reserve.reconstruction_tokens, memory,
+        len(layers) * spec.num_kv_heads * 2 * spec.head_size * dtype_bytes)
     return PageLayout.for_memory(
-        kv_cache_bytes=kv_cache_bytes(kv_cache_config),
+        kv_cache_bytes=memory,
         reserved_bytes=0 if reserve is None else reserved_bytes(
             reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
-            1 if any(windows) else reserve.accumulators),
+            reserve.accumulators if scratch else 1),
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         page_size=page_size,
-        dtype_bytes=torch.empty((), dtype=spec.dtype).element_size(),
+        dtype_bytes=dtype_bytes,
         layer_windows=windows if any(windows) else (),
-        # Reconstruction passes run on full-attention models only (sliding rows drop pages).
-        scratch_tokens=0 if reserve is None or any(windows) else _scratch_tokens(
-            reserve.reconstruction_tokens, kv_cache_bytes(kv_cache_config),
-            len(layers) * spec.num_kv_heads * 2 * spec.head_size
-            * torch.empty((), dtype=spec.dtype).element_size()),
+        scratch_tokens=scratch,
     )
 
 
 def _scratch_tokens(wanted: int, kv_bytes: int, bytes_per_token: int) -> int:
     """Tokens per row of reconstruction scratch: one pass's, but at most a sixteenth of the
-    KV memory (a small pool then runs shorter passes, ``worker_reconstruction``), and never
-    fewer than the instruction plus a few tokens of prompt."""
+    KV memory (a small pool then runs shorter passes, ``worker_reconstruction``). A pool
+    whose sixteenth holds less than the instruction and a few prompt tokens gets none: its
+    prompts are scored by their window."""
     affordable = kv_bytes // 16 // max(1, bytes_per_token)
-    return max(min(wanted, affordable), MAX_REPEAT_TOKENS + 16) if wanted else 0
+    if not wanted or affordable < MAX_REPEAT_TOKENS + 16:
+        return 0
+    return min(wanted, affordable)
 
 
 def kv_cache_bytes(kv_cache_config: KVCacheConfig) -> int:

@@ -60,6 +60,10 @@ class PagedKVRunnerMixin:
         runtime.bind_runner(self)
         if layout.scratch_pages:
             self._enable_reconstruction(runtime, config)
+        elif config.reserves_reconstruction:
+            logger.warning("kvcompress: no room for reconstruction passes (sliding-window "
+                           "layers, or a sixteenth of the KV memory holds none): prompts are "
+                           "scored by their observation window (--kv-scoring window)")
         self.paged_runtime = runtime
         self._pending_report = WorkerReport()
         register_runtime(self.vllm_config, runtime)
