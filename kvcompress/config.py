@@ -62,10 +62,11 @@ REUSE_CHOICES = ("on", "off")
 # Which prompt tokens a compressed head keeps is decided by scores: "window" (the prompt's
 # last queries, question-aware), "reconstruct" (how much a reconstruction of the context
 # attends to each token, query-agnostic: what later questions about it can rely on) or
-# "hybrid" (the union of both rankings).
-SCORINGS = ("window", "reconstruct", "hybrid")
+# "hybrid" (the union of both rankings); "auto" is hybrid where a kept cache can serve later
+# requests (--kv-reuse on) and window where it cannot (one question per prompt).
+SCORINGS = ("auto", "window", "reconstruct", "hybrid")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
-DEFAULT_SCORING = "hybrid"  # measured: docs/methods.md, "Scoring, by measurement"
+DEFAULT_SCORING = "auto"  # measured: docs/methods.md, "Scoring, by measurement"
 # Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
 # of max_num_batched_tokens) and the scratch pages it writes its own K/V into.
 DEFAULT_RECONSTRUCT_CHUNK = 512
@@ -211,8 +212,9 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "context pays it (KVzip-style, one extra pass over the prompt, query-agnostic: later "
         "questions and reused caches can rely on what is kept); 'window' by the attention of "
         "the prompt's last --kv-window tokens (question-aware, no extra pass: best for one "
-        "question per prompt); 'hybrid' keeps what ranks high by either (the extra pass too). "
-        f"Default {DEFAULT_SCORING}.",
+        "question per prompt); 'hybrid' keeps what ranks high by either (the extra pass too); "
+        "'auto' is hybrid where finished caches are reused (--kv-reuse on), window where "
+        f"they are not. Default {DEFAULT_SCORING}.",
         SCORINGS,
     ),
     FlagSpec(
@@ -269,18 +271,25 @@ class KVCompressionConfig:
     def reconstructs(self, prompt_len: int) -> bool:
         """Whether a prompt of this length is scored by reconstructing it (an extra pass)
         rather than by its observation window."""
-        return (self.scoring in RECONSTRUCTING_SCORINGS and self.compresses(prompt_len)
-                and self.policy.compression_method.needs_scores)
+        return (self.resolved_scoring in RECONSTRUCTING_SCORINGS
+                and self.compresses(prompt_len) and self.policy.compression_method.needs_scores)
+
+    @property
+    def resolved_scoring(self) -> str:
+        """The scoring ``auto`` stands for: hybrid where kept caches serve later requests."""
+        if self.scoring != "auto":
+            return self.scoring
+        return "hybrid" if self.reuse == "on" else "window"
 
     @property
     def scores_window(self) -> bool:
         """Whether the observation window's queries score the prompt (window, hybrid)."""
-        return self.scoring != "reconstruct"
+        return self.resolved_scoring != "reconstruct"
 
     @property
     def reserves_reconstruction(self) -> bool:
         """Whether the engine keeps scratch pages for reconstruction passes."""
-        return self.enabled and self.scoring in RECONSTRUCTING_SCORINGS
+        return self.enabled and self.resolved_scoring in RECONSTRUCTING_SCORINGS
 
     @functools.cached_property
     def policy(self) -> PolicySettings:
@@ -437,6 +446,8 @@ class KVCompressionConfig:
                 "whole engine (flag or additional_config)"
             )
         asked = str(overrides.get("kv_scoring", "")).lower()
+        if asked == "auto":
+            asked = "hybrid" if self.reuse == "on" else "window"
         if asked in RECONSTRUCTING_SCORINGS and not self.reserves_reconstruction:
             raise KVCompressionConfigError(
                 f"invalid per-request setting 'kv_scoring': {asked} needs the scratch pages "
@@ -458,7 +469,7 @@ class KVCompressionConfig:
         return (
             f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
-            f"gqa={self.gqa_reduce} scoring={self.scoring} "
+            f"gqa={self.gqa_reduce} scoring={self.resolved_scoring} "
             + (f"adakv_floor={self.adakv_floor:g} adakv_totals={self.adakv_totals} "
                if self.method == "adakv" else "")
             + f"page_size={self.page_size or 'auto'}"

@@ -205,12 +205,17 @@ def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
             assert config_fields[field.name].default == field.default, field.name
 
 
-def test_scoring_is_hybrid_by_default_and_validated():
+def test_scoring_is_auto_by_default_hybrid_with_reuse_window_without():
     default = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                                 "kv_compression_ratio": 0.75})
-    assert (default.scoring, default.reconstruct_chunk) == ("hybrid", 512)
-    assert default.reconstructs(100) and default.scores_window
-    assert default.reserves_reconstruction and "scoring=hybrid" in default.describe()
+    assert (default.scoring, default.reconstruct_chunk) == ("auto", 512)
+    assert default.resolved_scoring == "hybrid" and default.reconstructs(100)
+    assert default.scores_window and default.reserves_reconstruction
+    assert "scoring=hybrid" in default.describe()
+    single = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                               "kv_compression_ratio": 0.75, "kv_reuse": "off"})
+    assert single.resolved_scoring == "window" and not single.reconstructs(100)
+    assert not single.reserves_reconstruction
     config = default.with_request_overrides({"kv_scoring": "reconstruct"})
     assert config.reconstructs(100) and not config.scores_window
     # StreamingLLM keeps sinks and recent tokens: nothing to score, no pass

@@ -35,7 +35,10 @@ def random_scores(lens, num_layers, num_kv_heads, seed, levels=None):
             torch.randint(0, levels, (num_layers, num_kv_heads, q), generator=gen).float()
             for q in lens
         ]
-    return [torch.rand(num_layers, num_kv_heads, q, generator=gen) for q in lens]
+    # Multiples of 2**-16: sums over a pooling kernel are exact in fp32 in any order, so two
+    # windows over the same tokens tie exactly in the plan and in the reference alike.
+    return [torch.randint(0, 1 << 16, (num_layers, num_kv_heads, q), generator=gen).float()
+            / (1 << 16) for q in lens]
 
 
 def kept_lists(plan: KeepPlan) -> list[list[list[list[int]]]]:
