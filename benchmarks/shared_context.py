@@ -55,9 +55,12 @@ from benchmarks.specs import (
     detect_device,
     kv_bytes_per_token,
     parse_kv_options,
+    parse_names,
     parse_specs,
     resolve_dtype,
 )
+from kvcompress.config import REUSE_CHOICES, SCORINGS
+from kvcompress.policies import METHODS as POLICY_METHODS
 
 WORKER_MODULE = "benchmarks.shared_context"
 MODES = ("chat", "independent")
@@ -422,13 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modes: allowed {', '.join(MODES)}")
     try:
         specs = grid_specs(
-            [m for m in args.methods.split(",") if m],
+            parse_names(args.methods, POLICY_METHODS, "methods"),
             [float(r) for r in args.ratios.split(",") if r],
-            [s for s in args.scorings.split(",") if s],
-            [r for r in args.reuse.split(",") if r])
+            parse_names(args.scorings, SCORINGS, "scorings"),
+            parse_names(args.reuse, REUSE_CHOICES, "reuse settings"))
         specs += [s for s in parse_specs(args.configs) if s.label not in {x.label for x in specs}]
-        for spec in specs:
-            CompressionSpec(**vars(spec))  # re-validated
         options = parse_kv_options(args.kv_option)
     except ValueError as error:
         raise SystemExit(f"configurations: {error}") from None

@@ -277,9 +277,7 @@ class KVCompressionConfig:
     @property
     def resolved_scoring(self) -> str:
         """The scoring ``auto`` stands for: hybrid where kept caches serve later requests."""
-        if self.scoring != "auto":
-            return self.scoring
-        return "hybrid" if self.reuse == "on" else "window"
+        return _resolve_scoring(self.scoring, self.reuse)
 
     @property
     def scores_window(self) -> bool:
@@ -445,9 +443,7 @@ class KVCompressionConfig:
                 f"per-request setting rejected: {engine_only} can only be set for the "
                 "whole engine (flag or additional_config)"
             )
-        asked = str(overrides.get("kv_scoring", "")).lower()
-        if asked == "auto":
-            asked = "hybrid" if self.reuse == "on" else "window"
+        asked = _resolve_scoring(str(overrides.get("kv_scoring", "")).lower(), self.reuse)
         if asked in RECONSTRUCTING_SCORINGS and not self.reserves_reconstruction:
             raise KVCompressionConfigError(
                 f"invalid per-request setting 'kv_scoring': {asked} needs the scratch pages "
@@ -484,6 +480,13 @@ _POLICY_FIELDS = tuple(
     field.name for field in dataclasses.fields(PolicySettings)
     if field.name in {f.name for f in dataclasses.fields(KVCompressionConfig)}
 )
+
+
+def _resolve_scoring(scoring: str, reuse: str) -> str:
+    """``auto``: hybrid where kept caches serve later requests (reuse on), else window."""
+    if scoring != "auto":
+        return scoring
+    return "hybrid" if reuse == "on" else "window"
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -46,13 +46,7 @@ def accumulate_reconstruction_scores(
     request's queries and holds its accumulator; its rows held ``host_lengths_before`` prompt
     slots before the pass. The pass's K/V are already written (attention ran first)."""
     start = step.query_start_loc[window.batch_index]
-    _score_request(query[start : start + window.num_queries], pool, page_format, step,
-                   window, layer, scale, soft_cap, sinks)
-
-
-def _score_request(queries: torch.Tensor, pool: torch.Tensor, page_format: PageFormat,
-                   step: StepBatch, window: WindowQueries, layer: int, scale: float,
-                   soft_cap: float | None, sinks: torch.Tensor | None) -> None:
+    queries = query[start : start + window.num_queries]
     index = window.batch_index
     rows = step.layer_rows(layer)
     num_kv_heads = step.layout.num_kv_heads
