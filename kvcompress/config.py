@@ -64,7 +64,9 @@ REUSE_CHOICES = ("on", "off")
 # attends to each token, query-agnostic: what later questions about it can rely on) or
 # "hybrid" (the union of both rankings); "auto" is hybrid where a kept cache can serve later
 # requests (--kv-reuse on) and window where it cannot (one question per prompt).
-SCORINGS = ("auto", "window", "reconstruct", "hybrid")
+# "expected" scores keys by the attention the model's average later query pays them, from a
+# query profile made once per model (--kv-profile): query-agnostic with no extra pass.
+SCORINGS = ("auto", "window", "reconstruct", "hybrid", "expected")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
 DEFAULT_SCORING = "auto"  # measured: docs/methods.md, "Scoring, by measurement"
 # Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
@@ -213,9 +215,18 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "questions and reused caches can rely on what is kept); 'window' by the attention of "
         "the prompt's last --kv-window tokens (question-aware, no extra pass: best for one "
         "question per prompt); 'hybrid' keeps what ranks high by either (the extra pass too); "
+        "'expected' by the attention the model's queries to come are expected to pay it, "
+        "from a query profile made once per model (--kv-profile; query-agnostic, no extra "
+        "pass); "
         "'auto' is hybrid where finished caches are reused (--kv-reuse on), window where "
         f"they are not. Default {DEFAULT_SCORING}.",
         SCORINGS,
+    ),
+    FlagSpec(
+        "kv_profile", "--kv-profile", "profile", str,
+        "With --kv-scoring expected: the model's query profile, made once by "
+        "'python -m kvcompress.profile_model MODEL_DIR'. Default: kvcompress_profile.pt in "
+        "the model folder. The engine refuses a profile made for another model.",
     ),
     FlagSpec(
         "kv_reconstruct_chunk", "--kv-reconstruct-chunk", "reconstruct_chunk", int,
@@ -231,8 +242,9 @@ CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
 # Settings a single request may override (``SamplingParams.extra_args`` offline,
 # ``vllm_xargs`` over HTTP). The page size and admission shape the shared pool: engine-wide.
 # The reconstruction chunk sizes scratch pages reserved once for the engine.
+# The query profile is loaded once, at start.
 REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead", "kv_reuse",
-                              "kv_reconstruct_chunk"}
+                              "kv_reconstruct_chunk", "kv_profile"}
 _SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 
 
@@ -259,6 +271,7 @@ class KVCompressionConfig:
     reuse: str = "on"
     scoring: str = DEFAULT_SCORING
     reconstruct_chunk: int = DEFAULT_RECONSTRUCT_CHUNK
+    profile: str = ""  # the query profile's path; "" = beside the model
 
     @property
     def enabled(self) -> bool:
@@ -282,7 +295,12 @@ class KVCompressionConfig:
     @property
     def scores_window(self) -> bool:
         """Whether the observation window's queries score the prompt (window, hybrid)."""
-        return self.resolved_scoring != "reconstruct"
+        return self.resolved_scoring in ("window", "hybrid")
+
+    @property
+    def loads_profile(self) -> bool:
+        """Whether the engine loads a query profile (--kv-scoring expected)."""
+        return self.enabled and self.resolved_scoring == "expected"
 
     @property
     def reserves_reconstruction(self) -> bool:
@@ -450,6 +468,12 @@ class KVCompressionConfig:
                 "of a server started with --kv-scoring reconstruct or hybrid (this one runs "
                 f"--kv-scoring {self.scoring}); allowed: {self.scoring}", "kv_scoring",
                 f"allowed: {self.scoring}")
+        if asked == "expected" and not self.loads_profile:
+            raise KVCompressionConfigError(
+                "invalid per-request setting 'kv_scoring': expected needs the query profile "
+                "of a server started with --kv-scoring expected (this one runs --kv-scoring "
+                f"{self.scoring}); allowed: {self.scoring}", "kv_scoring",
+                f"allowed: {self.scoring}")
         merged = self.to_mapping()
         if "kv_budget" in overrides or "kv_compression_ratio" in overrides:
             merged["kv_budget"] = merged["kv_compression_ratio"] = None
@@ -493,8 +517,9 @@ def _coerce(key: str, value: Any) -> Any:
     spec = _SPEC_BY_KEY[key]
     if spec.type is str:
         if not isinstance(value, str):
-            _fail(key, f"got {value!r}; allowed: {', '.join(spec.choices or ())}")
-        return value.lower()
+            _fail(key, f"got {value!r}; allowed: "
+                  + (", ".join(spec.choices) if spec.choices else "a string"))
+        return value.lower() if spec.choices else value
     if spec.type is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             _fail(key, f"got {value!r}; allowed: an integer")

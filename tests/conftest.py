@@ -56,6 +56,16 @@ def tiny_llama(tmp_path_factory, embedded_model) -> str:
     return _save_with_embedded_tokenizer(model, path, embedded_model)
 
 
+@pytest.fixture(scope="session")
+def profiled_tiny_llama(tiny_llama) -> str:
+    """tiny_llama with its query profile (--kv-scoring expected) written beside it by the
+    profiling command (two calibration documents: enough for a valid profile)."""
+    from kvcompress.profile_model import main as profile_main
+
+    assert profile_main([tiny_llama, "--documents", "2", "--device", "cpu"]) == 0
+    return tiny_llama
+
+
 # What the tiny models below share with tiny_llama: the embedded model's vocabulary, 4 layers,
 # GQA 4:2 with head dim 32. Nothing is downloaded: each is built from its config here.
 TINY_SHAPE = dict(

@@ -176,7 +176,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
         "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
-        "kv_reconstruct_chunk": 256,
+        "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:
@@ -246,3 +246,23 @@ def test_reconstruct_per_request_needs_the_engine_scratch_pages():
             window_engine.with_request_overrides({"kv_scoring": scoring})
     with pytest.raises(KVCompressionConfigError, match="whole engine"):
         ENGINE.with_request_overrides({"kv_reconstruct_chunk": 128})
+
+
+def test_expected_scoring_reads_a_profile_and_per_request_needs_the_engines():
+    """--kv-scoring expected: no window, no pass, a profile loaded once (its path keeps its
+    case); per request only on a server that loaded one; --kv-profile is engine-wide."""
+    engine = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                               "kv_scoring": "expected",
+                                               "kv_profile": "/Models/P.pt"})
+    assert engine.profile == "/Models/P.pt" and engine.loads_profile
+    assert not engine.scores_window and not engine.reconstructs(100)
+    assert not engine.reserves_reconstruction
+    window = engine.with_request_overrides({"kv_scoring": "window"})
+    assert window.scores_window and not window.loads_profile
+    with pytest.raises(KVCompressionConfigError,
+                       match="kv_scoring.*expected needs the query profile"):
+        ENGINE.with_request_overrides({"kv_scoring": "expected"})
+    with pytest.raises(KVCompressionConfigError, match="whole engine"):
+        engine.with_request_overrides({"kv_profile": "/other.pt"})
+    with pytest.raises(KVCompressionConfigError, match="--kv-profile.*a string"):
+        KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_profile": 3})

@@ -9,6 +9,7 @@ from typing import Any
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.request_settings import VALIDATOR_PATH, record_engine_config
 from kvcompress.log import get_logger
+from kvcompress.profiles import default_profile_path, load_profile
 
 logger = get_logger(__name__)
 
@@ -37,6 +38,8 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         # vLLM's own switch for reusing cached prefixes also switches off ours (unless
         # --kv-reuse says otherwise; a second call finds the setting made by the first).
         config = dataclasses.replace(config, reuse="off")
+    if config.loads_profile:
+        config = _resolve_profile(config, engine_args.model)
     # Workers and the scheduler re-read the fully resolved settings, defaults included.
     engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping()}
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
@@ -54,6 +57,14 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         engine_args.logits_processors = [*processors, VALIDATOR_PATH]
     record_engine_config(config)
     return config
+
+
+def _resolve_profile(config: KVCompressionConfig, model: str) -> KVCompressionConfig:
+    """--kv-scoring expected: the query profile's path (default: beside the model), loaded
+    once here so that a missing profile or one made for another model stops the start."""
+    path = config.profile or str(default_profile_path(model))
+    load_profile(path, model)
+    return dataclasses.replace(config, profile=path)
 
 
 def finish_vllm_config(vllm_config: Any, config: KVCompressionConfig) -> None:

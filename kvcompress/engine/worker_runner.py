@@ -9,7 +9,11 @@ from copy import copy
 from typing import Any
 
 import torch
-from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from vllm.forward_context import set_forward_context
 from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.outputs import ModelRunnerOutput
@@ -23,6 +27,7 @@ from kvcompress.engine.worker_reconstruction import REPEAT_PROMPT, Reconstructio
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
+from kvcompress.profiles import check_profile_shape, load_profile
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, register_runtime
 
 logger = get_logger(__name__)
@@ -64,6 +69,8 @@ class PagedKVRunnerMixin:
             logger.warning("kvcompress: no room for reconstruction passes (sliding-window "
                            "layers, or a sixteenth of the KV memory holds none): prompts are "
                            "scored by their observation window (--kv-scoring window)")
+        if config.loads_profile:
+            self._enable_expected_scoring(runtime, config, layout)
         self.paged_runtime = runtime
         self._pending_report = WorkerReport()
         register_runtime(self.vllm_config, runtime)
@@ -104,6 +111,17 @@ class PagedKVRunnerMixin:
         runtime.enable_reconstruction(
             tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False),
             reconstruction_chunk(config.reconstruct_chunk, batched))
+
+    def _enable_expected_scoring(self, runtime: PagedKVRuntime, config: KVCompressionConfig,
+                                 layout: PageLayout) -> None:
+        """The query profile, checked against the model (the front end checked it too;
+        ``prepare_engine_args`` resolved its path), cut to this rank's query heads."""
+        model_config = self.vllm_config.model_config
+        profile = load_profile(config.profile, model_config.model)
+        check_profile_shape(profile, layout.num_layers,
+                            model_config.hf_text_config.num_attention_heads, layout.head_size)
+        runtime.enable_expected_scoring(profile.heads_of_rank(
+            get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()))
 
     @torch.inference_mode()
     def _forward_reconstruction(self, reconstruction: ReconstructionPass,

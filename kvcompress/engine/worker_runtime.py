@@ -25,11 +25,14 @@ from kvcompress.engine.worker_compaction import (
     compact_completed_prompts,
     evict_generated_tokens,
 )
+from kvcompress.engine.worker_expected import ExpectedScorer
 from kvcompress.engine.worker_moves import copy_pages
 from kvcompress.engine.worker_reconstruction import ReconstructionPass, Reconstructor
 from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
+from kvcompress.profiles import QueryProfile
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, StepBatch
 
 logger = get_logger(__name__)
@@ -68,6 +71,7 @@ class PagedKVRuntime:
         self._runner: Any = None
         self.reconstructor: Reconstructor | None = None
         self._reconstructing: list[str] = []  # this step's requests scored by a pass
+        self.expected_scorer: ExpectedScorer | None = None
 
     def enable_reconstruction(self, repeat_ids: list[int], chunk: int) -> None:
         """Score ``--kv-scoring reconstruct`` prompts by reconstruction passes of ``chunk``
@@ -75,6 +79,10 @@ class PagedKVRuntime:
         pages (a model with sliding-window layers) they are scored by their window."""
         if self.layout.scratch_pages:
             self.reconstructor = Reconstructor(self.state, repeat_ids, chunk)
+
+    def enable_expected_scoring(self, profile: QueryProfile) -> None:
+        """Score ``--kv-scoring expected`` prompts from ``profile`` (this rank's heads)."""
+        self.expected_scorer = ExpectedScorer(profile, self.layout, self.pool.device)
 
     def bind_runner(self, runner: Any) -> None:
         """The vLLM model runner: its persistent batch gives the row order of each step,
@@ -155,6 +163,7 @@ class PagedKVRuntime:
         reconstructs = [self._reconstructs(request_id, config, request.new_prompt_tokens(int(n)))
                         for request_id, request, config, n in zip(req_ids, requests, configs,
                                                                   prompt_lens)]
+        expected = [self._scores_expected(config) for config in configs]
         step = self.state.prepare_step(
             req_ids,
             num_new,
@@ -169,7 +178,7 @@ class PagedKVRuntime:
                 for request_id, request, config, n in zip(req_ids, requests, configs,
                                                           prompt_lens)
             ],
-            reconstructs=reconstructs,
+            scored_after_forward=[a or b for a, b in zip(reconstructs, expected)],
         )
         self._reconstructing = [req_ids[index] for index in step.completing_prompt
                                 if reconstructs[index]]
@@ -198,6 +207,32 @@ class PagedKVRuntime:
             return False
         request_state = self._runner.requests.get(request_id)
         return getattr(request_state, "prompt_token_ids", None) is not None
+
+    def _scores_expected(self, config: KVCompressionConfig) -> bool:
+        return self.expected_scorer is not None and config.resolved_scoring == "expected"
+
+    def _score_expected(self, step: StepBatch) -> None:
+        """The expected-attention scores of the requests whose prompt completed with
+        ``--kv-scoring expected``, before they are compacted; a failure fails its request."""
+        for index in step.completing_prompt:
+            request_id = step.req_ids[index]
+            request = self.state.requests[request_id]
+            config = request.config
+            if (config is None or request_id in step.failures
+                    or not self._scores_expected(config)
+                    or not config.policy.compression_method.needs_scores):
+                continue
+            started = time.perf_counter()
+            try:
+                maybe_fail("score", [request.prompt_len])
+                request.window_scores = self.expected_scorer.score(
+                    request, self.pool, self.kernel.page_format)
+            except Exception as error:
+                logger.exception("kvcompress: expected-attention scoring failed for request %s",
+                                 request_id)
+                step.fail([request_id], f"expected-attention scoring failed: {error!r}")
+            step.score_seconds += time.perf_counter() - started
+        self.state.note_scores_held()
 
     def reconstruct(self, forward: Callable[[ReconstructionPass, PagedAttentionMetadata],
                                             None]) -> None:
@@ -244,6 +279,8 @@ class PagedKVRuntime:
         if step is None:
             return WorkerReport()
         self.state.finish_step(step)
+        if self.expected_scorer is not None:
+            self._score_expected(step)
         self.stats.score_seconds += step.score_seconds
         started = time.perf_counter()
         compactions = compact_completed_prompts(

@@ -163,12 +163,14 @@ class WorkerKVState:
         prompt_lens: np.ndarray,
         observation_windows: Sequence[int],
         wants_compression: Sequence[bool],
-        reconstructs: Sequence[bool] | None = None,
+        scored_after_forward: Sequence[bool] | None = None,
     ) -> StepBatch:
         """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
         when its prompt completes, so the queries of its last ``observation_windows[i]``
-        prompt positions score the prompt, unless ``reconstructs[i]``: then a reconstruction
-        pass scores it after the forward (``worker_reconstruction``)."""
+        prompt positions score the prompt, unless ``scored_after_forward[i]``: then a
+        reconstruction pass (``worker_reconstruction``) or its query profile
+        (``worker_expected``) scores it after the forward, and with hybrid scoring the
+        window too."""
         layout = self.layout
         states = [self.requests[request_id] for request_id in req_ids]
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
@@ -204,9 +206,9 @@ class WorkerKVState:
             new_prompt = state.new_prompt_tokens(prompt_len)
             if state.config is not None and not scores_prompt(state.config, new_prompt):
                 continue  # compacted without window scores (StreamingLLM)
-            if (reconstructs is not None and reconstructs[index]
+            if (scored_after_forward is not None and scored_after_forward[index]
                     and (state.config is None or not state.config.scores_window)):
-                continue  # scored by its reconstruction pass alone
+                continue  # scored after the forward alone
             # An adopter's window lies in its new segment: the adopted queries are gone.
             window_start = max(state.adopted_len, prompt_len - observation_windows[index])
             first = max(start, window_start)

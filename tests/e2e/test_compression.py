@@ -79,16 +79,22 @@ def assert_holds_policy_budget(manager, internal, name, overrides, prompt_len, s
     return lengths
 
 
-@pytest.mark.parametrize("scoring", ["window", "reconstruct", "hybrid"])
-def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama, scoring):
+@pytest.mark.parametrize("scoring", ["window", "reconstruct", "hybrid", "expected"])
+def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama, scoring,
+                                                                       request):
     """Whichever scoring picks the tokens, every head keeps exactly its budget."""
     window, page, layers, heads = 8, 16, 4, 2
+    if scoring == "expected":
+        request.getfixturevalue("profiled_tiny_llama")  # its profile beside it
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
                      "kv_scoring": scoring},
         kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN, **TINY,
     )
     try:
+        if scoring == "expected":  # scored by the profile, not by a window fallback
+            assert harness.on_workers(
+                lambda worker: worker.model_runner.paged_runtime.expected_scorer is not None)[0]
         prompts = {}
         for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
             prompts[name] = random_prompts([length], seed=30 + offset)["p0"]

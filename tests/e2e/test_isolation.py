@@ -35,12 +35,18 @@ def run(tiny_llama, prompts, max_tokens=8, compression=COMPRESSION):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["score", "reconstruct", "plan", "moves"])
-def test_an_injected_fault_ends_only_its_request(tiny_llama, monkeypatch, stage):
-    """``score``: observation-window scoring (--kv-scoring window); ``reconstruct``: a
-    reconstruction pass (the default scoring), whose other requests share its forward."""
+@pytest.mark.parametrize(("stage", "scoring"), [
+    ("score", "window"), ("score", "expected"), ("reconstruct", "reconstruct"),
+    ("plan", "reconstruct"), ("moves", "reconstruct")])
+def test_an_injected_fault_ends_only_its_request(tiny_llama, monkeypatch, stage, scoring,
+                                                 request):
+    """``score``: observation-window scoring, or the query profile's after the forward
+    (--kv-scoring expected); ``reconstruct``: a reconstruction pass, whose other requests
+    share its forward."""
+    if scoring == "expected":
+        request.getfixturevalue("profiled_tiny_llama")
     prompts = random_prompts([200, FAULTY_LEN, 250], seed=3)
-    compression = dict(COMPRESSION, kv_scoring="window" if stage == "score" else "reconstruct")
+    compression = dict(COMPRESSION, kv_scoring=scoring)
     monkeypatch.setenv(ENV, f"{stage}:{FAULTY_LEN}")
     outputs, reasons = run(tiny_llama, prompts, compression=compression)
     assert reasons["p1"] == "error"
