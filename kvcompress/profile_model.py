@@ -122,7 +122,7 @@ def _chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     return "\n".join(message["content"] for message in messages)
 
 
-def profile_model(model_dir: str | Path, documents: int = 24, seed: int = 0,
+def profile_model(model_dir: str | Path, documents: int = 12, seed: int = 0,
                   device: str | None = None) -> QueryProfile:
     """Run the model over the calibration conversations and return its query profile."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", nargs="?",
                         help="a local Hugging Face model folder (default: the embedded model)")
     parser.add_argument("--out", help="where to write the profile (default: beside the model)")
-    parser.add_argument("--documents", type=int, default=24,
+    parser.add_argument("--documents", type=int, default=12,
                         help="calibration documents (each gives a Q&A and a reconstruction)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
