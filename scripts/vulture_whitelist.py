@@ -53,7 +53,7 @@ _.get_computed_blocks
 _.record_prefix_cache_stats
 _.make_prefix_cache_stats
 
-# ReuseFigures fields go to /metrics by name (dataclasses.asdict, engine/metrics.py).
+# PrefixCacheFigures fields go to /metrics by name (dataclasses.asdict, engine/metrics.py).
 _.handovers
 
 # vLLM's workers and model runners (engine/worker_*.py).

@@ -3,7 +3,9 @@
 Before the engine starts: ``engine_args`` (validate, select our classes, refuse what cannot
 work), ``request_settings`` (per-request ``kv_*`` checked at admission, HTTP 400).
 Scheduler process: ``scheduler`` (vLLM's scheduler with page admission and frees) over
-``scheduler_kv_cache`` (vLLM's KV-cache manager, decided in pages).
+``scheduler_kv_cache`` (vLLM's KV-cache manager, decided in pages), ``admission`` (a prompt
+runs when it fits beside the running requests' growth), ``prefix_cache`` (who may read and
+who is kept, ``--kv-reuse``), ``scoring_memory`` (window-score memory, gated per chunk).
 Worker processes: ``worker_cpu`` / ``worker_gpu`` (vLLM's workers with our model runner),
 ``worker_runner`` (what both runners share), ``worker_runtime`` (one step on the worker),
 ``worker_state`` (page-table mirror, step batches), ``worker_compaction`` (plan, moves),

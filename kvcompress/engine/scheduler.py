@@ -16,8 +16,8 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import Compaction, attach_page_deltas, worker_report
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
+from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.request_settings import resolve
-from kvcompress.engine.reuse import ContinuationCache
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.scoring_memory import ScoringGate
 from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
@@ -59,10 +59,10 @@ class KVCompressScheduler(Scheduler):
             lookahead=self.compression_config.admission_lookahead,
             running=lambda: self.running,
         )
-        self.reuse = ContinuationCache(self.page_manager, self.compression_config)
+        self.reuse = PrefixCachePolicy(self.page_manager, self.compression_config)
         if self.compression_config.reuse == "on" and not self.reuse.enabled:
-            logger.info("kvcompress: multi-turn reuse is off for models with sliding-window "
-                        "layers")
+            logger.info("kvcompress: the prefix cache (--kv-reuse) is off for models with "
+                        "sliding-window layers")
         self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark,
             self.admission, self.scheduler_config.max_num_batched_tokens, self.reuse,

@@ -5,8 +5,8 @@ never to be the limit: it keeps doing the logical bookkeeping the scheduler reli
 (block ids, per-request block lists), but no memory stands behind those blocks. Memory
 lives in the page pool, and whether a request may run is decided here, in pages.
 
-vLLM's prefix-cache questions are answered here too, from kvcompress's own cache of
-finished requests' pages (``kvcompress.engine.reuse``): a lookup returns the adopted
+vLLM's prefix-cache questions are answered here too, from kvcompress's own prefix cache of
+finished requests' pages (``kvcompress.engine.prefix_cache``): a lookup returns the hit's
 tokens with no vLLM blocks; the adoption happens in ``allocate_slots``, which hands the
 inner manager those tokens as already computed ("external") so it keeps its logical blocks.
 """
@@ -24,7 +24,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvcompress.engine.admission import AdmissionPlanner
-from kvcompress.engine.reuse import ContinuationCache, Match
+from kvcompress.engine.prefix_cache import Match, PrefixCachePolicy
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
 
@@ -59,7 +59,7 @@ class PagedKVCacheManager:
 
     def __init__(self, inner: KVCacheManager, pages: ShardedPageManager, watermark: float,
                  admission: AdmissionPlanner, max_num_batched_tokens: int,
-                 reuse: ContinuationCache, log_stats: bool = False,
+                 reuse: PrefixCachePolicy, log_stats: bool = False,
                  waiting: Callable[[], Iterable[Request]] = tuple) -> None:
         self.inner = inner
         self.waiting = waiting  # the scheduler's waiting requests
@@ -86,8 +86,8 @@ class PagedKVCacheManager:
 
     # ------------------------------------------------------------ prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """The tokens of the longest cached entry the request continues; no vLLM blocks
-        (the pages are adopted in ``allocate_slots``)."""
+        """The hit's tokens of the longest prefix-cache entry the request starts with; no
+        vLLM blocks (the pages are adopted in ``allocate_slots``)."""
         match = self.reuse.lookup(request)
         if match is None:
             self._matches.pop(request.request_id, None)
@@ -158,7 +158,7 @@ class PagedKVCacheManager:
                 return None
         copy = False
         if match is not None:
-            # A copy keeps the entry for another continuation, but it evicts other
+            # A copy keeps the entry for another adopter, but it evicts other
             # entries when the free pages fall short: under memory pressure each turn fewer
             # conversations found their cache (issue 30 item 5). So it is made from free
             # pages, or for a waiting branch of the same context; otherwise the entry is
@@ -218,8 +218,8 @@ class PagedKVCacheManager:
         return self.inner.pop_blocks_for_free(request)
 
     def _release_pages(self, request: Request) -> None:
-        """A finished request's pages become a cached entry (when reuse is on and they
-        are worth it); a preempted or failed one's are freed."""
+        """A finished request's pages become a prefix-cache entry (when the cache is on and
+        they are worth it); a preempted or failed one's are freed."""
         self._matches.pop(request.request_id, None)
         if (request.request_id in self.unfileable or not request.is_finished()
                 or not self.reuse.retire(request)):

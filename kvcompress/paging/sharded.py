@@ -22,7 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
-from kvcompress.paging.page_manager import PageFill, PageManager, PageTableDelta
+from kvcompress.paging.page_fill import PageFill
+from kvcompress.paging.page_manager import PageManager
+from kvcompress.paging.request_tables import PageTableDelta
 
 
 class ShardedPageManager:
@@ -167,7 +169,7 @@ class ShardedPageManager:
     def free(self, request_id: str) -> int:
         return sum(shard.free(request_id) for shard in self.shards)
 
-    # ------------------------------------------------------- cached entries
+    # --------------------------------------------------------- prefix cache
     def retire(self, request_id: str, entry_id: int, logical_len: int, prompt_len: int) -> bool:
         """Keep the finished request's pages as entry ``entry_id`` on every rank, or free
         them on every rank."""

@@ -44,7 +44,7 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_runtime
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import REPORT_ATTR
-from kvcompress.engine.reuse import ContinuationCache
+from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_moves import MoveBatch
@@ -93,7 +93,7 @@ class CacheLife:
         self.faults = faults
         self.step_number = 0
         pages = ShardedPageManager(LAYOUT)
-        reuse = ContinuationCache(pages, ENGINE)
+        reuse = PrefixCachePolicy(pages, ENGINE)
         self.running: list[Request] = []
         self.waiting: list[Request] = []
         admission = AdmissionPlanner(pages, ENGINE, max_model_len=4096,
@@ -328,7 +328,7 @@ class CacheLife:
         monkeypatch.setattr(MoveBatch, "run", run)
 
     def _watch_retirements(self) -> None:
-        """Which request each new entry was made of (``ContinuationCache.retire``)."""
+        """Which request each new entry was made of (``PrefixCachePolicy.retire``)."""
         real_retire = self.reuse.retire
 
         def retire(request) -> bool:

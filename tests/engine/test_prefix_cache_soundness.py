@@ -25,7 +25,7 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_runtime
 from kvcompress.engine.admission import AdmissionPlanner, peak_pages
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
-from kvcompress.engine.reuse import ContinuationCache
+from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_runtime import PagedKVRuntime
@@ -210,7 +210,7 @@ def paged_manager(layout: PageLayout, config: KVCompressionConfig, running=(),
                                  lookahead=config.admission_lookahead,
                                  running=lambda: list(running))
     return PagedKVCacheManager(inner, pages, 0.0, admission, 512,
-                               ContinuationCache(pages, config), waiting=lambda: waiting)
+                               PrefixCachePolicy(pages, config), waiting=lambda: waiting)
 
 
 def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that_step(

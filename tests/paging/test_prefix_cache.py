@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
-from kvcompress.paging.continuation_index import BLOCK_TOKENS, ContinuationIndex
+from kvcompress.paging.prefix_index import BLOCK_TOKENS, PrefixIndex
 
 PAGE = 4
 
@@ -162,7 +162,7 @@ def tokens(*values):
 
 
 def test_index_finds_entries_by_shared_prefix_and_settings():
-    index = ContinuationIndex()
+    index = PrefixIndex()
     base = np.arange(3 * BLOCK_TOKENS)
     assert index.add(1, base, first_cut=1, settings="none", exact=True)
     assert index.add(2, base[: 2 * BLOCK_TOKENS + 3], first_cut=2 * BLOCK_TOKENS + 3,

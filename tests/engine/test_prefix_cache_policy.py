@@ -1,4 +1,4 @@
-"""The scheduler's continuation cache: what is kept, what is looked up, and by whom."""
+"""The engine's prefix-cache policy: what is kept, what is looked up, and by whom."""
 
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.reuse import ContinuationCache
+from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.paging import PageLayout, ShardedPageManager
 
 
@@ -25,7 +25,7 @@ def cache(reuse="on"):
     layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=2, total_pages=200)
     config = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 64,
                                                "kv_reuse": reuse})
-    return ContinuationCache(ShardedPageManager(layout), config)
+    return PrefixCachePolicy(ShardedPageManager(layout), config)
 
 
 def finish(reuse, request_id, tokens, prompt_len, **overrides):

@@ -1,13 +1,14 @@
-"""Multi-turn reuse (``--kv-reuse``): finished requests' compressed caches, continued.
+"""The prefix cache, engine side (``--kv-reuse``): who may read and who is kept.
 
-When a request ends, its pages become a cached entry (``PageManager.retire``) filed by its
-tokens (``ContinuationIndex``). vLLM asks the KV-cache manager for a waiting request's cached
-prefix; this answers with the longest entry the prompt continues (``lookup``), and the
-adoption happens when vLLM allocates the request's slots: the entry's rows are copied onto
-new pages (it stays cached for another continuation) when free pages take the copy or a
-waiting branch continues it too, else handed over, so that no other conversation's entry is
-evicted for a copy (``scheduler_kv_cache``). vLLM then prefills only the rest of the
-prompt, and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache
+When a request ends, its pages become a prefix-cache entry (``PageManager.retire``, the
+words are defined in ``kvcompress.paging.prefix_cache``) filed by its tokens
+(``PrefixIndex``). vLLM asks the KV-cache manager for a waiting request's cached prefix;
+this answers with the longest hit among the entries the prompt starts with (``lookup``),
+and the adoption happens when vLLM allocates the request's slots: the entry's rows are
+copied onto new pages (it stays cached for another request) when free pages take the copy
+or a waiting branch starts with it too, else handed over, so that no other conversation's
+entry is evicted for a copy (``scheduler_kv_cache``). vLLM then prefills only the rest of
+the prompt, and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache
 metrics).
 
 Who may adopt an entry: a request with the same compression settings; or, when the entry's
@@ -32,7 +33,7 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.request_settings import resolve
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
-from kvcompress.paging.continuation_index import ContinuationIndex
+from kvcompress.paging.prefix_index import PrefixIndex
 
 logger = get_logger(__name__)
 
@@ -49,7 +50,7 @@ class Match:
 
 
 @dataclass
-class ReuseFigures:
+class PrefixCacheFigures:
     """Since the last take: adoptions and what they saved (for /metrics)."""
 
     adopted_tokens: int = 0
@@ -63,19 +64,21 @@ class ReuseFigures:
         return figures
 
 
-class ContinuationCache:
+class PrefixCachePolicy:
+    """The engine's prefix cache over every rank's pages: lookup, retire, adopt, clear."""
+
     def __init__(self, pages: ShardedPageManager, engine_config: KVCompressionConfig) -> None:
         self.pages = pages
         self.engine_config = engine_config
         self.enabled = engine_config.reuse == "on" and not pages.layout.has_sliding_layers
-        self.index = ContinuationIndex()
-        self.figures = ReuseFigures()  # since the last /metrics update
-        self.totals = ReuseFigures()  # since the start
+        self.index = PrefixIndex()
+        self.figures = PrefixCacheFigures()  # since the last /metrics update
+        self.totals = PrefixCacheFigures()  # since the start
         self._entry_ids = itertools.count(1)
 
     def lookup(self, request: Any) -> Match | None:
-        """The longest cached entry the request's prompt continues (its last prompt token is
-        always computed: vLLM needs its logits)."""
+        """The longest hit among the entries the request's prompt starts with (its last
+        prompt token is always computed: vLLM needs its logits)."""
         if not self.enabled or not self._may_read(request):
             return None
         self.forget_evicted()
@@ -95,7 +98,7 @@ class ContinuationCache:
         return best
 
     def retire(self, request: Any) -> bool:
-        """Keep a finished request's pages as an entry; False when they were freed."""
+        """Retire a finished request into an entry; False when its pages were freed."""
         request_id = request.request_id
         computed = request.num_computed_tokens
         if (not self.enabled or request.status not in _RETIRED_STATUSES

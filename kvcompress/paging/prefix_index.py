@@ -1,12 +1,13 @@
-"""Which cached entries a new prompt may continue: token prefixes matched by chained hashes.
+"""Which prefix-cache entries a new prompt may start from: token prefixes matched by
+chained hashes.
 
-An entry is a finished request's K/V (kept by ``PageManager.retire``) for its first tokens.
-A prompt continues it when they share a prefix at least as long as the entry's first cut (the
-first position where the entry's rows can be cut, ``CachedEntry.best_hit``). Entries are
-filed under the chained hash of their tokens up to the block boundary at or below that cut,
-so a lookup hashes the prompt once, block by block, finds the candidates filed under any of
-its boundaries, and confirms each one token by token (which also rules out collisions).
-No vLLM imports: the scheduler glue (``kvcompress.engine.reuse``) owns the policy.
+An entry is a finished request's K/V (``prefix_cache``) for its first tokens. A prompt may
+adopt it when they share a prefix at least as long as the entry's first cut (the first
+position where the entry's rows can be cut, ``CacheEntry.first_cut``). Entries are filed
+under the chained hash of their tokens up to the block boundary at or below that cut, so a
+lookup hashes the prompt once, block by block, finds the candidates filed under any of its
+boundaries, and confirms each one token by token (which also rules out collisions).
+No vLLM imports: the scheduler glue (``kvcompress.engine.prefix_cache``) owns the policy.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _chain_hashes(tokens: np.ndarray, limit: int) -> list[int]:
     return hashes
 
 
-class ContinuationIndex:
+class PrefixIndex:
     def __init__(self) -> None:
         self._filed: dict[int, _Filed] = {}
         self._by_hash: dict[int, set[int]] = {}
@@ -76,7 +77,7 @@ class ContinuationIndex:
     def candidates(self, tokens: np.ndarray, limit: int,
                    settings: Hashable) -> list[tuple[int, int, bool]]:
         """``(entry_id, shared, same_settings)`` for every entry the prompt ``tokens`` may
-        continue: made under equal ``settings``, or exact. ``shared`` = tokens in common (at
+        start from: made under equal ``settings``, or exact. ``shared`` = tokens in common (at
         most ``limit``), at least the entry's boundary."""
         tokens = np.asarray(tokens, dtype=np.int64)
         limit = min(limit, len(tokens))

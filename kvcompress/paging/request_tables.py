@@ -1,0 +1,293 @@
+"""The running requests' pages: per request, per (layer, KV head) row, its page table and
+how many of its logical tokens each row holds.
+
+Rows start alike and differ once compaction (or a sliding window) evicts tokens, so each
+request keeps its logical length (vLLM's positions with a slot reserved) and per row the
+tokens evicted; a row's physical length is the difference. Every change is also recorded as
+a ``PageTableDelta`` for the worker, which mirrors the tables (``take_deltas``). Pages come
+from and go back to the ``PagePool``; a request that starts from a prefix-cache entry is
+built by ``prefix_cache`` and added here (``add``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcompress.paging.layout import PageLayout
+from kvcompress.paging.page_fill import PageFill, evicted_fill
+from kvcompress.paging.page_pool import PagePool
+from kvcompress.paging.page_table import HeadPageTable
+
+
+@dataclass
+class PageTableDelta:
+    """Page-table changes of one request since the worker last heard about it.
+
+    ``fresh``: the request's table was (re)created, so the worker must drop whatever it
+    holds for this request id before applying ``appends``. ``drops[row]``: leading pages
+    that fell out of the row's sliding window (``HeadPageTable.drop_leading``), applied
+    before the appends (a request drops when it is scheduled, before it grows). Each append
+    is a pair ``(counts[rows], page_ids)`` for ``HeadPageTable.append``.
+
+    A fresh table may start from a prefix-cache entry: ``adopted_lengths[row]`` physical
+    tokens that stand for the first ``adopted_len`` logical tokens are already in the row's
+    first pages (the first append). ``copies = (src_page_ids, dst_page_ids)``: pages to
+    copy, ``pool[dst[i]] = pool[src[i]]``, before this step's forward (the adopted pages are
+    a copy of the entry's; without copies the entry's own pages were handed over).
+    """
+
+    fresh: bool
+    appends: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    drops: np.ndarray | None = None
+    adopted_lengths: np.ndarray | None = None
+    adopted_len: int = 0
+    copies: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclass(slots=True)  # admission reads a few fields of every request each step
+class RequestPages:
+    table: HeadPageTable
+    # Logical tokens (vLLM's positions) that have slots reserved.
+    logical_len: int
+    # Per row: logical tokens that no longer have a physical slot (evicted).
+    evicted: np.ndarray
+    # Logical tokens every row can still take without a new page: most decode steps fit
+    # (one token per row, a page every page_size steps) and skip the per-row arithmetic.
+    headroom: int = 0
+
+    # Per row: logical tokens evicted by the prompt's compaction only (decode eviction and
+    # sliding windows excluded), and whether the generated tokens still sit after the
+    # prompt part in order, one slot per position (no decode eviction ran). The prefix
+    # cache reads both to know where a retired request's rows can be cut.
+    prompt_evicted: np.ndarray | None = None
+    tail_in_order: bool = True
+    # Started from a prefix-cache entry: logical tokens adopted, and their per-row physical
+    # ones; and that entry's id when it was copied (it stays cached).
+    adopted: tuple[int, np.ndarray] | None = None
+    adopted_from: int | None = None
+    # ``evicted_fill`` of ``evicted`` (None: not computed since it changed). Only compaction
+    # changes it: window drops touch sliding rows only.
+    evicted_fill: np.ndarray | None = None
+
+    def refresh_headroom(self, page_size: int) -> None:
+        slots = self.table.num_pages.astype(np.int64) * page_size
+        self.headroom = int((slots - (self.logical_len - self.evicted)).min())
+
+
+class RequestTables:
+    def __init__(self, layout: PageLayout, pool: PagePool) -> None:
+        self.layout = layout
+        self.pool = pool
+        self.states: dict[str, RequestPages] = {}
+        self._pending: dict[str, PageTableDelta] = {}
+
+    # ----------------------------------------------------------------- figures
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def owned_pages(self, request_id: str | None = None) -> int:
+        if request_id is not None:
+            state = self.states.get(request_id)
+            return 0 if state is None else state.table.total_pages
+        return sum(state.table.total_pages for state in self.states.values())
+
+    def physical_lengths(self, request_id: str) -> np.ndarray:
+        """Per-row physical tokens of the slots reserved for the request."""
+        state = self.states[request_id]
+        return state.logical_len - state.evicted
+
+    def lengths_and_owned_pages(self, request_ids: Sequence[str]) -> tuple[np.ndarray,
+                                                                         np.ndarray]:
+        """``physical_lengths`` ``[requests, rows]`` and ``owned_pages`` ``[requests]`` of
+        many requests in one call, row by row (``page_fill`` needs no per-row work)."""
+        states = [self.states[request_id] for request_id in request_ids]
+        if not states:
+            return (np.zeros((0, self.layout.num_rows), dtype=np.int64),
+                    np.zeros(0, dtype=np.int64))
+        logical = np.array([state.logical_len for state in states], dtype=np.int64)
+        # np.array rather than np.stack: a fraction of the cost for hundreds of rows.
+        lengths = logical[:, None] - np.array([state.evicted for state in states])
+        owned = np.array([state.table.num_pages for state in states]).sum(axis=1,
+                                                                          dtype=np.int64)
+        return lengths, owned
+
+    def page_fill(self, request_ids: Sequence[str]) -> PageFill:
+        """``PageFill`` of the requests from their kept ``evicted_fill`` summaries."""
+        layout = self.layout
+        states = [self.states[request_id] for request_id in request_ids]
+        logical = np.array([state.logical_len for state in states], dtype=np.int64)
+        owned = np.array([state.table.total_pages for state in states], dtype=np.int64)
+        for state in states:
+            if state.evicted_fill is None:
+                state.evicted_fill = evicted_fill(state.evicted, layout)
+        if layout.has_sliding_layers:
+            evicted = np.array([state.evicted for state in states],
+                               dtype=np.int64).reshape(len(states), layout.num_rows)
+            sliding_lengths = logical[:, None] - evicted[:, layout.row_windows > 0]
+        else:
+            sliding_lengths = np.zeros((len(states), 0), dtype=np.int64)
+        return PageFill.of_summaries(logical, owned, [state.evicted_fill for state in states],
+                                     sliding_lengths, layout)
+
+    # ------------------------------------------------------------- allocation
+    def pages_needed(self, request_id: str, logical_len: int) -> int:
+        """Pages the request must gain to hold ``logical_len`` logical tokens."""
+        state = self.states.get(request_id)
+        if state is None:
+            return self.layout.pages_for_tokens(logical_len)
+        if logical_len - state.logical_len <= state.headroom:
+            return 0
+        return int(state.table.pages_missing(logical_len - state.evicted).sum())
+
+    def pages_needed_for_sequence(self, request_id: str, logical_len: int,
+                                  max_chunk: int) -> int:
+        """Pages the request must gain before its whole ``logical_len`` tokens are in, when
+        they arrive in chunks of at most ``max_chunk``: a sliding-window row never holds more
+        than its window plus a chunk (``PageLayout.row_tokens_bound``)."""
+        layout = self.layout
+        if not layout.has_sliding_layers:
+            return self.pages_needed(request_id, logical_len)
+        state = self.states.get(request_id)
+        evicted = 0 if state is None else state.evicted
+        held = 0 if state is None else state.table.num_pages
+        tokens = np.minimum(logical_len - evicted, layout.row_tokens_bound(logical_len, max_chunk))
+        needed = -(-tokens // layout.page_size) - held
+        return int(np.maximum(needed, 0).sum())
+
+    def allocate(self, request_id: str, logical_len: int, available: int) -> bool:
+        """Reserve slots up to ``logical_len`` tokens, taking at most ``available`` pages
+        from the pool; all or nothing."""
+        state = self.states.get(request_id)
+        fresh = state is None
+        if fresh:
+            state = RequestPages(
+                table=HeadPageTable(self.layout.num_rows, self.layout.page_size),
+                logical_len=0,
+                evicted=np.zeros(self.layout.num_rows, dtype=np.int64),
+            )
+        if logical_len <= state.logical_len:
+            return True
+        growth = logical_len - state.logical_len
+        if not fresh and growth <= state.headroom:
+            state.logical_len, state.headroom = logical_len, state.headroom - growth
+            return True
+        missing = state.table.pages_missing(logical_len - state.evicted)
+        needed = int(missing.sum())
+        if needed > available:
+            return False
+        page_ids = self.pool.pop(needed)
+        state.table.append(missing, page_ids)
+        state.logical_len = logical_len
+        state.refresh_headroom(self.layout.page_size)
+        if fresh:
+            self.states[request_id] = state
+        delta = self._pending.get(request_id)
+        if delta is None:
+            delta = self._pending[request_id] = PageTableDelta(fresh=fresh)
+        if needed:
+            delta.appends.append((missing, page_ids))
+        return True
+
+    def drop_outside_window(self, request_id: str, processed: int) -> int:
+        """Free the leading pages of sliding-window rows that only hold tokens no query
+        from ``processed`` on can see (positions < processed - W + 1): whole pages, so a row
+        loses a page every ``page_size`` tokens and nothing moves. Return how many."""
+        layout = self.layout
+        state = self.states.get(request_id)
+        if state is None or not layout.has_sliding_layers:
+            return 0
+        windows = layout.row_windows
+        dead = np.where(windows > 0, np.maximum(0, processed - windows + 1), 0)
+        drops = np.minimum((dead - state.evicted) // layout.page_size, state.table.num_pages)
+        drops = np.maximum(drops, 0).astype(np.int32)
+        total = int(drops.sum())
+        if not total:
+            return 0
+        delta = self._pending.get(request_id)
+        if delta is None:
+            delta = self._pending[request_id] = PageTableDelta(fresh=False)
+        if delta.appends:
+            # Within one schedule a request drops before it grows; anything else would
+            # reorder the worker's replay.
+            raise RuntimeError(f"request {request_id}: window drop after an append in one "
+                               "schedule")
+        delta.drops = drops if delta.drops is None else delta.drops + drops
+        self.pool.push(state.table.drop_leading(drops))
+        state.evicted = state.evicted + drops.astype(np.int64) * layout.page_size
+        state.refresh_headroom(layout.page_size)
+        return total
+
+    def release_after_compression(
+        self, request_id: str, logical_len: int, physical_lengths: np.ndarray,
+        kind: str = "prompt", prompt_evicted: np.ndarray | None = None,
+    ) -> int:
+        """The worker compacted the request: ``logical_len`` logical tokens now occupy
+        ``physical_lengths[row]`` slots. Free the trailing pages; return how many.
+        ``kind``: "prompt" (the prompt part was compacted, a generated tail kept whole) or
+        "decode" (generated tokens were evicted: their slots no longer follow positions).
+        ``prompt_evicted``: with "decode", the per-row prompt tokens a prompt compaction
+        reported together with it evicted (``Compaction.prompt_evicted``)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return 0  # finished or aborted while the step ran; already freed
+        physical_lengths = np.asarray(physical_lengths, dtype=np.int64)
+        if physical_lengths.shape != (self.layout.num_rows,):
+            raise ValueError(
+                f"expected {self.layout.num_rows} physical lengths, got {physical_lengths.shape}"
+            )
+        if logical_len > state.logical_len or np.any(physical_lengths > logical_len):
+            raise ValueError(
+                f"request {request_id}: compaction report ({logical_len} logical tokens, "
+                f"max physical {physical_lengths.max()}) exceeds the "
+                f"{state.logical_len} reserved logical tokens"
+            )
+        state.evicted = logical_len - physical_lengths
+        state.evicted_fill = None
+        if kind == "decode":
+            state.tail_in_order = False
+            if prompt_evicted is not None:
+                state.prompt_evicted = np.asarray(prompt_evicted, dtype=np.int64).copy()
+        else:
+            state.prompt_evicted = state.evicted.copy()
+        freed = state.table.truncate(state.logical_len - state.evicted)
+        state.refresh_headroom(self.layout.page_size)
+        self.pool.push(freed)
+        return len(freed)
+
+    # ---------------------------------------------------- requests come and go
+    def add(self, request_id: str, state: RequestPages, delta: PageTableDelta) -> None:
+        """A request whose table was built elsewhere (adopted from the prefix cache)."""
+        self.states[request_id] = state
+        self._pending[request_id] = delta
+
+    def remove(self, request_id: str) -> RequestPages | None:
+        """Forget the request without freeing its pages (they become a cache entry's)."""
+        self._pending.pop(request_id, None)
+        return self.states.pop(request_id, None)
+
+    def free(self, request_id: str) -> int:
+        state = self.remove(request_id)
+        if state is None:
+            return 0
+        pages = state.table.all_pages()
+        self.pool.push(pages)
+        return len(pages)
+
+    def take_deltas(self) -> dict[str, PageTableDelta]:
+        """The changes since the last call, for the worker."""
+        deltas, self._pending = self._pending, {}
+        return deltas
+
+    def check(self) -> list[np.ndarray]:
+        """Raise AssertionError on a table that miscounts its pages or a stale summary;
+        return every request's pages (for ``PagePool.check``)."""
+        for request_id, state in self.states.items():
+            assert state.table.total_pages == state.table.num_pages.sum(), (
+                f"request {request_id}: its table miscounts its pages")
+            assert state.evicted_fill is None or np.array_equal(
+                state.evicted_fill, evicted_fill(state.evicted, self.layout)), (
+                f"request {request_id}: stale summary of its evicted tokens")
+        return [state.table.all_pages() for state in self.states.values()]
