@@ -73,6 +73,10 @@ DEFAULT_SCORING = "auto"  # measured: docs/methods.md, "Scoring, by measurement"
 # of max_num_batched_tokens) and the scratch pages it writes its own K/V into.
 DEFAULT_RECONSTRUCT_CHUNK = 512
 RECONSTRUCT_CHUNK_RANGE = (16, 8192)
+# Prompts, and the new tokens of a turn continuing a cached conversation, this short are kept
+# whole: a chat turn's question is gone before it is answered otherwise, for a few tokens per
+# head (measured: docs/methods.md, "Scoring, by measurement").
+DEFAULT_MIN_PROMPT = 128
 
 
 class KVCompressionConfigError(ValueError):
@@ -223,6 +227,13 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         SCORINGS,
     ),
     FlagSpec(
+        "kv_min_prompt", "--kv-min-prompt", "min_prompt", int,
+        "Prompts of at most N tokens are kept whole, and so are the new tokens of a turn "
+        "that continues a cached conversation (its question would otherwise be compressed "
+        "before it is answered). Applies with --kv-compression-ratio too. >= 0; default "
+        f"{DEFAULT_MIN_PROMPT}.",
+    ),
+    FlagSpec(
         "kv_profile", "--kv-profile", "profile", str,
         "With --kv-scoring expected: the model's query profile, made once by "
         "'python -m kvcompress.profile_model MODEL_DIR'. Default: kvcompress_profile.pt in "
@@ -272,14 +283,17 @@ class KVCompressionConfig:
     scoring: str = DEFAULT_SCORING
     reconstruct_chunk: int = DEFAULT_RECONSTRUCT_CHUNK
     profile: str = ""  # the query profile's path; "" = beside the model
+    min_prompt: int = DEFAULT_MIN_PROMPT
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
 
     def compresses(self, prompt_len: int) -> bool:
-        """Whether a prompt of this length is compacted after its prefill."""
-        return self.enabled and (self.ratio is not None or prompt_len > (self.budget or 0))
+        """Whether a prompt (or a continuation's new segment) of this length is compacted
+        after its prefill."""
+        return (self.enabled and prompt_len > self.min_prompt
+                and (self.ratio is not None or prompt_len > (self.budget or 0)))
 
     def reconstructs(self, prompt_len: int) -> bool:
         """Whether a prompt of this length is scored by reconstructing it (an extra pass)
@@ -404,6 +418,8 @@ class KVCompressionConfig:
         self._validate_decode()
         if self.reuse not in REUSE_CHOICES:
             _fail("kv_reuse", f"got {self.reuse!r}; allowed: {', '.join(REUSE_CHOICES)}")
+        if self.min_prompt < 0:
+            _fail("kv_min_prompt", f"got {self.min_prompt}; allowed: an integer >= 0")
         if self.admission_lookahead < 0:
             _fail("kv_admission_lookahead",
                   f"got {self.admission_lookahead}; allowed: an integer >= 0")

@@ -177,6 +177,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
         "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
+        "kv_min_prompt": 64,
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:
