@@ -352,8 +352,8 @@ def run(args: argparse.Namespace) -> str:
         "runtime_s": time.perf_counter() - started,
     }
     write_outputs(report, args.output_json, args.plot)
-    return render(report) + f"\n\nwrote {args.output_json} and {args.plot} " \
-        f"({report['runtime_s']:.0f} s)"
+    return f"command: {report['command']}\n" + render(report) + \
+        f"\n\nwrote {args.output_json} and {args.plot} ({report['runtime_s']:.0f} s)"
 
 
 def selection_defaults() -> str:
@@ -391,7 +391,6 @@ def render(report: dict[str, Any]) -> str:
     layers = len(stats["entropy"])
     rows = [{"layer": i, **{k: stats[k][i] for k in stats}} for i in range(layers)]
     lines = [
-        f"command: {report['command']}",
         "per-layer attention of late prompt queries (mean over heads and inputs):",
         format_table(rows, [("layer", "layer"), ("entropy", "entropy"),
                             ("normalized_entropy", "norm. entropy"), ("top_mass", "top-2% mass"),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine import generate  # no vLLM import until an engine is built
-from benchmarks.report import command_string, machine_info, write_json
+from benchmarks.report import command_string, format_table, machine_info, write_json
 from benchmarks.specs import detect_device
 
 # In-process engine core and worker: the worker's counters are read directly (set before
@@ -124,6 +124,18 @@ def format_row(row: CostRow) -> str:
     )
 
 
+def render(rows: list[dict[str, Any]]) -> str:
+    """Scoring + compaction as a share of prefill time, per prompt length (the JSON's rows)."""
+    table = [{**row, "pct": 100 * row["compression_fraction"]} for row in rows]
+    return format_table(table, [
+        ("prompt_len", "prompt tokens"), ("num_prompts", "prompts"),
+        ("compressed_seconds", "prefill s (compressed)"),
+        ("uncompressed_seconds", "prefill s (none)"), ("slowdown", "ratio"),
+        ("score_seconds", "scoring s"), ("compaction_seconds", "compaction s"),
+        ("pct", "% of prefill"), ("tokens_moved", "token-rows moved"),
+        ("tokens_evicted", "token-rows evicted")])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compression_cost",
                                      description=__doc__.split("\n\n")[0])
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine['cpu_model']}, {machine['cpu_count']} cores, {machine['device']}; "
           f"{machine['date']}")
     rows = run(args)
+    print(render([asdict(row) | {"compression_fraction": row.compression_fraction,
+                                 "slowdown": row.slowdown} for row in rows]))
     if args.json:
         write_json(args.json, {
             "benchmark": "compression_cost",

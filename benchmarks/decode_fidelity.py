@@ -160,6 +160,15 @@ def score_recall_runs(specs: list[CompressionSpec], results: dict[str, Any], rec
     return rows
 
 
+def fidelity_table(rows: list[dict[str, Any]]) -> str:
+    """prefix@H and match@H of every configuration, for the horizons H the rows carry."""
+    horizons = sorted({int(key.split("@")[1]) for row in rows for key in row
+                       if key.startswith("prefix@")})
+    return format_table(rows, [("label", "config")] + [
+        (f"{kind}@{h}", f"{kind}@{h}") for h in horizons for kind in ("prefix", "match")
+    ])
+
+
 def recall_table(rows: list[dict[str, Any]]) -> str:
     def cells(row: dict[str, Any]) -> dict[str, Any]:
         low, high = row.get("interval") or (None, None)
@@ -267,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         horizons = sorted({min(256, args.output_len), args.output_len})
         rows = score(specs, results, horizons)
-        table = format_table(rows, [("label", "config")] + [
-            (f"{kind}@{h}", f"{kind}@{h}") for h in horizons for kind in ("prefix", "match")
-        ])
+        table = fidelity_table(rows)
     report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
     write_json(output_json, report)
     print()

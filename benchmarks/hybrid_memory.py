@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import command_string, machine_info, write_json
+from benchmarks.report import command_string, format_table, machine_info, write_json
 from benchmarks.specs import detect_device
 
 DEFAULT_MODEL = ".models/gemma-3-270m"
@@ -83,6 +83,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def render(rows: list[dict[str, Any]]) -> str:
+    """KV MiB held per prompt length: while decoding (the figure that matters) and at peak."""
+    mib = 2 ** 20
+    table = [{"prompt_len": row["prompt_len"],
+              "vanilla": row["vanilla_decode_bytes"] / mib,
+              "ours": row["kvcompress_decode_bytes"] / mib, "x": row["x_vanilla"],
+              "vanilla_peak": row["vanilla_peak_bytes"] / mib,
+              "ours_peak": row["kvcompress_peak_bytes"] / mib} for row in rows]
+    return format_table(table, [
+        ("prompt_len", "prompt tokens"), ("vanilla", "vanilla MiB decoding"),
+        ("ours", "kvcompress MiB decoding"), ("x", "x less"),
+        ("vanilla_peak", "vanilla peak MiB"), ("ours_peak", "kvcompress peak MiB")])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hybrid_memory",
                                      description=__doc__.split("\n\n")[0])
@@ -106,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     command, machine = command_string(), machine_info(detect_device())
     print(f"command: {command}")
     rows = run(args)
+    print(render(rows))
     if args.json:
         settings = {key: value for key, value in vars(args).items() if key != "json"}
         write_json(args.json, {"benchmark": "hybrid_memory", "command": command,

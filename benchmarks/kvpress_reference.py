@@ -609,13 +609,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
     write_json(args.output, result)
-    print(format_table(result["rows"], COLUMNS, digits=3))
-    print(f"\nfull cache accuracy {result['full_cache_accuracy']:.3f}; "
-          f"{result['layer_heads']} layer-heads; prompts of {result['prompt_len']['min']}-"
-          f"{result['prompt_len']['max']} tokens; versions {result['versions']}")
-    print("\nPyramidKV tokens per KV head over all layers (window included):")
-    print(format_table(result["pyramid_totals"], PYRAMID_COLUMNS, digits=2))
+    print(render(result))
     print(f"\nchecks: {result['checks']}\nwrote {args.output}")
+
+
+def render(result: dict[str, Any]) -> str:
+    """Token overlap and accuracy per method and budget, then PyramidKV's totals."""
+    return "\n".join([
+        format_table(result["rows"], COLUMNS, digits=3),
+        f"\nfull cache accuracy {result['full_cache_accuracy']:.3f}; "
+        f"{result['layer_heads']} layer-heads; prompts of {result['prompt_len']['min']}-"
+        f"{result['prompt_len']['max']} tokens; versions {result['versions']}",
+        "\nPyramidKV tokens per KV head over all layers (window included):",
+        format_table(result["pyramid_totals"], PYRAMID_COLUMNS, digits=2),
+    ])
 
 
 if __name__ == "__main__":

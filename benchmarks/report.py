@@ -1,21 +1,28 @@
-"""What a benchmark leaves behind: plain-text tables, the JSON file and its run metadata
-(the command that reproduces it, the machine it ran on)."""
+"""What a benchmark leaves behind: plain-text tables (Markdown ones for docs/results.md), the
+JSON file and its run metadata (the command that reproduces it, the commit and the machine it
+ran on)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
 import json
 import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = RESULTS_DIR.parent.parent
+# CPU flags worth recording with a result: what vLLM's CPU kernels and torch pick by.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+_MARKDOWN = contextvars.ContextVar("markdown_tables", default=False)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -31,14 +38,28 @@ def format_value(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+@contextlib.contextmanager
+def markdown_tables() -> Iterator[None]:
+    """Within it, format_table writes Markdown tables (set off by blank lines), so a
+    benchmark's own render functions serve docs/results.md unchanged."""
+    token = _MARKDOWN.set(True)
+    try:
+        yield
+    finally:
+        _MARKDOWN.reset(token)
+
+
 def format_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str, str]],
                  digits: int = 2) -> str:
-    """Plain-text table; ``columns`` = (key, header) pairs. Text left, numbers right aligned."""
+    """Plain-text table; ``columns`` = (key, header) pairs. Text left, numbers right aligned.
+    A Markdown table inside ``markdown_tables()``."""
     rows = list(rows)
     cells = [[format_value(row.get(key), digits) for key, _ in columns] for row in rows]
     headers = [header for _, header in columns]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
     numeric = [all(_is_number(row.get(key)) for row in rows) for key, _ in columns]
+    if _MARKDOWN.get():
+        return _markdown_table(headers, cells, numeric)
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
         parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
@@ -47,6 +68,15 @@ def format_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[tuple[str,
     out = [line(headers), line(["-" * w for w in widths])]
     out.extend(line(c) for c in cells)
     return "\n".join(out)
+
+
+def _markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]],
+                    numeric: Sequence[bool]) -> str:
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(v.replace("|", "\\|") for v in values) + " |"
+
+    rule = "|" + "|".join("---:" if num else "---" for num in numeric) + "|"
+    return "\n".join(["", line(headers), rule, *(line(c) for c in cells), ""])
 
 
 def _is_number(value: Any) -> bool:
@@ -89,6 +119,8 @@ def machine_info(device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
+        "isa": _isa_flags(),
+        "commit": git_commit(),
     }
     with contextlib.suppress(Exception):
         import torch
@@ -109,6 +141,30 @@ def _first_version(version: Callable[[str], str], names: Sequence[str]) -> str |
     for name in names:
         with contextlib.suppress(Exception):
             return version(name)
+    return None
+
+
+def git_commit(root: Path = REPO_ROOT) -> str | None:
+    """The checkout's commit (12 hex digits), ``+dirty`` when tracked files differ from it;
+    None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def _isa_flags() -> list[str] | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in ISA_FLAGS if flag in present]
     return None
 
 

@@ -179,18 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def render(rows: list[dict[str, Any]]) -> str:
+    columns = [("case", "case"), ("scheduler_ms", "scheduler"), ("admission_ms", "admission"),
+               ("worker_prepare_ms", "worker prepare"), ("worker_finish_ms", "worker finish"),
+               ("total_ms", "total ms"), ("kernel_prepare_ms", "CPU kernel prepare"),
+               ("table_widths", "table widths"), ("page_table_mb", "tables MB"),
+               ("tables_copied_per_step", "tables copied / step")]
+    return format_table(rows, columns)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)  # the scheduler and the worker's host side are single threads
     rows = [run_case(args, with_prefill=False), run_case(args, with_prefill=True),
             run_case(args, with_prefill=False, churn=True)]
-    columns = [("case", "case"), ("scheduler_ms", "scheduler"), ("admission_ms", "admission"),
-               ("worker_prepare_ms", "worker prepare"), ("worker_finish_ms", "worker finish"),
-               ("total_ms", "total ms"), ("kernel_prepare_ms", "CPU kernel prepare"),
-               ("table_widths", "table widths"), ("page_table_mb", "tables MB"),
-               ("tables_copied_per_step", "tables copied / step")]
-    print(format_table(rows, columns))
+    print(render(rows))
     print(f"target: <= {TARGET_MS} ms per step")
     report = {"benchmark": "step_overhead", "command": command_string([sys.argv[0], *argv]),
               "machine": machine_info("cuda" if torch.cuda.is_available() else "cpu"),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole suite, slow engine and server tests included (CI runs everything), the GPU check
-# in its CPU mode, then the static checks: ruff, the import-layering contracts (lint-imports),
-# the Dockerfiles (hadolint) and dead code (vulture).
+# in its CPU mode, then the static checks: docs/results.md current with benchmarks/results
+# (results_doc --check), ruff, the import-layering contracts (lint-imports), the Dockerfiles
+# (hadolint) and dead code (vulture). tests/README.md describes the layout.
 # pytest's exit code 5 (no tests collected) counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ if [ "$status" -ne 0 ]; then
 fi
 # The GPU path's prepared check, in its CPU mode (Triton interpreter, vLLM unimportable).
 bash scripts/gpu_check.sh --cpu "${TMPDIR:-/tmp}/kvcompress-gpu-check" || exit 1
+.venv/bin/python -m benchmarks.results_doc --check || exit 1
 .venv/bin/ruff check . || exit 1
 .venv/bin/lint-imports --no-logo || exit 1
 .venv/bin/hadolint docker/Dockerfile.cuda docker/Dockerfile.cpu || exit 1

@@ -77,7 +77,7 @@ _._name_or_path
 # observation window (engine/scoring_memory.py).
 _.deferred_chunks
 
-# benchmarks/multi_turn.py: TurnRecord fields, read by name from its asdict() records.
+# benchmarks/multi_turn/driver.py: TurnRecord fields, read by name from its asdict() records.
 _.cached_tokens
 _.context_tokens
 _.context_match

@@ -12,29 +12,27 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import multi_turn
-from benchmarks.multi_turn import (
-    DEFAULT_CONFIGS,
+from benchmarks.multi_turn import driver
+from benchmarks.multi_turn.configs import DEFAULT_CONFIGS, RunConfig, parse_configs
+from benchmarks.multi_turn.driver import drive, request_times
+from benchmarks.multi_turn.report import render, render_recall
+from benchmarks.multi_turn.summary import (
+    add_ratios,
+    add_recall,
+    per_turn,
+    ratio,
+    recall_scores,
+    summarize,
+)
+from benchmarks.multi_turn.workload import (
     RECALL_PREFIX,
     RECALL_QUESTION,
     Conversation,
     ConversationState,
     PromptBuilder,
-    RunConfig,
-    add_ratios,
-    add_recall,
     chat_conversations,
     common_prefix,
-    drive,
-    parse_configs,
-    per_turn,
-    ratio,
     recall_conversations,
-    recall_scores,
-    render,
-    render_recall,
-    request_times,
-    summarize,
 )
 from benchmarks.specs import CompressionSpec
 
@@ -241,7 +239,7 @@ def _conversations(turns=3):
 
 def test_drive_rounds_waits_for_the_whole_turn(monkeypatch):
     clock = StepClock()
-    monkeypatch.setattr(multi_turn, "time", clock)
+    monkeypatch.setattr(driver, "time", clock)
     engine = FakeEngine(clock=clock)
     records, elapsed = drive(engine, _conversations(), PromptBuilder(CharTokenizer(), "tokens"),
                              lambda c, t: (c.index, t))

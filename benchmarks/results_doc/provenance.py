@@ -1,0 +1,192 @@
+"""Where a result comes from (command, commit, machine, date, as its JSON recorded them, or
+"not recorded") and whether it is stale: the ledger of changes that alter what a benchmark
+measures, and the rule that applies it.
+
+The rule, mechanical and decided by the JSON and this file alone (so ``--check`` gives the
+same answer on every checkout):
+
+1. A result whose JSON records no date or no command is stale: it cannot be placed against
+   the ledger or reproduced as it ran.
+2. A result is stale when a ledger entry for its section is dated after the run started
+   (``machine.date``, taken when the run starts), unless the entry names the result as
+   measured on that change before it was committed (``measured_by``). An entry may be
+   limited to runs of some dtypes (``dtypes``: the AMX page layout only picks bf16 pages).
+
+A change that alters what a benchmark measures (a default, an algorithm, the work per step)
+adds an entry here; docs/results.md then marks every older result of the sections it names.
+Re-running the benchmark (its JSON gets a newer date) clears the marker.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.report import ISA_FLAGS
+
+NOT_RECORDED = "not recorded"
+
+# Sections whose results come from a vLLM engine running the embedded model (what a change
+# to the engine's defaults can move).
+ENGINE_SECTIONS = (
+    "throughput", "tensor_parallel", "memory_sweep", "long_generation", "paging_overhead",
+    "decode_fidelity", "decode_recall", "quality", "compression_cost", "hybrid_memory",
+    "multi_turn", "multi_turn_recall", "shared_context",
+)
+COMPRESSED_THROUGHPUT = ("throughput", "tensor_parallel", "memory_sweep", "long_generation")
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change that alters what the results of ``sections`` measure."""
+
+    commit: str
+    since: str  # ISO time of the commit: runs started before it measured the code before it
+    what: str
+    sections: tuple[str, ...]
+    dtypes: tuple[str, ...] = ()  # only runs in these dtypes (empty: every run)
+    measured_by: tuple[str, ...] = ()  # results run on this change before it was committed
+
+    @property
+    def time(self) -> datetime.datetime:
+        return parse_time(self.since)
+
+    def applies(self, section: str, name: str, dtype: str | None,
+                started: datetime.datetime) -> bool:
+        return (section in self.sections and started < self.time
+                and name not in self.measured_by
+                and (not self.dtypes or dtype in self.dtypes))
+
+
+CHANGES: tuple[Change, ...] = (
+    Change("d81c81a", "2026-12-01T17:04:11+00:00",
+           "admission by future page peak (`--kv-admission-lookahead`): compressed requests "
+           "are no longer preempted and recomputed uncompressed",
+           (*COMPRESSED_THROUGHPUT, "paging_overhead")),
+    Change("f76a1c6", "2026-12-01T20:57:18+00:00",
+           "selection defaults: max pooling kernel 15 (was 7), PyramidKV slope 2 (was 20); "
+           "the same tokens per request, spread differently over layers",
+           (*COMPRESSED_THROUGHPUT, "quality", "attention_analysis", "compression_cost",
+            "kvpress_reference"),
+           # its working tree ran the default-profile quality run (b9797b9 says so)
+           measured_by=("quality.json",)),
+    Change("5d3feec", "2026-12-02T09:36:32+00:00",
+           "decode scores (`h2o`, `snapkv`) read K pages with one index_select: the same "
+           "sums in another order, the scoring pass about twice as fast",
+           ("long_generation", "decode_fidelity", "decode_recall")),
+    Change("cc7438b", "2026-12-02T14:31:07+00:00",
+           "step page tables by width class kept between steps (7692af2, 1b1b506) and the "
+           "admission check over the running batch at once: less host work per step",
+           ("step_overhead", "paging_overhead")),
+    Change("c1e03b8", "2026-12-02T14:48:16+00:00",
+           "AMX page layout: `--kv-page-size` 32 on CPUs with AMX tiles in bf16, where "
+           "vLLM's amx attention kernel reads the pages (prefill attention ~3.2x faster)",
+           ENGINE_SECTIONS, dtypes=("bfloat16",)),
+    Change("de8a03a", "2026-12-03T08:01:21+00:00",
+           "reuse: an adoption copies a cached entry only from free pages, else takes it "
+           "over, so no adoption evicts another conversation's entry",
+           ("multi_turn", "multi_turn_recall")),
+    Change("3be77cf", "2026-12-03T08:29:06+00:00",
+           "`--kv-scoring` default: with reuse on (the default with prefix caching) each "
+           "compressed prompt is scored by `hybrid` (window + a reconstruction pass; `auto` "
+           "since c8323d3), where these runs scored by the window alone",
+           ("multi_turn", "multi_turn_recall")),
+    Change("5fdd555", "2026-12-03T09:03:21+00:00",
+           "hybrid scoring pools each source before the rank union (pooling after it spread "
+           "either source's top and lost single-question retrieval)",
+           ("shared_context",)),
+)
+
+
+def parse_time(text: str) -> datetime.datetime:
+    moment = datetime.datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.astimezone(datetime.timezone.utc)
+
+
+def show_time(moment: datetime.datetime) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M UTC")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a result's JSON says about its run; None where it says nothing."""
+
+    command: str | None
+    commit: str | None
+    started: datetime.datetime | None
+    cpu_model: str | None
+    cpu_count: int | None
+    isa: tuple[str, ...] | None
+    gpu: str | None
+    dtype: str | None
+    versions: str | None
+    runtime_s: float | None
+
+    @classmethod
+    def of(cls, report: Mapping[str, Any]) -> Provenance:
+        machine = report.get("machine") or {}
+        settings = report.get("settings") or {}
+        date = machine.get("date") or report.get("date")
+        isa = machine.get("isa")
+        versions = ", ".join(f"{name} {machine[name]}" for name in ("vllm", "torch")
+                             if machine.get(name))
+        runtime = report.get("runtime_s", report.get("seconds"))
+        return cls(
+            command=report.get("command"),
+            commit=machine.get("commit") or report.get("commit"),
+            started=parse_time(date) if date else None,
+            cpu_model=machine.get("cpu_model"),
+            cpu_count=machine.get("cpu_count"),
+            isa=tuple(isa) if isa is not None else None,
+            gpu=machine.get("gpu"),
+            dtype=settings.get("dtype"),
+            versions=versions or None,
+            runtime_s=float(runtime) if isinstance(runtime, (int, float)) else None,
+        )
+
+    @property
+    def machine(self) -> str:
+        """CPU model, cores, ISA, GPU, dtype and versions, each "not recorded" if missing."""
+        if self.cpu_model is None:
+            return NOT_RECORDED
+        cores = f" ({self.cpu_count} CPUs)" if self.cpu_count else ""
+        if self.isa is None:
+            isa = f"ISA {NOT_RECORDED}"
+        else:
+            isa = "ISA " + (" ".join(self.isa) or "none of " + " ".join(ISA_FLAGS))
+        parts = [f"{self.cpu_model}{cores}", isa]
+        if self.gpu:
+            parts.append(self.gpu)
+        if self.dtype:
+            parts.append(self.dtype)
+        if self.versions:
+            parts.append(self.versions)
+        return ", ".join(parts)
+
+    @property
+    def short_machine(self) -> str:
+        """The CPU model and dtype, for the README's headline table."""
+        model = (self.cpu_model or NOT_RECORDED).replace("(R)", "")
+        model = " ".join(model.replace("Processor", "").split())
+        return f"{model}, {self.dtype}" if self.dtype else model
+
+
+def stale_reasons(section: str, name: str, report: Mapping[str, Any]) -> list[str]:
+    """Why the result ``name`` (its path under benchmarks/results) of ``section`` is stale;
+    empty when it is current."""
+    run = Provenance.of(report)
+    reasons = []
+    if run.started is None:
+        reasons.append("its JSON records no date (nor machine): it cannot be placed against "
+                       "the changes since")
+    if run.command is None:
+        reasons.append("its JSON records no command")
+    if run.started is not None:
+        reasons.extend(
+            f"ran before {change.commit} ({show_time(change.time)}): {change.what}"
+            for change in CHANGES if change.applies(section, name, run.dtype, run.started))
+    return reasons

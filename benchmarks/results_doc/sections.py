@@ -1,0 +1,199 @@
+"""What docs/results.md shows: its sections (which result files, rendered by which of the
+benchmarks' own table functions) and the README's headline rows.
+
+Every JSON under benchmarks/results belongs to exactly one section. A section's prose is
+benchmarks/results/notes/<key>.md; a line ``<!-- result: NAME -->`` there places that
+result's table and provenance, the others follow the prose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks import (
+    attention_analysis,
+    compression_cost,
+    decode_fidelity,
+    hybrid_memory,
+    kvpress_reference,
+    memory_sweep,
+    retention_analysis,
+    shared_context,
+    step_overhead,
+    throughput,
+)
+from benchmarks.multi_turn import report as multi_turn_report
+from benchmarks.quality import report as quality_report
+
+Report = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str  # its notes file and the name the ledger (provenance.CHANGES) uses
+    title: str
+    files: tuple[str, ...]  # under benchmarks/results; a trailing "/*.json" takes a folder
+    render: Callable[[Report], str]
+
+
+def _throughput(report: Report) -> str:
+    return throughput.render(report["configs"])
+
+
+def _memory_sweep(report: Report) -> str:
+    return memory_sweep.render(report["configs"])
+
+
+def _step_overhead(report: Report) -> str:
+    return step_overhead.render(report["cases"])
+
+
+def _decode_fidelity(report: Report) -> str:
+    return decode_fidelity.fidelity_table(report["configs"])
+
+
+def _decode_recall(report: Report) -> str:
+    return decode_fidelity.recall_table(report["configs"])
+
+
+def _quality(report: Report) -> str:
+    if report.get("benchmark") == "retention_analysis":
+        return retention_analysis.render(report["configs"])
+    return quality_report.render(report["configs"], report["workload"]["tasks"])
+
+
+def _compression_cost(report: Report) -> str:
+    return compression_cost.render(report["rows"])
+
+
+def _hybrid_memory(report: Report) -> str:
+    return hybrid_memory.render(report["rows"])
+
+
+def _multi_turn(report: Report) -> str:
+    return multi_turn_report.render(report["configs"])
+
+
+def _multi_turn_recall(report: Report) -> str:
+    return (multi_turn_report.render_recall(report["configs"]) + "\n\n"
+            + multi_turn_report.render(report["configs"]))
+
+
+def _shared_context(report: Report) -> str:
+    turns = report["workload"]["turns"]
+    return "\n\n".join(f"{mode} mode (accuracy per turn [95% interval]):\n"
+                       + shared_context.render(report["configs"], mode, turns)
+                       for mode in report["workload"]["modes"])
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("throughput", "Throughput against vanilla vLLM",
+            ("throughput.json", "throughput_2threads.json", "throughput_vec16_pages.json",
+             "throughput_2threads_vec16_pages.json", "throughput_avx2_float32.json",
+             "throughput_2threads_avx2_float32.json"), _throughput),
+    Section("tensor_parallel", "Tensor parallelism", ("throughput_tp2.json",), _throughput),
+    Section("memory_sweep", "KV memory sweep",
+            ("throughput_memory_sweep.json", "throughput_memory_sweep_avx2_float32.json"),
+            _memory_sweep),
+    Section("step_overhead", "Host work per step", ("step_overhead.json",), _step_overhead),
+    Section("long_generation", "Long generations",
+            ("throughput_long_generation.json", "throughput_long_generation_intel_amx.json",
+             "throughput_long_generation_window.json"), _throughput),
+    Section("decode_fidelity", "Decode-time fidelity", ("decode_fidelity.json",),
+            _decode_fidelity),
+    Section("decode_recall", "Decode-time recall",
+            ("decode_recall.json", "decode_recall_256.json", "decode_recall_512.json"),
+            _decode_recall),
+    Section("paging_overhead", "Per-head paging with nothing evicted", ("overhead.json",),
+            _throughput),
+    Section("quality", "Quality", ("quality.json",), _quality),
+    Section("quality_tuning", "Selection defaults, by measurement",
+            ("quality_tuning/*.json",), _quality),
+    Section("kvpress_reference", "Against NVIDIA kvpress", ("kvpress_reference.json",),
+            kvpress_reference.render),
+    Section("attention_analysis", "Attention analysis", ("attention_analysis.json",),
+            attention_analysis.render),
+    Section("compression_cost", "Compression cost", ("compression_cost.json",),
+            _compression_cost),
+    Section("hybrid_memory", "Hybrid model memory", ("hybrid_memory_gemma3.json",),
+            _hybrid_memory),
+    Section("multi_turn", "Multi-turn reuse", ("multi_turn.json",), _multi_turn),
+    Section("multi_turn_recall", "Multi-turn recall",
+            ("multi_turn_recall.json", "multi_turn_recall_budgets.json"), _multi_turn_recall),
+    Section("shared_context", "Scoring across turns", ("shared_context.json",
+                                                        "shared_context_hybrid.json"),
+            _shared_context),
+)
+
+
+# ----------------------------------------------------------------------------- headline
+@dataclass(frozen=True)
+class Headline:
+    """One row of the README's headline table: a figure read from one result."""
+
+    what: str
+    section: str
+    file: str
+    figure: Callable[[Report], str]
+
+
+def _config(report: Report, label: str) -> Mapping[str, Any]:
+    rows = report.get("configs") or report.get("rows") or []
+    for row in rows:
+        if row.get("label") == label:
+            return row
+    raise KeyError(f"no configuration {label!r} in the result")
+
+
+def _speedup(label: str) -> Callable[[Report], str]:
+    def figure(report: Report) -> str:
+        mine, vanilla = _config(report, label), _config(report, "vanilla")
+        return (f"**{mine['vs_vanilla']['output_tok_s']:.2f}x** vanilla's output tok/s; "
+                f"{mine['preemptions']} preemptions (vanilla {vanilla['preemptions']})")
+    return figure
+
+
+def _long_generation(report: Report) -> str:
+    window = _config(report, "pyramidkv:256@window:256")["vs_vanilla"]["output_tok_s"]
+    ample = _config(report, throughput.AMPLE_LABEL)["vs_vanilla"]["output_tok_s"]
+    return (f"**{window:.2f}x** vanilla's output tok/s (vanilla with memory for every "
+            f"request: {ample:.2f}x)")
+
+
+def _quality(report: Report) -> str:
+    kept = [_config(report, f"pyramidkv:{budget}")["retained"] for budget in (64, 128)]
+    return (f"PyramidKV keeps **{100 * kept[0]:.0f}%** / {100 * kept[1]:.0f}% of the full "
+            f"cache's accuracy at budget 64 / 128")
+
+
+def _multi_turn(report: Report) -> str:
+    reuse = _config(report, "pyramidkv:r=0.75+reuse=on")["vs_vanilla"]["output_tok_s"]
+    return f"**{reuse:.2f}x** the output tok/s of vanilla with its prefix cache"
+
+
+def _hybrid_memory(report: Report) -> str:
+    return ", ".join(f"**{row['x_vanilla']:.2f}x** less KV at {row['prompt_len']} tokens"
+                     for row in report["rows"])
+
+
+HEADLINES: tuple[Headline, ...] = (
+    Headline("Throughput, 8x compression (24 prompts of 1024 in / 128 out, KV memory for 3 "
+             "uncompressed requests), one engine thread", "throughput", "throughput.json",
+             _speedup("pyramidkv:r=0.875")),
+    Headline("The same, two engine threads", "throughput", "throughput_2threads.json",
+             _speedup("pyramidkv:r=0.875")),
+    Headline("The same at tensor parallel 2 (both engines TP 2; SmolLM2-shaped random "
+             "Llama with 4 KV heads)", "tensor_parallel", "throughput_tp2.json",
+             _speedup("pyramidkv:r=0.875")),
+    Headline("Long generations (256 in / 1024 out), each head keeping 256 generated tokens "
+             "(`window`)", "long_generation", "throughput_long_generation.json",
+             _long_generation),
+    Headline("Quality: passkey, needles and QA at 320 tokens, 120 prompts per cell",
+             "quality", "quality.json", _quality),
+    Headline("Multi-turn chat (10 conversations x 5 turns, KV memory for 3), PyramidKV 4x "
+             "with `--kv-reuse on`", "multi_turn", "multi_turn.json", _multi_turn),
+    Headline("Gemma 3 270M (sliding-window layers), one request decoding, PyramidKV at 128",
+             "hybrid_memory", "hybrid_memory_gemma3.json", _hybrid_memory),
+)
