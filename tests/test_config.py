@@ -210,24 +210,24 @@ def test_scoring_is_auto_by_default_hybrid_with_reuse_window_without():
     default = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                                 "kv_compression_ratio": 0.75})
     assert (default.scoring, default.reconstruct_chunk) == ("auto", 512)
-    assert default.resolved_scoring == "hybrid" and default.reconstructs(100)
+    assert default.resolved_scoring == "hybrid" and default.reconstructs(200)
     assert default.scores_window and default.reserves_reconstruction
     assert "scoring=hybrid" in default.describe()
     single = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                                "kv_compression_ratio": 0.75, "kv_reuse": "off"})
-    assert single.resolved_scoring == "window" and not single.reconstructs(100)
+    assert single.resolved_scoring == "window" and not single.reconstructs(200)
     assert not single.reserves_reconstruction
     config = default.with_request_overrides({"kv_scoring": "reconstruct"})
-    assert config.reconstructs(100) and not config.scores_window
+    assert config.reconstructs(200) and not config.scores_window
     # StreamingLLM keeps sinks and recent tokens: nothing to score, no pass
     streaming = config.with_request_overrides({"kv_compression": "streamingllm"})
-    assert not streaming.reconstructs(100)
+    assert not streaming.reconstructs(200)
     # a budget the prompt fits in compresses nothing: no pass
-    budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 64})
-    assert not budget.reconstructs(64) and budget.reconstructs(65)
+    budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 256})
+    assert not budget.reconstructs(256) and budget.reconstructs(257)
     assert not KVCompressionConfig().reserves_reconstruction
     window = config.with_request_overrides({"kv_scoring": "window"})
-    assert window.scoring == "window" and not window.reconstructs(100)
+    assert window.scoring == "window" and not window.reconstructs(200)
     with pytest.raises(KVCompressionConfigError,
                        match=r"--kv-scoring.*window, reconstruct, hybrid"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_scoring": "q"})
@@ -256,7 +256,7 @@ def test_expected_scoring_reads_a_profile_and_per_request_needs_the_engines():
                                                "kv_scoring": "expected",
                                                "kv_profile": "/Models/P.pt"})
     assert engine.profile == "/Models/P.pt" and engine.loads_profile
-    assert not engine.scores_window and not engine.reconstructs(100)
+    assert not engine.scores_window and not engine.reconstructs(200)
     assert not engine.reserves_reconstruction
     window = engine.with_request_overrides({"kv_scoring": "window"})
     assert window.scores_window and not window.loads_profile
@@ -267,3 +267,19 @@ def test_expected_scoring_reads_a_profile_and_per_request_needs_the_engines():
         engine.with_request_overrides({"kv_profile": "/other.pt"})
     with pytest.raises(KVCompressionConfigError, match="--kv-profile.*a string"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_profile": 3})
+
+
+def test_short_prompts_and_segments_are_kept_whole_even_with_a_ratio():
+    """--kv-min-prompt: a ratio compresses prompts longer than the floor only; a budget
+    still needs prompts longer than itself; 0 compresses every prompt a ratio applies to."""
+    ratio = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                              "kv_compression_ratio": 0.75})
+    assert ratio.min_prompt == 128
+    assert not ratio.compresses(128) and ratio.compresses(129)
+    every = ratio.with_request_overrides({"kv_min_prompt": 0})
+    assert every.compresses(1)
+    budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 64,
+                                               "kv_min_prompt": 100})
+    assert not budget.compresses(100) and budget.compresses(101)
+    with pytest.raises(KVCompressionConfigError, match=r"--kv-min-prompt.*>= 0"):
+        KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_min_prompt": -1})
