@@ -227,11 +227,13 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         SCORINGS,
     ),
     FlagSpec(
-        "kv_min_prompt", "--kv-min-prompt", "min_prompt", int,
-        "Prompts of at most N tokens are kept whole, and so are the new tokens of a turn "
-        "that continues a cached conversation (its question would otherwise be compressed "
-        "before it is answered). Applies with --kv-compression-ratio too. >= 0; default "
-        f"{DEFAULT_MIN_PROMPT}.",
+        "kv_reconstruct_chunk", "--kv-reconstruct-chunk", "reconstruct_chunk", int,
+        "With --kv-scoring reconstruct or hybrid: prompt tokens reconstructed per extra "
+        "forward (each "
+        "chunk attends to the whole prompt). Bounds that pass's activations and scratch "
+        "pages; capped at --max-num-batched-tokens. Integer in "
+        f"[{RECONSTRUCT_CHUNK_RANGE[0]}, {RECONSTRUCT_CHUNK_RANGE[1]}]; default "
+        f"{DEFAULT_RECONSTRUCT_CHUNK}.",
     ),
     FlagSpec(
         "kv_profile", "--kv-profile", "profile", str,
@@ -240,13 +242,11 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "the model folder. The engine refuses a profile made for another model.",
     ),
     FlagSpec(
-        "kv_reconstruct_chunk", "--kv-reconstruct-chunk", "reconstruct_chunk", int,
-        "With --kv-scoring reconstruct or hybrid: prompt tokens reconstructed per extra "
-        "forward (each "
-        "chunk attends to the whole prompt). Bounds that pass's activations and scratch "
-        "pages; capped at --max-num-batched-tokens. Integer in "
-        f"[{RECONSTRUCT_CHUNK_RANGE[0]}, {RECONSTRUCT_CHUNK_RANGE[1]}]; default "
-        f"{DEFAULT_RECONSTRUCT_CHUNK}.",
+        "kv_min_prompt", "--kv-min-prompt", "min_prompt", int,
+        "With --kv-compression-ratio: prompts of at most N tokens are kept whole, and so are "
+        "the new tokens of a turn that continues a cached conversation (its question would "
+        "otherwise be compressed before it is answered). With --kv-budget, prompts up to the "
+        f"budget are kept whole instead. >= 0; default {DEFAULT_MIN_PROMPT}.",
     ),
 )
 CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
@@ -292,8 +292,8 @@ class KVCompressionConfig:
     def compresses(self, prompt_len: int) -> bool:
         """Whether a prompt (or a continuation's new segment) of this length is compacted
         after its prefill."""
-        return (self.enabled and prompt_len > self.min_prompt
-                and (self.ratio is not None or prompt_len > (self.budget or 0)))
+        floor = self.min_prompt if self.ratio is not None else (self.budget or 0)
+        return self.enabled and prompt_len > floor
 
     def reconstructs(self, prompt_len: int) -> bool:
         """Whether a prompt of this length is scored by reconstructing it (an extra pass)

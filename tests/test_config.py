@@ -270,8 +270,8 @@ def test_expected_scoring_reads_a_profile_and_per_request_needs_the_engines():
 
 
 def test_short_prompts_and_segments_are_kept_whole_even_with_a_ratio():
-    """--kv-min-prompt: a ratio compresses prompts longer than the floor only; a budget
-    still needs prompts longer than itself; 0 compresses every prompt a ratio applies to."""
+    """--kv-min-prompt: a ratio compresses prompts longer than the floor only; with a budget
+    the budget is the floor; 0 compresses every prompt a ratio applies to."""
     ratio = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                               "kv_compression_ratio": 0.75})
     assert ratio.min_prompt == 128
@@ -280,6 +280,6 @@ def test_short_prompts_and_segments_are_kept_whole_even_with_a_ratio():
     assert every.compresses(1)
     budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 64,
                                                "kv_min_prompt": 100})
-    assert not budget.compresses(100) and budget.compresses(101)
+    assert not budget.compresses(64) and budget.compresses(65)
     with pytest.raises(KVCompressionConfigError, match=r"--kv-min-prompt.*>= 0"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_min_prompt": -1})

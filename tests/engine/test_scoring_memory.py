@@ -32,7 +32,8 @@ def test_scored_prompts_are_those_compacted_with_window_scores():
     assert not scores_prompt(KVCompressionConfig(), 10_000)
     ratio = KVCompressionConfig.from_mapping({"kv_compression": "adakv",
                                               "kv_compression_ratio": 0.5})
-    assert scores_prompt(ratio, 20)
+    assert scores_prompt(ratio, 129) and not scores_prompt(ratio, 128)  # --kv-min-prompt
+    assert scores_prompt(ratio.with_request_overrides({"kv_min_prompt": 0}), 20)
 
 
 def test_reserve_counts_accumulators_and_a_bounded_planning_workspace():
