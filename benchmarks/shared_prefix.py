@@ -56,7 +56,14 @@ from typing import Any
 
 from benchmarks.engine import Wave
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
-from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
+from benchmarks.report import (
+    RESULTS_DIR,
+    command_string,
+    format_table,
+    git_commit,
+    machine_info,
+    write_json,
+)
 from benchmarks.shared_context import HEADER, Document, Prompts, make_documents, score_answer
 from benchmarks.specs import (
     CompressionSpec,
@@ -406,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {
         "benchmark": "shared_prefix",
         "command": command_string([sys.argv[0], *argv]),
+        "commit": git_commit(),
         "machine": machine_info(device),
         "settings": {**vars(base), "kv_cache_memory_bytes": None, "threads": threads,
                      "kv_bytes_per_token": per_token,
