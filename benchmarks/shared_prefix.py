@@ -1,7 +1,7 @@
 """Concurrent requests on one long shared prefix: what vLLM's prefix cache shares among running
 requests and kvcompress does not (issue 30 item 6), in one invocation, same KV-cache bytes.
 
-    python -m benchmarks.shared_prefix                              # defaults (CPU: ~25 min)
+    python -m benchmarks.shared_prefix                 # defaults (2 busy CPUs: over an hour)
     python -m benchmarks.shared_prefix --configs vanilla,pyramidkv:r=0.75 --requests 8 \\
         --arrivals concurrent,warmed --kv-pools 3
 
