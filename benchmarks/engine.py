@@ -19,10 +19,13 @@ from benchmarks.specs import CompressionSpec, EngineSettings
 def build_engine(settings: EngineSettings, spec: CompressionSpec,
                  stat_loggers: list[Any] | None = None, *,
                  enable_prefix_caching: bool = False,
-                 logits_processors: Sequence[str] = ()) -> Any:
+                 logits_processors: Sequence[str] = (),
+                 iteration_details: bool = False) -> Any:
     """An LLMEngine for ``spec`` with the shared settings (stats on when loggers are given).
     Prefix caching is off unless asked for (benchmarks.multi_turn measures reuse).
-    ``logits_processors``: extra vLLM V1 logits processors, as "module:Class" paths."""
+    ``logits_processors``: extra vLLM V1 logits processors, as "module:Class" paths.
+    ``iteration_details``: the scheduler stats of every step carry vLLM's
+    ``SchedulerIterationDetails`` (tokens scheduled in prefill and in decode)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -42,6 +45,7 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         distributed_executor_backend=_executor(settings),
         disable_log_stats=not stat_loggers,
         logits_processors=list(logits_processors) or None,
+        enable_logging_iteration_details=iteration_details,
         additional_config=spec.additional_config(settings.compression_options),
     )
     return LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
@@ -62,6 +66,68 @@ def shutdown_engine(engine: Any) -> None:
     import gc
 
     gc.collect()
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Requests submitted together, (request id, prompt token ids) each, with one
+    SamplingParams. ``after``: when the wave is submitted: ``start`` (at once),
+    ``first_token`` (every request of the earlier waves has its first token: their prefills
+    are done) or ``finished`` (every earlier request has ended)."""
+
+    requests: Sequence[tuple[str, Sequence[int]]]
+    params: Any
+    after: str = "start"
+
+
+WAVE_STARTS = ("start", "first_token", "finished")
+
+
+@dataclass
+class WaveRun:
+    outputs: dict[str, Any]  # the final RequestOutput of every request, by id
+    ttft_s: dict[str, float]  # its submission -> the step that returned its first token
+    elapsed_s: float  # first submission -> last request finished
+
+
+def run_waves(engine: Any, waves: Sequence[Wave],
+              on_step: Callable[[], None] | None = None) -> WaveRun:
+    """Submit the waves of token-id prompts, each when its ``after`` holds, and step until
+    every request has ended."""
+    from vllm.inputs import TokensPrompt
+
+    for wave in waves:
+        if wave.after not in WAVE_STARTS:
+            raise ValueError(f"wave start {wave.after!r}; allowed: {', '.join(WAVE_STARTS)}")
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, Any] = {}
+    pending = list(waves)
+    started = time.perf_counter()
+
+    def ready(wave: Wave) -> bool:
+        if wave.after == "start":
+            return True
+        return all(request_id in done or (wave.after == "first_token" and request_id in first)
+                   for request_id in submitted)
+
+    while pending or engine.has_unfinished_requests():
+        while pending and ready(pending[0]):
+            wave = pending.pop(0)
+            for request_id, ids in wave.requests:
+                submitted[request_id] = time.perf_counter()
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)),
+                                   wave.params)
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.outputs[0].token_ids and output.request_id not in first:
+                first[output.request_id] = now - submitted[output.request_id]
+            if output.finished:
+                done[output.request_id] = output
+        if on_step is not None:
+            on_step()
+    return WaveRun(done, first, time.perf_counter() - started)
 
 
 @dataclass

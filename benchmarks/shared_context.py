@@ -85,6 +85,13 @@ class Document:
     text: str
     questions: tuple[Question, ...]  # in the order they are asked
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Document:
+        """From ``asdict(document)`` after a JSON round trip."""
+        return cls(data["index"], data["text"], tuple(
+            Question(q["kind"], q["text"], q["prefix"], tuple(q["references"]), q["metric"])
+            for q in data["questions"]))
+
     def first_message(self, question: Question) -> str:
         return f"{HEADER}\n\n{self.text}\n\nQuestion: {question.text}"
 
@@ -188,23 +195,10 @@ class Answer:
 def run_requests(engine: Any, requests: Sequence[tuple[str, list[int]]], params: Any,
                  ) -> tuple[dict[str, Any], dict[str, float]]:
     """Submit all, step to completion; (finished outputs, time to first token) by id."""
-    from vllm.inputs import TokensPrompt
+    from benchmarks.engine import Wave, run_waves
 
-    submitted = {}
-    for request_id, ids in requests:
-        submitted[request_id] = time.monotonic()
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
-    done: dict[str, Any] = {}
-    first: dict[str, float] = {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.monotonic()
-        for output in outputs:
-            if output.outputs[0].token_ids and output.request_id not in first:
-                first[output.request_id] = now - submitted[output.request_id]
-            if output.finished:
-                done[output.request_id] = output
-    return done, first
+    run = run_waves(engine, [Wave(requests, params)])
+    return run.outputs, run.ttft_s
 
 
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
@@ -216,9 +210,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
     workload = json.loads(Path(job["workload_path"]).read_text())
-    documents = [Document(d["index"], d["text"], tuple(Question(q["kind"], q["text"],
-                          q["prefix"], tuple(q["references"]), q["metric"])
-                          for q in d["questions"])) for d in workload["documents"]]
+    documents = [Document.from_json(d) for d in workload["documents"]]
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     prompts = Prompts(tokenizer)
     special = sorted(set(tokenizer.all_special_ids))
