@@ -21,6 +21,7 @@ from benchmarks import (
     memory_sweep,
     retention_analysis,
     shared_context,
+    shared_prefix,
     step_overhead,
     throughput,
 )
@@ -88,6 +89,10 @@ def _shared_context(report: Report) -> str:
                        for mode in report["workload"]["modes"])
 
 
+def _shared_prefix(report: Report) -> str:
+    return shared_prefix.render(report["configs"])
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("throughput", "Throughput against vanilla vLLM",
             ("throughput.json", "throughput_2threads.json", "throughput_vec16_pages.json",
@@ -125,6 +130,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("shared_context", "Scoring across turns", ("shared_context.json",
                                                         "shared_context_hybrid.json"),
             _shared_context),
+    Section("shared_prefix", "A prefix shared by running requests",
+            ("shared_prefix.json", "shared_prefix_n4_scoring.json"), _shared_prefix),
 )
 
 
