@@ -48,6 +48,7 @@ with explicit scorings (method x budget x scoring).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -62,6 +63,7 @@ from benchmarks.quality.question import (
     add_vs_inside,
     adoption,
     adoption_problems,
+    compressible,
     positions,
     question_split,
     resolved_scoring,
@@ -271,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=not args.compile, seed=args.seed,
         compression_options=parse_kv_options(args.kv_option),
     )
+    # Question outside: every context's cache waits in the prefix cache for its question,
+    # beside the running requests; room for all of them uncompressed (an entry evicted
+    # before its question is a miss). The inside mode's engines stay as they were.
+    mode_settings = {"inside": settings, "outside": dataclasses.replace(
+        settings, kv_cache_memory_bytes=settings.kv_cache_memory_bytes + sum(
+            p["context_tokens"] for p in prompts) * kv_bytes_per_token(model, dtype))}
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir("quality")
     prompts_paths = {"inside": workdir / "prompts_inside.json",
@@ -283,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_string([sys.argv[0], *argv]),
         "machine": machine_info(device),
         "settings": {**vars(settings), "threads": threads},
+        **({"outside_kv_cache_memory_bytes": mode_settings["outside"].kv_cache_memory_bytes}
+           if "outside" in modes else {}),
         "workload": {
             "tasks": tasks, "lengths": lengths, "samples_per_task_length": args.samples,
             "seed": args.seed, "num_prompts": len(samples),
@@ -306,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
 
     # Configuration by configuration, each in every mode (a stopped run has whole pairs).
-    jobs = [{"id": job_id(spec, mode), "spec": vars(spec), "settings": vars(settings),
+    jobs = [{"id": job_id(spec, mode), "spec": vars(spec), "settings": vars(mode_settings[mode]),
              "question": mode, "prompts_path": str(prompts_paths[mode])}
             for spec in to_run for mode in modes]
     results = run_jobs(
@@ -355,9 +365,10 @@ def build_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
             outcome = mine.get(spec.label)
             if mode == "outside" and row["ok"] and outcome is not None and outcome.result:
                 result = outcome.result
+                contexts = [p["context_tokens"] for p in prompts]
                 row["adoption"] = adoption(
-                    [p["context_tokens"] for p in prompts], result["cached_tokens"],
-                    not spec.is_vanilla, result["context_figures"], result["question_figures"])
+                    contexts, result["cached_tokens"], compressible(spec, options, contexts),
+                    result["context_figures"], result["question_figures"])
                 row["context_s"] = result["context_s"]
         rows.extend(mode_rows)
     add_vs_inside(rows)

@@ -94,18 +94,33 @@ def resolved_scoring(spec: CompressionSpec, options: Mapping[str, Any],
     return KVCompressionConfig.from_mapping(config).resolved_scoring
 
 
+def compressible(spec: CompressionSpec, options: Mapping[str, Any],
+                 lengths: Sequence[int]) -> int:
+    """How many prompts of these lengths the configuration compresses (kvcompress's own rule:
+    longer than the budget, or than ``kv_min_prompt`` with a ratio); 0 for the full cache."""
+    if spec.is_vanilla:
+        return 0
+    from kvcompress.config import KVCompressionConfig
+
+    config = KVCompressionConfig.from_mapping(spec.additional_config(options))
+    return sum(config.compresses(n) for n in lengths)
+
+
 def adoption(context_tokens: Sequence[int], cached_tokens: Sequence[int],
-             compressed: bool, context_figures: Mapping[str, int],
+             expected_compressions: int, context_figures: Mapping[str, int],
              question_figures: Mapping[str, int]) -> dict[str, Any]:
-    """Whether the question-outside mode ran as meant: ``contexts_compressed`` of ``n`` (the
-    plugin's count in request 1's phase) and ``hits`` of ``n`` requests 2 that adopted their
-    whole context's cache; ``misses``: indices of those that did not. For the full cache
-    (``applies`` false) nothing is compressed, so nothing can be missed (vLLM's block cache
-    serves whole blocks only, the rest is prefilled again, exactly)."""
+    """Whether the question-outside mode ran as meant: ``contexts_compressed`` (the plugin's
+    count in request 1's phase) against ``expected_compressions`` (contexts longer than the
+    budget), and ``hits`` of ``n`` requests 2 that adopted their whole context's cache;
+    ``misses``: indices of those that did not. For the full cache (``applies`` false)
+    nothing is compressed, so nothing can be missed (vLLM's block cache serves whole blocks
+    only, the rest is prefilled again, exactly)."""
     hits = [cached >= context for cached, context in zip(cached_tokens, context_tokens)]
+    compressed = expected_compressions > 0
     return {
         "applies": compressed,
         "n": len(hits),
+        "expected_compressions": expected_compressions,
         "contexts_compressed": context_figures.get("compressed_requests", 0),
         "hits": sum(hits),
         "misses": [index for index, hit in enumerate(hits) if not hit] if compressed else [],
@@ -122,9 +137,10 @@ def adoption_problems(row: Mapping[str, Any]) -> str | None:
     if not figures or not figures["applies"]:
         return None
     problems = []
-    if figures["contexts_compressed"] < figures["n"]:
-        problems.append(f"{figures['n'] - figures['contexts_compressed']} of {figures['n']} "
-                        "contexts not compressed")
+    expected = figures.get("expected_compressions", figures["n"])
+    if figures["contexts_compressed"] < expected:
+        problems.append(f"{expected - figures['contexts_compressed']} of the {expected} "
+                        "contexts longer than the budget not compressed")
     if figures["misses"]:
         problems.append(f"{len(figures['misses'])} of {figures['n']} questions did not adopt "
                         f"their context (asked with it inside): samples {figures['misses']}")

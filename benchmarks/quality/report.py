@@ -75,8 +75,9 @@ def _adopted(row: dict[str, Any]) -> str:
     if not adoption["applies"]:
         return "n/a (full)"
     text = f"{adoption['hits']}/{adoption['n']}"
-    uncompressed = adoption["n"] - adoption.get("contexts_compressed", adoption["n"])
-    return f"{text} ({uncompressed} uncompressed)" if uncompressed > 0 else text
+    expected = adoption.get("expected_compressions", adoption["n"])
+    missing = expected - adoption.get("contexts_compressed", expected)
+    return f"{text} ({missing} not compressed)" if missing > 0 else text
 
 
 def render(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:

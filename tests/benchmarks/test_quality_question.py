@@ -5,6 +5,7 @@ adoption check and the side-by-side report. No engine, no vLLM import."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ from benchmarks.quality.question import (
     CONTEXT_MAX_TOKENS,
     adoption,
     adoption_problems,
+    compressible,
     positions,
     question_split,
     resolved_scoring,
@@ -161,17 +163,27 @@ def test_run_outside_compresses_each_context_then_asks_its_question(fake_vllm):
 
 
 def test_adoption_counts_hits_and_names_misses():
-    done = adoption([100, 120, 90], [100, 0, 91], True, {"compressed_requests": 3},
+    done = adoption([100, 120, 90], [100, 0, 91], 3, {"compressed_requests": 3},
                     {"adopted_tokens": 191})
     assert (done["hits"], done["n"], done["misses"]) == (2, 3, [1])
     assert done["contexts_compressed"] == 3 and done["question_figures"]["adopted_tokens"] == 191
     assert adoption_problems({"adoption": done}) == (
         "1 of 3 questions did not adopt their context (asked with it inside): samples [1]")
-    uncompressed = adoption([100], [100], True, {"compressed_requests": 0}, {})
-    assert adoption_problems({"adoption": uncompressed}) == "1 of 1 contexts not compressed"
-    full = adoption([100, 120], [64, 64], False, {}, {})
+    # a context within the budget is kept whole: not a problem, nor in the table
+    short = adoption([100, 60], [100, 60], 1, {"compressed_requests": 1}, {})
+    assert adoption_problems({"adoption": short}) is None
+    uncompressed = adoption([100], [100], 1, {"compressed_requests": 0}, {})
+    assert adoption_problems({"adoption": uncompressed}) == (
+        "1 of the 1 contexts longer than the budget not compressed")
+    full = adoption([100, 120], [64, 64], 0, {}, {})
     assert full["misses"] == [] and adoption_problems({"adoption": full}) is None
     assert adoption_problems({"label": "inside row"}) is None
+
+
+def test_contexts_the_configuration_compresses():
+    lengths = [50, 64, 65, 300]
+    assert compressible(CompressionSpec("snapkv", budget=64), {}, lengths) == 2
+    assert compressible(CompressionSpec(), {}, lengths) == 0
 
 
 # ----------------------------------------------------------------------------- settings
@@ -234,7 +246,7 @@ def fake_results(specs, modes, texts):
                        enumerate(texts[(spec.label, mode)])]
             result = {"outputs": outputs, "generate_s": 1.0}
             if mode == "outside":
-                result.update(cached_tokens=[10, 0] if not spec.is_vanilla else [8, 8],
+                result.update(cached_tokens=[30, 0] if not spec.is_vanilla else [16, 16],
                               context_s=0.5, question_s=0.5,
                               context_figures={"compressed_requests": 2},
                               question_figures={"adopted_tokens": 10})
@@ -245,8 +257,8 @@ def fake_results(specs, modes, texts):
 def test_rows_and_report_side_by_side(tmp_path):
     samples = [Sample("passkey", 320, 0, "", ["11111"], "all", 8),
                Sample("qa", 320, 0, "", ["Lima"], "any", 8)]
-    prompts = [{"prompt_token_ids": list(range(20)), "context_tokens": 10, "max_tokens": 8},
-               {"prompt_token_ids": list(range(22)), "context_tokens": 12, "max_tokens": 8}]
+    prompts = [{"prompt_token_ids": list(range(40)), "context_tokens": 30, "max_tokens": 8},
+               {"prompt_token_ids": list(range(42)), "context_tokens": 32, "max_tokens": 8}]
     specs = [CompressionSpec(), CompressionSpec("snapkv", budget=16,
                                                 options=(("kv_scoring", "window"),)),
              CompressionSpec("snapkv", budget=16)]
@@ -293,3 +305,43 @@ def test_an_inside_only_report_looks_as_before():
              "accuracy": 0.8, "per_task": {"qa": 0.8}, "kept_fraction": 1.0}]
     text = render_report(rows, ["qa"])
     assert "question" not in text and "adopted" not in text and "vanilla" in text
+
+
+def test_command_runs_each_configuration_in_both_modes(monkeypatch, tmp_path, embedded_model):
+    """The wiring, no engine: jobs per configuration and mode, the question-outside engines
+    with room for every context's cache besides, the prompts each mode is given."""
+    import json
+
+    from benchmarks.quality import cli
+    from benchmarks.specs import kv_bytes_per_token
+
+    seen = {}
+
+    def fake_run_jobs(module, jobs, **kwargs):
+        seen["jobs"], seen["units"] = jobs, kwargs["units"]
+        return {job["id"]: JobResult(job["id"], None, "not run here", 0.0) for job in jobs}
+
+    monkeypatch.setattr(cli, "run_jobs", fake_run_jobs)
+    out = tmp_path / "q.json"
+    assert main(["--model", embedded_model, "--tasks", "passkey", "--samples", "2",
+                 "--configs", "snapkv:64+scoring=window", "--question-position", "both",
+                 "--output-json", str(out), "--plot", str(tmp_path / "q.png"),
+                 "--no-progress"]) == 1  # every job failed
+    jobs = seen["jobs"]
+    assert [(job["id"], job["question"]) for job in jobs] == [
+        ("vanilla", "inside"), ("vanilla (question outside)", "outside"),
+        ("snapkv:64+scoring=window", "inside"),
+        ("snapkv:64+scoring=window (question outside)", "outside")]
+    inside, outside = jobs[2], jobs[3]
+    prompts = json.loads(Path(outside["prompts_path"]).read_text())
+    assert json.loads(Path(inside["prompts_path"]).read_text()) == prompts  # the same tokens
+    room = sum(p["context_tokens"] for p in prompts) * kv_bytes_per_token(
+        embedded_model, inside["settings"]["dtype"])
+    assert (outside["settings"]["kv_cache_memory_bytes"]
+            == inside["settings"]["kv_cache_memory_bytes"] + room)
+    assert seen["units"][outside["id"]] == 2 * seen["units"][inside["id"]] == 4
+    report = json.loads(out.read_text())
+    assert report["workload"]["question_positions"] == ["inside", "outside"]
+    assert [(r["label"], r["question"], r["ok"]) for r in report["configs"]] == [
+        ("vanilla", "inside", False), ("snapkv:64+scoring=window", "inside", False),
+        ("vanilla", "outside", False), ("snapkv:64+scoring=window", "outside", False)]
