@@ -311,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {header['command']}")
     print(f"settings: {json.dumps(header['settings'])}")
     print(f"workload: {json.dumps(header['workload'])}")
+    where = "" if modes == ["inside"] else f"; question {' and '.join(modes)}"
     print(f"{len(to_run) * len(modes)} engine runs ({len(specs) + 1 - len(to_run)} budgets >= "
-          f"every prompt not run; question {' and '.join(modes)}); vLLM logs: {log_path}",
-          flush=True)
+          f"every prompt not run{where}); vLLM logs: {log_path}", flush=True)
 
     # Configuration by configuration, each in every mode (a stopped run has whole pairs).
     jobs = [{"id": job_id(spec, mode), "spec": vars(spec), "settings": vars(mode_settings[mode]),
