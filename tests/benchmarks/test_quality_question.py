@@ -307,6 +307,7 @@ def test_an_inside_only_report_looks_as_before():
     assert "question" not in text and "adopted" not in text and "vanilla" in text
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # every job failed: empty plot
 def test_command_runs_each_configuration_in_both_modes(monkeypatch, tmp_path, embedded_model):
     """The wiring, no engine: jobs per configuration and mode, the question-outside engines
     with room for every context's cache besides, the prompts each mode is given."""
