@@ -130,13 +130,45 @@ def run_waves(engine: Any, waves: Sequence[Wave],
     return WaveRun(done, first, time.perf_counter() - started)
 
 
+# kvcompress's per-step figures (kvcompress/engine/metrics.py, scheduler stats) that
+# compression_figures_logger sums: compressed prompts, failures, adoptions of cached entries.
+SUMMED_FIGURES = ("compressed_requests", "failed_requests", "evicted_prompt_tokens",
+                  "adopted_tokens", "copies", "handovers", "evicted_entries")
+
+
+def compression_figures_logger(sink: dict[str, int]) -> Callable[..., Any]:
+    """A vLLM stat logger factory (``build_engine(stat_loggers=[...])``) adding kvcompress's
+    figures of every step to ``sink`` (``SUMMED_FIGURES``; nothing for vanilla vLLM): what
+    the plugin itself says it compressed and adopted, beside vLLM's ``num_cached_tokens``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from kvcompress.engine.metrics import STATS_FIELD
+
+    class CompressionFigures(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            figures = getattr(scheduler_stats, STATS_FIELD, None) or {}
+            for key in SUMMED_FIGURES:
+                sink[key] = sink.get(key, 0) + int(figures.get(key, 0))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return CompressionFigures
+
+
 @dataclass
 class Finished:
-    """One finished request: output token ids and text."""
+    """One finished request: output token ids and text, and how many prompt tokens the
+    prefix cache served (vLLM's ``num_cached_tokens``; 0 without prefix caching)."""
 
     prompt_len: int
     token_ids: list[int]
     text: str
+    cached_tokens: int = 0
 
 
 def generate(
@@ -162,7 +194,7 @@ def generate(
                 completion = output.outputs[0]
                 done[int(output.request_id)] = Finished(
                     len(output.prompt_token_ids or ()), list(completion.token_ids),
-                    completion.text,
+                    completion.text, int(output.num_cached_tokens or 0),
                 )
                 generated += len(completion.token_ids)
         if on_step is not None:

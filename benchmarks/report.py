@@ -111,22 +111,6 @@ def command_string(argv: Sequence[str] | None = None) -> str:
     return shlex.join([Path(sys.executable).name, *program, *argv[1:]])
 
 
-def git_commit() -> str | None:
-    """The repository's HEAD commit (with ``-dirty`` when tracked files differ), or None."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, check=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{head}-dirty" if dirty else head
-
-
 def machine_info(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.extension import exact_extension
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
 from benchmarks.quality.tasks import fill_haystack, spread_depths, unique_names
 from benchmarks.quality.words import CITIES, PROFESSIONS
@@ -165,11 +166,12 @@ class Prompts:
         if turn == 0:
             return self.encode(self.render(messages))
         head = self.render(messages[:-2])  # through the last answer
-        text = self.render(messages)
-        if not text.startswith(head):
-            raise ValueError("the chat template renders earlier turns differently in a "
-                             "longer conversation")
-        return previous + history[-1][1] + self.encode(text[len(head):])
+        try:
+            return exact_extension(previous + history[-1][1], head, self.render(messages),
+                                   self.encode)
+        except ValueError as error:
+            raise ValueError(f"the chat template renders earlier turns differently in a "
+                             f"longer conversation: {error}") from None
 
 
 def score_answer(text: str, question: Question) -> float:

@@ -16,6 +16,8 @@ each method at each budget, and scored by string match against the known answers
     python -m benchmarks.quality --tasks all --lengths 1024,2048 --samples 10 \
         --budgets 64,128,256,512,2048
     python -m benchmarks.quality --configs snapkv:64,pyramidkv:64+pyramid_beta=4+window=16
+    python -m benchmarks.quality --question-position both --methods pyramidkv,snapkv \
+        --scorings window,hybrid
 
 The default profile is sized for statistical power at the budgets that matter on a small CPU:
 the retrieval-style tasks the embedded model solves with its full cache (passkey, single and
@@ -31,11 +33,22 @@ the full cache's accuracy retained, and fidelity: how much of the full cache's g
 the configuration reproduces token for token (common prefix / full-cache output length).
 A budget at or above every prompt length evicts nothing; such configurations are not run and
 are reported as the full cache (marked ``not_run``).
+
+Where the question is when the cache is compressed (``--question-position``, question.py):
+``inside`` (the default) compresses each prompt with its question at the end, so the window's
+queries are the question's; ``outside`` is kvpress's default evaluation: the context alone is
+compressed (request 1), then the question is asked from the compressed cache (request 2, the
+same tokens, adopting request 1's cache through the prefix cache; every adoption is checked
+and misses are reported); ``both`` runs each configuration both ways and reports them side by
+side with their paired difference. The question-outside engines run with prefix caching, so
+there ``--kv-scoring auto`` resolves to hybrid (window inside); ``--scorings`` runs the grid
+with explicit scorings (method x budget x scoring).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -45,8 +58,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
-from benchmarks.quality.report import plot, plot_title, render, replot
-from benchmarks.quality.scoring import collect_rows, evicts_nothing
+from benchmarks.quality.question import (
+    CHOICES,
+    add_vs_inside,
+    adoption,
+    adoption_problems,
+    compressible,
+    positions,
+    question_split,
+    resolved_scoring,
+    run_outside,
+)
+from benchmarks.quality.report import plot, plot_title, render_report, replot
+from benchmarks.quality.scoring import collect_rows, evicts_nothing, mean
 from benchmarks.quality.tasks import TASKS, Sample, make_samples
 from benchmarks.report import RESULTS_DIR, command_string, machine_info, write_json
 from benchmarks.specs import (
@@ -64,6 +88,7 @@ from benchmarks.specs import (
     parse_specs,
     resolve_dtype,
 )
+from kvcompress.config import SCORINGS
 from kvcompress.policies import METHODS
 
 # The default profile's tasks: those the embedded model solves with its full cache.
@@ -75,25 +100,41 @@ WORKER_MODULE = "benchmarks.quality"  # workers: python -m WORKER_MODULE --worke
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from benchmarks.engine import build_engine, generate, shutdown_engine
+    from benchmarks.engine import (
+        build_engine,
+        compression_figures_logger,
+        generate,
+        shutdown_engine,
+    )
 
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
     prompts = json.loads(Path(job["prompts_path"]).read_text())
-    engine = build_engine(settings, spec)
+    outside = job.get("question") == "outside"
+    figures: dict[str, int] = {}
+    # Question outside: prefix caching on (kvcompress's reuse adopts the compressed context).
+    engine = build_engine(settings, spec, enable_prefix_caching=outside,
+                          stat_loggers=[compression_figures_logger(figures)] if outside else None)
+    extra: dict[str, Any] = {}
     try:
         params = [SamplingParams(max_tokens=p["max_tokens"], temperature=0.0) for p in prompts]
         started = time.perf_counter()
-        outputs, elapsed = generate(
-            engine, [p["prompt_token_ids"] for p in prompts], params,
-            lambda finished, _tokens: reporter.progress(finished),
-        )
+        if outside:
+            outputs, extra = run_outside(engine, prompts, params, figures, reporter.progress)
+            elapsed = extra["context_s"] + extra["question_s"]
+        else:
+            outputs, elapsed = generate(
+                engine, [p["prompt_token_ids"] for p in prompts], params,
+                lambda finished, _tokens: reporter.progress(finished),
+            )
     finally:
         shutdown_engine(engine)
     return {
         "outputs": [{"text": o.text, "token_ids": o.token_ids} for o in outputs],
+        "cached_tokens": [o.cached_tokens for o in outputs],
         "generate_s": elapsed,
         "engine_s": time.perf_counter() - started,
+        **extra,
     }
 
 
@@ -115,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="explicit configurations instead of --methods x --budgets: "
                              "METHOD:BUDGET or METHOD:r=RATIO, each with its own +KEY=VALUE "
                              "settings, e.g. pyramidkv:64,pyramidkv:64+pyramid_beta=4")
+    parser.add_argument("--scorings", default="",
+                        help="explicit scorings for the grid (method x budget x scoring), e.g. "
+                             f"window,hybrid; one of {', '.join(SCORINGS)} each (default: none "
+                             "given, the engine's --kv-scoring auto)")
+    parser.add_argument("--question-position", choices=CHOICES, default="inside",
+                        help="compress each prompt with its question (inside), the context "
+                             "alone and ask the question from its compressed cache "
+                             "(outside, kvpress's default), or both, side by side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto",
                         help="auto = bfloat16, or float32 on CPUs without native bf16")
@@ -138,10 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_specs(methods: Sequence[str], budgets: Sequence[int] | None,
-               ratios: Sequence[float] | None) -> list[CompressionSpec]:
+               ratios: Sequence[float] | None,
+               scorings: Sequence[str] = ()) -> list[CompressionSpec]:
+    """method x budget (or ratio) x scoring; no scorings: the engine's default scoring."""
+    options = [(("kv_scoring", scoring),) for scoring in scorings] or [()]
     if ratios:
-        return [CompressionSpec(m, ratio=r) for m in methods for r in ratios]
-    return [CompressionSpec(m, budget=b) for m in methods for b in budgets or ()]
+        return [CompressionSpec(m, ratio=r, options=o) for m in methods for r in ratios
+                for o in options]
+    return [CompressionSpec(m, budget=b, options=o) for m in methods for b in budgets or ()
+            for o in options]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = list(TASKS) if args.tasks == "all" else parse_names(args.tasks, list(TASKS),
                                                                       "--tasks")
         methods = parse_names(args.methods, METHODS, "--methods")
+        scorings = parse_names(args.scorings, SCORINGS, "--scorings")
     except ValueError as error:
         raise SystemExit(str(error)) from None
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else None
@@ -178,15 +233,31 @@ def main(argv: list[str] | None = None) -> int:
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_alone(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
     samples = make_samples(tasks, lengths, args.samples, args.seed, count)
-    prompts = [{"prompt_token_ids": tokenizer.encode(s.prompt), "max_tokens": s.max_tokens}
-               for s in samples]
+    prompts = []
+    for sample in samples:
+        ids, context_tokens = question_split(sample.prompt, tokenizer.encode, encode_alone)
+        prompts.append({"prompt_token_ids": ids, "context_tokens": context_tokens,
+                        "max_tokens": sample.max_tokens})
+    modes = positions(args.question_position)
+    # The inside mode's prompts as ever (the whole prompt tokenized at once); the outside
+    # mode's differ only where the tokenizer would merge across the context's end.
+    retokenized = sum(p["prompt_token_ids"] != tokenizer.encode(s.prompt)
+                      for p, s in zip(prompts, samples))
+    if retokenized and "inside" in modes:
+        inside_prompts = [{**p, "prompt_token_ids": tokenizer.encode(s.prompt)}
+                          for p, s in zip(prompts, samples)]
+    else:
+        inside_prompts = prompts
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
     if args.dry_run:
         return dry_run(samples, prompt_lens)
 
     specs = [s for s in explicit if not s.is_vanilla] if explicit else make_specs(
-        methods, budgets, ratios)
+        methods, budgets, ratios, scorings)
     check_settings(specs, parse_kv_options(args.kv_option))
     to_run = [CompressionSpec()] + [s for s in specs if not evicts_nothing(s, prompt_lens)]
     dtype = resolve_dtype(args.dtype, device)
@@ -202,16 +273,26 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=not args.compile, seed=args.seed,
         compression_options=parse_kv_options(args.kv_option),
     )
+    # Question outside: every context's cache waits in the prefix cache for its question,
+    # beside the running requests; room for all of them uncompressed (an entry evicted
+    # before its question is a miss). The inside mode's engines stay as they were.
+    mode_settings = {"inside": settings, "outside": dataclasses.replace(
+        settings, kv_cache_memory_bytes=settings.kv_cache_memory_bytes + sum(
+            p["context_tokens"] for p in prompts) * kv_bytes_per_token(model, dtype))}
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir("quality")
-    prompts_path = workdir / "prompts.json"
-    prompts_path.write_text(json.dumps(prompts))
+    prompts_paths = {"inside": workdir / "prompts_inside.json",
+                     "outside": workdir / "prompts_outside.json"}
+    prompts_paths["inside"].write_text(json.dumps(inside_prompts))
+    prompts_paths["outside"].write_text(json.dumps(prompts))
     log_path = args.log_file or workdir / "vllm.log"
     header = {
         "benchmark": "quality",
         "command": command_string([sys.argv[0], *argv]),
         "machine": machine_info(device),
         "settings": {**vars(settings), "threads": threads},
+        **({"outside_kv_cache_memory_bytes": mode_settings["outside"].kv_cache_memory_bytes}
+           if "outside" in modes else {}),
         "workload": {
             "tasks": tasks, "lengths": lengths, "samples_per_task_length": args.samples,
             "seed": args.seed, "num_prompts": len(samples),
@@ -221,34 +302,77 @@ def main(argv: list[str] | None = None) -> int:
             "budgets": sorted({s.budget for s in specs if s.budget is not None}) or None,
             "ratios": sorted({s.ratio for s in specs if s.ratio is not None}) or None,
             "configs": [spec.label for spec in specs],
+            "question_positions": modes,
+            "context_tokens_mean": mean([p["context_tokens"] for p in prompts]),
+            # outside mode: prompts whose question was tokenized alone after the context
+            "retokenized_at_question": retokenized,
         },
     }
     print(f"command: {header['command']}")
     print(f"settings: {json.dumps(header['settings'])}")
     print(f"workload: {json.dumps(header['workload'])}")
-    print(f"{len(to_run)} engine runs ({len(specs) + 1 - len(to_run)} budgets >= every prompt "
-          f"not run); vLLM logs: {log_path}", flush=True)
+    where = "" if modes == ["inside"] else f"; question {' and '.join(modes)}"
+    print(f"{len(to_run) * len(modes)} engine runs ({len(specs) + 1 - len(to_run)} budgets >= "
+          f"every prompt not run{where}); vLLM logs: {log_path}", flush=True)
 
-    jobs = [{"id": spec.label, "spec": vars(spec), "settings": vars(settings),
-             "prompts_path": str(prompts_path)} for spec in to_run]
+    # Configuration by configuration, each in every mode (a stopped run has whole pairs).
+    jobs = [{"id": job_id(spec, mode), "spec": vars(spec), "settings": vars(mode_settings[mode]),
+             "question": mode, "prompts_path": str(prompts_paths[mode])}
+            for spec in to_run for mode in modes]
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
-        units={job["id"]: len(prompts) for job in jobs}, job_timeout=args.job_timeout,
-        env=worker_env(args.verbose, False, threads), desc="quality",
-        show_progress=not args.no_progress,
+        units={job["id"]: len(prompts) * (2 if job["question"] == "outside" else 1)
+               for job in jobs},
+        job_timeout=args.job_timeout, env=worker_env(args.verbose, False, threads),
+        desc="quality", show_progress=not args.no_progress,
     )
-    rows = collect_rows(samples, [CompressionSpec(), *specs], results, prompt_lens)
+    rows = build_rows(samples, [CompressionSpec(), *specs], results, prompts, modes,
+                      settings.compression_options)
     report = {**header, "configs": rows, "samples": sample_records(samples, prompt_lens),
               "runtime_s": time.perf_counter() - started}
     write_json(args.output_json, report)
     print()
-    print(render(rows, tasks))
+    print(render_report(rows, tasks))
     for row in rows:
         if not row["ok"]:
-            print(f"\n{row['label']} FAILED:\n{row['error']}")
+            print(f"\n{row['label']} ({row['question']}) FAILED:\n{row['error']}")
+        elif adoption_problems(row):
+            print(f"\n{row['label']} (question outside): {adoption_problems(row)}")
     plot(rows, args.plot, title=plot_title(header))
     print(f"\nwrote {args.output_json} and {args.plot} ({report['runtime_s']:.0f} s)")
     return 0 if all(row["ok"] for row in rows) else 1
+
+
+def job_id(spec: CompressionSpec, mode: str) -> str:
+    return spec.label if mode == "inside" else f"{spec.label} (question outside)"
+
+
+def build_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
+               results: dict[str, Any], prompts: Sequence[dict[str, Any]],
+               modes: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per configuration and mode (each mode compared with its own full cache), the
+    mode and resolved scoring on each row, adoption on the outside rows, and each outside
+    row's paired difference to its inside twin."""
+    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        mine = {spec.label: results[job_id(spec, mode)] for spec in specs
+                if job_id(spec, mode) in results}
+        mode_rows = collect_rows(samples, specs, mine, prompt_lens)
+        for spec, row in zip(specs, mode_rows):
+            row["question"] = mode
+            row["scoring"] = resolved_scoring(spec, options, mode)
+            outcome = mine.get(spec.label)
+            if mode == "outside" and row["ok"] and outcome is not None and outcome.result:
+                result = outcome.result
+                contexts = [p["context_tokens"] for p in prompts]
+                row["adoption"] = adoption(
+                    contexts, result["cached_tokens"], compressible(spec, options, contexts),
+                    result["context_figures"], result["question_figures"])
+                row["context_s"] = result["context_s"]
+        rows.extend(mode_rows)
+    add_vs_inside(rows)
+    return rows
 
 
 def check_settings(specs: Sequence[CompressionSpec], options: dict[str, Any]) -> None:

@@ -13,10 +13,71 @@ from kvcompress.policies import METHODS
 
 def replot(json_path: Path, png_path: Path) -> int:
     report = json.loads(json_path.read_text())
-    print(render(report["configs"], report["workload"]["tasks"]))
+    print(render_report(report["configs"], report["workload"]["tasks"]))
     plot(report["configs"], png_path, title=plot_title(report))
     print(f"wrote {png_path}")
     return 0
+
+
+def render_report(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
+    """The table of each question position run (older JSON: inside only), then, when both
+    ran, the two side by side."""
+    modes = list(dict.fromkeys(row_position(row) for row in rows))
+    if modes == ["inside"]:
+        return render(rows, tasks)
+    parts = [f"question {mode}:\n" + render([r for r in rows if row_position(r) == mode], tasks)
+             for mode in modes]
+    if len(modes) > 1:
+        parts.append("question inside vs outside (accuracy, mean over tasks):\n"
+                     + render_positions(rows))
+    return "\n\n".join(parts)
+
+
+def row_position(row: dict[str, Any]) -> str:
+    return row.get("question", "inside")
+
+
+def render_positions(rows: list[dict[str, Any]]) -> str:
+    """One line per configuration: accuracy with the question inside and outside, their
+    paired difference, and how many question-outside requests adopted their context."""
+    outside = {row["label"]: row for row in rows if row_position(row) == "outside"}
+    table = []
+    for row in rows:
+        twin = outside.get(row["label"])
+        if row_position(row) != "inside" or twin is None:
+            continue
+        table.append({
+            "label": row["label"], "kept_fraction": row.get("kept_fraction"),
+            "scoring": _scorings(row, twin), "inside": row.get("accuracy"),
+            "in_ci": _interval(row.get("interval")), "outside": twin.get("accuracy"),
+            "out_ci": _interval(twin.get("interval")), "d": _difference(twin.get("vs_inside")),
+            "adopted": _adopted(twin),
+        })
+    return format_table(table, [
+        ("label", "config"), ("scoring", "scoring"), ("kept_fraction", "kept"),
+        ("inside", "inside"), ("in_ci", "95% CI"), ("outside", "outside"),
+        ("out_ci", "95% CI"), ("d", "outside - inside (paired 95%)"), ("adopted", "adopted")])
+
+
+def _scorings(inside: dict[str, Any], outside: dict[str, Any]) -> str:
+    """The scoring each mode ran with (``auto`` differs: window inside, hybrid outside)."""
+    a, b = inside.get("scoring"), outside.get("scoring")
+    if a is None and b is None:
+        return ""
+    return str(a) if a == b else f"{a} / {b}"
+
+
+def _adopted(row: dict[str, Any]) -> str:
+    """``hits/n`` of the question-outside requests that adopted their context's cache."""
+    adoption = row.get("adoption")
+    if not adoption:
+        return ""
+    if not adoption["applies"]:
+        return "n/a (full)"
+    text = f"{adoption['hits']}/{adoption['n']}"
+    expected = adoption.get("expected_compressions", adoption["n"])
+    missing = expected - adoption.get("contexts_compressed", expected)
+    return f"{text} ({missing} not compressed)" if missing > 0 else text
 
 
 def render(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
@@ -26,7 +87,7 @@ def render(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
     for row in rows:
         flat = {**row, **{f"t:{t}": (row.get("per_task") or {}).get(t) for t in tasks},
                 "ci": _interval(row.get("interval")), "d_full": _difference(row.get("vs_full")),
-                "d_snap": _difference(row.get("vs_snapkv"))}
+                "d_snap": _difference(row.get("vs_snapkv")), "adopted": _adopted(row)}
         if row.get("not_run"):
             flat["label"] = f"{row['label']} (=full)"
         table.append(flat)
@@ -35,6 +96,8 @@ def render(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
     columns += [("accuracy", "mean"), ("ci", "95% CI"), ("retained", "retained"),
                 ("d_full", "vs full (paired 95%)"), ("d_snap", "vs snapkv"),
                 ("fidelity", "fidelity")]
+    if any(row.get("adoption") for row in rows):
+        columns.append(("adopted", "adopted"))
     return format_table(table, columns)
 
 
@@ -57,15 +120,22 @@ def plot_title(header: dict[str, Any]) -> str:
 
 
 def row_series(row: dict[str, Any]) -> str:
-    return row.get("series") or row["method"]  # older JSON: no series
+    """The method with its settings (older JSON: no series), and where the question was
+    when it is not inside the prompt."""
+    series = row.get("series") or row["method"]
+    return series if row_position(row) == "inside" else series + OUTSIDE_SUFFIX
+
+
+OUTSIDE_SUFFIX = ", question outside"
 
 
 def plot_series(rows: list[dict[str, Any]]) -> list[str]:
     """Methods in registry order first, then their variants in the order run."""
     names = list(dict.fromkeys(row_series(r) for r in rows if r["method"] != "none"))
     order = {method: index for index, method in enumerate(METHODS)}
-    return sorted(names, key=lambda name: (order.get(name.split("+")[0], len(order)),
-                                           "+" in name))
+    return sorted(names, key=lambda name: (
+        order.get(name.removesuffix(OUTSIDE_SUFFIX).split("+")[0], len(order)), "+" in name,
+        name.endswith(OUTSIDE_SUFFIX)))
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -86,15 +156,16 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                          and not r.get("not_run"))
             skipped = sorted((r["budget"], r[key]) for r in rows
                              if row_series(r) == series and r.get("not_run"))
-            if ran:
-                ax.plot(*zip(*ran), marker="o", color=color, label=series)
+            if ran:  # question outside: dotted
+                ax.plot(*zip(*ran), marker="o", color=color, label=series,
+                        linestyle=":" if series.endswith(OUTSIDE_SUFFIX) else "-")
             if key == "accuracy":  # 95% Wilson intervals
                 bars = [(r["ratio"] if by_ratio else r["budget"], r[key], r["interval"])
                         for r in rows if row_series(r) == series and r["ok"]
                         and r.get("interval") and not r.get("not_run")]
-                for x, y, (low, high) in bars:
-                    ax.errorbar([x], [y], yerr=[[y - low], [high - y]], color=color,
-                                capsize=3, alpha=0.6)
+                for x, y, (low, high) in bars:  # (at 0 or 1 a bound may pass y by 1e-17)
+                    ax.errorbar([x], [y], yerr=[[max(0.0, y - low)], [max(0.0, high - y)]],
+                                color=color, capsize=3, alpha=0.6)
             if skipped:  # budget >= every prompt: the full cache, drawn hollow and unlinked
                 ax.plot(*zip(*skipped), marker="o", linestyle="none", color=color,
                         markerfacecolor="none")

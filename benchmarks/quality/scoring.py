@@ -126,18 +126,33 @@ BASELINE_METHOD = "snapkv"
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
-    """``vs_full`` and ``vs_snapkv``: paired differences in accuracy over the same prompts."""
+    """``vs_full`` and ``vs_snapkv``: paired differences in accuracy over the same prompts
+    (SnapKV with the row's own explicit scoring when it ran, else plain SnapKV)."""
     full = rows[0] if rows and rows[0].get("ok") and rows[0]["method"] == "none" else None
-    baselines = {(r["budget"], r["ratio"]): r for r in rows
-                 if r.get("series") == BASELINE_METHOD and r.get("ok")}
+    baselines = {(r["budget"], r["ratio"], _scoring(r)): r for r in rows
+                 if _is_baseline(r) and r.get("ok")}
     for row in rows:
         if not row.get("ok"):
             continue
         if full is not None and row is not full:
             row["vs_full"] = paired_difference(row["scores"], full["scores"])
-        baseline = baselines.get((row["budget"], row["ratio"]))
+        baseline = (baselines.get((row["budget"], row["ratio"], _scoring(row)))
+                    or baselines.get((row["budget"], row["ratio"], None)))
         if baseline is not None and baseline is not row:
             row[f"vs_{BASELINE_METHOD}"] = paired_difference(row["scores"], baseline["scores"])
+
+
+def _scoring(row: dict[str, Any]) -> str | None:
+    """The row's explicit ``kv_scoring`` setting (None: the engine's default)."""
+    return (row.get("options") or {}).get("kv_scoring")
+
+
+def _is_baseline(row: dict[str, Any]) -> bool:
+    """SnapKV with no settings of its own but a scoring."""
+    scoring = _scoring(row)
+    options = () if scoring is None else (("kv_scoring", scoring),)
+    return row.get("series") == series_name(CompressionSpec(BASELINE_METHOD, budget=1,
+                                                            options=options))
 
 
 def evicts_nothing(spec: CompressionSpec, prompt_lens: Sequence[int]) -> bool:

@@ -304,6 +304,19 @@ def make_qa(rng: random.Random, length: int, count: TokenCounter, num_docs: int 
     return prompt, [target[attribute]], "any", 8
 
 
+QUESTION_SEPARATOR = "\n\n"  # every task's prompt: context, a blank line, the question
+
+
+def split_question(prompt: str) -> tuple[str, str]:
+    """``(context, question)`` of a task's prompt, ``context + question == prompt``: the
+    question (with its answer prefix) starts at the last blank line, which it keeps. The
+    question-outside mode compresses the context alone and asks the question after it."""
+    cut = prompt.rfind(QUESTION_SEPARATOR)
+    if cut <= 0:
+        raise ValueError("the prompt has no blank line before its question")
+    return prompt[:cut], prompt[cut:]
+
+
 TASKS: dict[str, Callable[..., tuple]] = {
     "passkey": make_passkey,
     "niah_single": make_niah_single,

@@ -62,7 +62,8 @@ def _decode_recall(report: Report) -> str:
 def _quality(report: Report) -> str:
     if report.get("benchmark") == "retention_analysis":
         return retention_analysis.render(report["configs"])
-    return quality_report.render(report["configs"], report["workload"]["tasks"])
+    # both question positions when a run has them (an inside-only run: the one table)
+    return quality_report.render_report(report["configs"], report["workload"]["tasks"])
 
 
 def _compression_cost(report: Report) -> str:
@@ -116,6 +117,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("quality", "Quality", ("quality.json",), _quality),
     Section("quality_tuning", "Selection defaults, by measurement",
             ("quality_tuning/*.json",), _quality),
+    Section("quality_question_outside", "The question outside the context",
+            ("quality_question_outside.json", "quality_question_outside_256.json"), _quality),
     Section("kvpress_reference", "Against NVIDIA kvpress", ("kvpress_reference.json",),
             kvpress_reference.render),
     Section("attention_analysis", "Attention analysis", ("attention_analysis.json",),

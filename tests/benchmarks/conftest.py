@@ -14,3 +14,11 @@ def words(text: str) -> int:
 @pytest.fixture
 def count_words():
     return words
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(embedded_model):
+    """The embedded model's tokenizer (transformers), loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model)

@@ -38,13 +38,6 @@ def test_score_averages_over_prompts_and_reports_failures():
 
 
 # ----------------------------------------------------------------------------- --recall
-@pytest.fixture(scope="module")
-def smollm_tokenizer(embedded_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(embedded_model)
-
-
 def test_recall_prompts_put_the_code_only_in_the_generated_script(smollm_tokenizer):
     from benchmarks.decode_recall import QUESTION, recall_prompts
 

@@ -96,6 +96,28 @@ def test_quality_end_to_end(tmp_path, embedded_model):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_quality_question_outside_end_to_end(tmp_path, embedded_model):
+    """kvpress's evaluation: each context compressed alone, its question asked from the
+    compressed cache (an adoption through the prefix cache), checked by the plugin's figures
+    and vLLM's cached tokens."""
+    out = tmp_path / "quality.json"
+    run_script([
+        "-m", "benchmarks.quality", "--model", embedded_model, "--tasks", "passkey",
+        "--lengths", "256", "--samples", "2", "--configs", "snapkv:32+scoring=window",
+        "--question-position", "outside", "--output-json", str(out),
+        "--plot", str(tmp_path / "quality.png"), "--no-progress",
+    ])
+    rows = {row["label"]: row for row in json.loads(out.read_text())["configs"]}
+    assert list(rows) == ["vanilla", "snapkv:32+scoring=window"]
+    full, compressed = rows["vanilla"], rows["snapkv:32+scoring=window"]
+    assert all(row["ok"] and row["question"] == "outside" for row in rows.values())
+    adoption = compressed["adoption"]
+    assert adoption["contexts_compressed"] == 2 and adoption["hits"] == 2
+    assert adoption["misses"] == [] and adoption["cached_tokens_mean"] >= 200
+    assert adoption["question_figures"]["adopted_tokens"] >= 400
+    assert not full["adoption"]["applies"] and full["fidelity"] == 1.0
+
+
 def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
     out = tmp_path / "fidelity.json"
     # 80 tokens: the window policy (budget 8, interval 64) evicts once, h2o (budget 40) never

@@ -147,13 +147,6 @@ def test_last_turn_gets_the_answer_prefix():
     assert text.endswith("<user>question</><assistant>The key is")
 
 
-@pytest.fixture(scope="module")
-def smollm_tokenizer(embedded_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(embedded_model)
-
-
 @pytest.mark.parametrize("answer, extends", [
     ("The farmer repaired the fence.", True),
     (" The farmer", True),
