@@ -176,9 +176,9 @@ def test_evicted_pages_are_freed_and_reused_by_other_requests(tiny_llama):
             held / manager.total_pages)
         freed_by_compaction = set(range(manager.total_pages)) - set(
             manager._requests[internal].table.all_pages().tolist()) - set(
-            manager._free_stack[: manager.num_free].tolist())
+            manager.pool._stack[: manager.num_free].tolist())
         assert not freed_by_compaction  # every page is free or owned
-        recently_freed = set(manager._free_stack[manager.num_free - 8 * 48 : manager.num_free]
+        recently_freed = set(manager.pool._stack[manager.num_free - 8 * 48 : manager.num_free]
                              .tolist())
         second = random_prompts([200], seed=5)["p0"]
         harness.add("p1", second, greedy(2))
