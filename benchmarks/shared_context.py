@@ -50,6 +50,8 @@ from benchmarks.report import RESULTS_DIR, command_string, format_table, machine
 from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
+    add_engine_options,
+    add_run_options,
     benchmark_parser,
     default_model_dir,
     default_threads,
@@ -393,18 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-conversations", type=float, default=None,
                         help="KV cache in conversations at their longest, uncompressed "
                              "(default: every conversation fits)")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--dtype", default="auto",
-                        help="auto = bfloat16, or float32 on CPUs without native bf16")
-    engine.add_argument("--threads", type=int, default=None)
-    engine.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE")
-    run = parser.add_argument_group("run")
-    run.add_argument("--job-timeout", type=float, default=3600.0)
-    run.add_argument("--output-json", type=Path, default=RESULTS_DIR / "shared_context.json")
-    run.add_argument("--log-file", type=Path, default=None)
-    run.add_argument("--verbose", action="store_true")
-    run.add_argument("--no-progress", action="store_true")
+    add_engine_options(engine)
+    add_run_options(parser, RESULTS_DIR / "shared_context.json")
     return parser
 
 

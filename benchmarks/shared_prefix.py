@@ -68,6 +68,8 @@ from benchmarks.shared_context import HEADER, Document, Prompts, make_documents,
 from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
+    add_engine_options,
+    add_run_options,
     benchmark_parser,
     default_model_dir,
     default_threads,
@@ -348,18 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-pools", default=f"3,{ALL_POOL}",
                         help="KV-cache sizes: multiples of the longest request (prompt + "
                              f"answer), or '{ALL_POOL}' (every request its own copy)")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--dtype", default="auto",
-                        help="auto = bfloat16, or float32 on CPUs without native bf16")
-    engine.add_argument("--threads", type=int, default=None)
-    engine.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE")
-    run = parser.add_argument_group("run")
-    run.add_argument("--job-timeout", type=float, default=3600.0)
-    run.add_argument("--output-json", type=Path, default=RESULTS_DIR / "shared_prefix.json")
-    run.add_argument("--log-file", type=Path, default=None)
-    run.add_argument("--verbose", action="store_true")
-    run.add_argument("--no-progress", action="store_true")
+    add_engine_options(engine)
+    add_run_options(parser, RESULTS_DIR / "shared_prefix.json")
     return parser
 
 

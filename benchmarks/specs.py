@@ -161,6 +161,26 @@ def parse_spec_option(item: str) -> tuple[str, Any]:
         return key, value  # a bare word such as avg
 
 
+def add_engine_options(group: Any) -> None:
+    """The engine settings the document benchmarks (shared_context, shared_prefix) share."""
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--dtype", default="auto",
+                       help="auto = bfloat16, or float32 on CPUs without native bf16")
+    group.add_argument("--threads", type=int, default=None)
+    group.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE")
+
+
+def add_run_options(parser: argparse.ArgumentParser, output_json: Path) -> None:
+    """The run group of the document benchmarks: timeouts, where results and logs go."""
+    run = parser.add_argument_group("run")
+    run.add_argument("--job-timeout", type=float, default=3600.0)
+    run.add_argument("--output-json", type=Path, default=output_json)
+    run.add_argument("--log-file", type=Path, default=None)
+    run.add_argument("--verbose", action="store_true")
+    run.add_argument("--no-progress", action="store_true")
+
+
 def benchmark_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
     """The command line an engine benchmark starts from: ``python -m MODULE`` in the usage
     line, the first paragraph of its docstring, defaults in --help, and --model."""

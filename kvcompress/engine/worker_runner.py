@@ -114,10 +114,11 @@ class PagedKVRunnerMixin:
 
     def _enable_expected_scoring(self, runtime: PagedKVRuntime, config: KVCompressionConfig,
                                  layout: PageLayout) -> None:
-        """The query profile, checked against the model (the front end checked it too;
-        ``prepare_engine_args`` resolved its path), cut to this rank's query heads."""
+        """The query profile at the path ``prepare_engine_args`` resolved, after it checked
+        the profile's fingerprint against the model (not hashed again here), its shape
+        checked against this model, cut to this rank's query heads."""
         model_config = self.vllm_config.model_config
-        profile = load_profile(config.profile, model_config.model)
+        profile = load_profile(config.profile)
         check_profile_shape(profile, layout.num_layers,
                             model_config.hf_text_config.num_attention_heads, layout.head_size)
         runtime.enable_expected_scoring(profile.heads_of_rank(
