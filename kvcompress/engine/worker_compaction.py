@@ -274,7 +274,8 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     prefix = torch.tensor(max(0, prompt - policy.window), device=accumulators[0].device)
     pooled = [pool_scores(scores[..., :prompt], policy.pooling, policy.pooling_kernel,
                           lengths=prefix) for scores in accumulators]
-    return rank_union(pooled)
+    spans_layers = policy.compression_method.spans_layers
+    return rank_union(pooled, ranked_dims=3 if spans_layers else 1)
 
 
 def _plan_isolated(

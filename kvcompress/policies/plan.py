@@ -208,7 +208,7 @@ def _plan_block(
     """
     num_layers = len(per_layer[0])
     layers_at_once = max(1, MAX_BLOCK_ELEMENTS // (len(lens) * num_kv_heads * max(lens)))
-    if layers_at_once >= num_layers:
+    if layers_at_once >= num_layers or settings.compression_method.spans_layers:
         return _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
                             slice(0, num_layers))
     parts = [

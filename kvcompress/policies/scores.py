@@ -157,17 +157,22 @@ def accumulate_attention_mass(
     return F.pad(running.float(), (0, grown)) + added
 
 
-def rank_union(scores: Sequence[torch.Tensor]) -> torch.Tensor:
+def rank_union(scores: Sequence[torch.Tensor], ranked_dims: int = 1) -> torch.Tensor:
     """Scores of the same positions ``[..., S]`` from several sources -> one fp32 ``[..., S]``
     whose top-k is what ranks high by any source: each source's scores become their rank
-    among the row's positions, scaled to [0, 1], and the ranks are max-combined (so the top
-    k/2 of each source rank above everything else, whatever their scales)."""
+    among the positions of its last ``ranked_dims`` dimensions (1: each row's positions;
+    3 over ``[L, H, S]``: the whole request's, for methods that share budgets model-wide),
+    scaled to [0, 1], and the ranks are max-combined (so the top k/2 of each source rank above
+    everything else, whatever their scales)."""
     if not scores:
         raise ValueError("rank_union needs at least one score tensor")
     shape = scores[0].shape
     if any(score.shape != shape for score in scores):
         raise ValueError(f"rank_union needs scores of one shape, got "
                          f"{[list(score.shape) for score in scores]}")
-    scale = 1.0 / max(1, shape[-1] - 1)
-    ranks = [score.float().argsort(dim=-1).argsort(dim=-1).float() * scale for score in scores]
-    return torch.stack(ranks).amax(dim=0)
+    if not 1 <= ranked_dims <= len(shape):
+        raise ValueError(f"ranked_dims must be in [1, {len(shape)}], got {ranked_dims}")
+    flat = [score.float().flatten(-ranked_dims) for score in scores]
+    scale = 1.0 / max(1, flat[0].shape[-1] - 1)
+    ranks = [score.argsort(dim=-1).argsort(dim=-1).float() * scale for score in flat]
+    return torch.stack(ranks).amax(dim=0).view(shape)

@@ -101,6 +101,10 @@ def ref_plan(
         win = min(window, q)
         prefix = q - win
         window_set = set(range(prefix, q))
+        if method == "kvzip" and min(budgets) < q:
+            result.append(_ref_model_wide(policy, scores[r], budgets, prefix, window_set,
+                                          num_kv_heads))
+            continue
         per_request = []
         for layer in range(num_layers):
             keep = budgets[layer]
@@ -142,3 +146,20 @@ def ref_adakv(rows: list[list[float]], quota: int, floor_fraction: float) -> lis
     for _, h, j in sorted(candidates)[:remaining]:
         chosen[h].add(j)
     return chosen
+
+
+def _ref_model_wide(policy: PolicySettings, scores: torch.Tensor, budgets: list[int],
+                    prefix: int, window_set: set[int], num_kv_heads: int) -> list:
+    """KVzip's sharing: the best (layer, head, position) of the whole request for the sum of
+    the heads' quotas; ties to the lower layer, then head, then position."""
+    win = len(window_set)
+    total = sum(budget - win for budget in budgets) * num_kv_heads
+    candidates = []
+    for layer in range(len(budgets)):
+        for h in range(num_kv_heads):
+            row = _pooled_prefix(scores[layer, h], prefix, policy.pooling, policy.pooling_kernel)
+            candidates += [(-value, layer, h, j) for j, value in enumerate(row)]
+    chosen = [[set(window_set) for _ in range(num_kv_heads)] for _ in budgets]
+    for _, layer, h, j in sorted(candidates)[:total]:
+        chosen[layer][h].add(j)
+    return [[sorted(kept) for kept in layer] for layer in chosen]

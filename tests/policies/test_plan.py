@@ -64,9 +64,13 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
                                 policy.budget_shape)
         win = min(window, q)
         assert bool(plan.compressed[r]) == (min(budgets) < q)
+        if method == "kvzip":  # the request's total is exact, shared by all its rows
+            assert int(plan.counts[r].sum()) == num_kv_heads * sum(budgets)
         for layer in range(num_layers):
             counts = plan.counts[r, layer]
-            if method == "adakv":
+            if method == "kvzip":
+                assert bool((counts >= win).all()) and bool((counts <= q).all())
+            elif method == "adakv":
                 assert int(counts.sum()) == num_kv_heads * budgets[layer]  # layer total exact
                 share = budgets[layer] - win
                 floor = math.ceil(Fraction(repr(policy.adakv_floor)) * share)
@@ -86,7 +90,7 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
                 if method == "streamingllm" and count < q:
                     sinks = min(policy.sink_tokens, count - win)
                     assert set(range(sinks)) <= kept_set
-    if method != "adakv":
+    if method not in ("adakv", "kvzip"):
         for r, q in enumerate(lens):
             total = int(plan.counts[r, :, 0].sum())
             expected = num_layers * min(q, resolve_budget(q, budget, ratio, window))
@@ -354,7 +358,7 @@ def test_settings_defaults_are_the_documented_ones():
     assert (policy.window, policy.beta, policy.pooling, policy.pooling_kernel) == (8, 2, "max", 15)
     assert (policy.sink_tokens, policy.adakv_floor, policy.adakv_totals) == (4, 0.2, "pyramid")
     assert policy.compression_method.name == "snapkv"
-    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv")  # the order users see
+    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv", "kvzip")  # users see
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -145,3 +145,23 @@ def test_rank_union_keeps_the_top_of_every_source_whatever_its_scale():
     assert torch.equal(rank_union([window]).argsort(-1), window.argsort(-1))
     with pytest.raises(ValueError, match="one shape"):
         rank_union([window, reconstruction[..., :5]])
+
+
+def test_rank_union_over_a_whole_request_keeps_each_sources_best_rows_whole():
+    """Ranked over [L, H, S] together (model-wide budgets), a source whose mass sits in one
+    row keeps that row on top: the ranks stay comparable across rows."""
+    from kvcompress.policies import rank_union
+
+    generator = torch.Generator().manual_seed(1)
+    window = torch.rand(3, 2, 40, generator=generator)
+    reconstruction = torch.rand(3, 2, 40, generator=generator) * 1e-3
+    reconstruction[1, 0] += 1.0  # one head the reconstruction needs entirely
+    union = rank_union([window, reconstruction], ranked_dims=3)
+    assert union.shape == window.shape
+    top = set(union.flatten().topk(80).indices.tolist())
+    needed = {(1 * 2 + 0) * 40 + position for position in range(40)}
+    assert needed <= top  # the needed head's 40 tokens are among the top 80
+    best_window = set(window.flatten().topk(40).indices.tolist())
+    assert best_window <= top
+    with pytest.raises(ValueError, match="ranked_dims"):
+        rank_union([window], ranked_dims=4)
