@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompress.policies import COMPRESSION_METHODS, PolicySettings
+from kvcompress.policies import COMPRESSION_METHODS, PolicySettings, get_method
 from kvcompress.policies import METHODS as POLICY_METHODS
 from kvcompress.policies.decode import (
     DECODE_METHODS,
@@ -27,6 +27,7 @@ from kvcompress.policies.decode import (
     get_decode_method,
 )
 from kvcompress.policies.methods.base import BUDGET_SHAPES
+from kvcompress.policies.sharing import BUDGET_SHARINGS
 from kvcompress.policies.settings import (
     DEFAULT_ADAKV_FLOOR,
     DEFAULT_ADAKV_TOTALS,
@@ -68,6 +69,9 @@ REUSE_CHOICES = ("on", "off")
 # query profile made once per model (--kv-profile): query-agnostic with no extra pass.
 SCORINGS = ("auto", "window", "reconstruct", "hybrid", "expected")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
+# Where a compressed prompt's budget may go; "auto" is "model" where a reconstruction scores
+# the prompt (its scores compare across layers and heads), else the method's own "layer".
+BUDGET_SHARING_CHOICES = ("auto", *BUDGET_SHARINGS)
 DEFAULT_SCORING = "auto"  # measured: docs/methods.md, "Scoring, by measurement"
 # Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
 # of max_num_batched_tokens) and the scratch pages it writes its own K/V into.
@@ -158,6 +162,17 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "shrinking with depth) or 'uniform' (every layer the same). Default "
         f"{DEFAULT_ADAKV_TOTALS}.",
         BUDGET_SHAPES,
+    ),
+    FlagSpec(
+        "kv_budget_sharing", "--kv-budget-sharing", "budget_sharing", str,
+        "Where a compressed prompt's budget goes, whatever the method's total: 'layer' keeps "
+        "the method's own split (each layer its budget; Ada-KV's heads share their layer's); "
+        "'model' lets every layer, KV head and token compete for the whole total by score "
+        "(KVzip's pair-level eviction: the heads the context needs keep most of it; needs a "
+        "method with scores). 'auto' (default) is 'model' where a reconstruction scores the "
+        "prompt (--kv-scoring reconstruct or hybrid, and auto with reuse on), 'layer' "
+        "otherwise.",
+        BUDGET_SHARING_CHOICES,
     ),
     FlagSpec(
         "kv_gqa_reduce", "--kv-gqa-reduce", "gqa_reduce", str,
@@ -273,6 +288,7 @@ class KVCompressionConfig:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     adakv_floor: float = DEFAULT_ADAKV_FLOOR
     adakv_totals: str = DEFAULT_ADAKV_TOTALS
+    budget_sharing: str = "auto"
     gqa_reduce: str = DEFAULT_GROUP_REDUCE
     page_size: int | None = None  # None: the platform's default (engine/vllm_layout.py)
     decode_policy: str = DEFAULT_DECODE_POLICY
@@ -307,6 +323,14 @@ class KVCompressionConfig:
         return _resolve_scoring(self.scoring, self.reuse)
 
     @property
+    def resolved_budget_sharing(self) -> str:
+        """The sharing ``auto`` stands for: model-wide where a reconstruction scores."""
+        if self.budget_sharing != "auto":
+            return self.budget_sharing
+        scored = self.enabled and get_method(self.method).needs_scores
+        return "model" if scored and self.resolved_scoring in RECONSTRUCTING_SCORINGS else "layer"
+
+    @property
     def scores_window(self) -> bool:
         """Whether the observation window's queries score the prompt (window, hybrid)."""
         return self.resolved_scoring in ("window", "hybrid")
@@ -326,7 +350,8 @@ class KVCompressionConfig:
         """The settings ``plan_keep`` takes (computed once: configs are shared by many steps)."""
         if not self.enabled:
             raise ValueError("kv_compression is 'none': there is no policy to plan with")
-        return PolicySettings(**{name: getattr(self, name) for name in _POLICY_FIELDS})
+        fields = {name: getattr(self, name) for name in _POLICY_FIELDS}
+        return PolicySettings(**fields, budget_sharing=self.resolved_budget_sharing)
 
     @functools.cached_property
     def decode_eviction(self) -> DecodeEviction | None:
@@ -413,6 +438,13 @@ class KVCompressionConfig:
         if self.adakv_totals not in BUDGET_SHAPES:
             _fail("kv_adakv_totals",
                   f"got {self.adakv_totals!r}; allowed: {', '.join(BUDGET_SHAPES)}")
+        if self.budget_sharing not in BUDGET_SHARING_CHOICES:
+            _fail("kv_budget_sharing", f"got {self.budget_sharing!r}; allowed: "
+                  f"{', '.join(BUDGET_SHARING_CHOICES)}")
+        if (self.budget_sharing == "model" and self.enabled
+                and not get_method(self.method).needs_scores):
+            _fail("kv_budget_sharing", f"'model' shares the budget by score and "
+                  f"{self.method} scores no tokens; allowed with it: auto, layer")
         if self.gqa_reduce not in GQA_REDUCES:
             _fail("kv_gqa_reduce", f"got {self.gqa_reduce!r}; allowed: {', '.join(GQA_REDUCES)}")
         self._validate_decode()
@@ -506,6 +538,7 @@ class KVCompressionConfig:
             f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "
             f"gqa={self.gqa_reduce} scoring={self.resolved_scoring} "
+            f"sharing={self.resolved_budget_sharing} "
             + (f"adakv_floor={self.adakv_floor:g} adakv_totals={self.adakv_totals} "
                if self.method == "adakv" else "")
             + f"page_size={self.page_size or 'auto'}"
@@ -519,6 +552,7 @@ class KVCompressionConfig:
 _POLICY_FIELDS = tuple(
     field.name for field in dataclasses.fields(PolicySettings)
     if field.name in {f.name for f in dataclasses.fields(KVCompressionConfig)}
+    and field.name != "budget_sharing"  # passed resolved
 )
 
 

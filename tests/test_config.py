@@ -55,6 +55,10 @@ def test_other_plugins_keys_are_ignored_but_unknown_kv_keys_are_not():
         ({"kv_compression": "snapkv", "kv_page_size": 512}, "--kv-page-size", "power of two"),
         ({"kv_compression": "snapkv", "kv_reuse": "maybe"}, "--kv-reuse", "on, off"),
         ({"kv_compression": "snapkv", "kv_pooling": "median"}, "--kv-pooling", "max"),
+        ({"kv_compression": "snapkv", "kv_budget_sharing": "head"}, "--kv-budget-sharing",
+         "auto, layer, model"),
+        ({"kv_compression": "streamingllm", "kv_budget_sharing": "model"},
+         "--kv-budget-sharing", "auto, layer"),
         ({"kv_compression": "snapkv", "kv_pooling_kernel": 4}, "--kv-pooling-kernel", "odd"),
         ({"kv_compression": "snapkv", "kv_pyramid_beta": 0.5}, "--kv-pyramid-beta", ">= 1"),
         ({"kv_compression": "snapkv", "kv_sink_tokens": -1}, "--kv-sink-tokens", ">= 0"),
@@ -91,10 +95,11 @@ def test_policy_settings_carry_the_config_and_share_its_defaults():
         "kv_pyramid_beta": 5, "kv_pooling": "avg", "kv_pooling_kernel": 3, "kv_sink_tokens": 2,
     })
     assert config.policy == PolicySettings(
-        "adakv", ratio=0.5, window=16, beta=5.0, pooling="avg", pooling_kernel=3, sink_tokens=2
+        "adakv", ratio=0.5, window=16, beta=5.0, pooling="avg", pooling_kernel=3, sink_tokens=2,
+        budget_sharing="model",  # auto, and reuse on: hybrid scoring, shared model-wide
     )
     assert config.policy is config.policy  # built once per config
-    snap = KVCompressionConfig.from_mapping({"kv_compression": "snapkv"})
+    snap = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_reuse": "off"})
     assert snap.policy == PolicySettings("snapkv", budget=DEFAULT_BUDGET)
     with pytest.raises(ValueError, match="'none'"):
         _ = KVCompressionConfig().policy
@@ -177,7 +182,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
         "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
-        "kv_min_prompt": 64,
+        "kv_min_prompt": 64, "kv_budget_sharing": "model",
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:
@@ -188,6 +193,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
     assert (policy.pooling, policy.pooling_kernel, policy.sink_tokens) == ("avg", 5, 2)
     assert (policy.adakv_floor, policy.adakv_totals, policy.budget_shape) == (
         0.8, "uniform", "uniform")
+    assert policy.budget_sharing == "model"
 
 
 def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
@@ -202,7 +208,9 @@ def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
     assert {f.name for f in shared} >= {"method", "budget", "ratio", "window", "beta",
                                          "pooling", "pooling_kernel", "sink_tokens"}
     for field in shared:
-        if field.name != "method":  # required in the policy, "none" in the config
+        # method: required in the policy, "none" in the config; budget_sharing: "auto" in
+        # the config, resolved for the policy
+        if field.name not in ("method", "budget_sharing"):
             assert config_fields[field.name].default == field.default, field.name
 
 
@@ -283,3 +291,24 @@ def test_short_prompts_and_segments_are_kept_whole_even_with_a_ratio():
     assert not budget.compresses(64) and budget.compresses(65)
     with pytest.raises(KVCompressionConfigError, match=r"--kv-min-prompt.*>= 0"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_min_prompt": -1})
+
+
+@pytest.mark.parametrize(
+    ("settings", "sharing"),
+    [
+        ({}, "model"),  # reuse on: auto scoring is hybrid, a reconstruction scores
+        ({"kv_reuse": "off"}, "layer"),  # auto scoring is the window's
+        ({"kv_scoring": "window"}, "layer"),
+        ({"kv_scoring": "expected"}, "layer"),
+        ({"kv_scoring": "reconstruct", "kv_reuse": "off"}, "model"),
+        ({"kv_budget_sharing": "layer"}, "layer"),
+        ({"kv_budget_sharing": "model", "kv_scoring": "window"}, "model"),
+        ({"kv_compression": "streamingllm"}, "layer"),  # no scores to share by
+    ],
+)
+def test_auto_budget_sharing_is_model_wide_where_a_reconstruction_scores(settings, sharing):
+    config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "pyramidkv", "kv_compression_ratio": 0.75, **settings})
+    assert config.resolved_budget_sharing == sharing
+    assert config.policy.budget_sharing == sharing
+    assert f"sharing={sharing}" in config.describe()

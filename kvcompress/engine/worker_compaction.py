@@ -259,23 +259,27 @@ def _segment_scores(request: RequestKV, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
-                    hybrid: bool) -> torch.Tensor:
-    """The scores the plan ranks the request's (new) prompt tokens by: its accumulator, or
-    with ``hybrid`` scoring (some request of the group kept its window's scores apart) each
-    accumulator pooled, then the union of their rankings: pooling ranks instead would spread
-    the top of either source over everything. Hybrid scores come pooled."""
+                    hybrid: bool, layers: tuple[int, ...]) -> torch.Tensor:
+    """The scores the plan ranks the request's (new) prompt tokens by, over the compressed
+    ``layers``: its accumulator, or with ``hybrid`` scoring (some request of the group kept
+    its window's scores apart) each accumulator pooled, then the union of their rankings:
+    pooling ranks instead would spread the top of either source over everything. Hybrid
+    scores come pooled."""
     accumulators = [scores for scores in (request.window_scores, request.query_scores)
                     if scores is not None]
     if adopters:
         accumulators = [_segment_scores(request, scores) for scores in accumulators]
+    if len(layers) != accumulators[0].shape[0]:
+        index = torch.as_tensor(layers, device=accumulators[0].device)
+        accumulators = [scores.index_select(0, index) for scores in accumulators]
     if not hybrid:
         return accumulators[0]
     prompt = request.new_prompt_tokens(request.prompt_len)
     prefix = torch.tensor(max(0, prompt - policy.window), device=accumulators[0].device)
     pooled = [pool_scores(scores[..., :prompt], policy.pooling, policy.pooling_kernel,
                           lengths=prefix) for scores in accumulators]
-    spans_layers = policy.compression_method.spans_layers
-    return rank_union(pooled, ranked_dims=3 if spans_layers else 1)
+    # Shared model-wide, the ranks must compare across rows too.
+    return rank_union(pooled, ranked_dims=3 if policy.budget_sharing == "model" else 1)
 
 
 def _plan_isolated(
@@ -332,12 +336,10 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
     scores = None
     if needs_scores:
         hybrid = any(request.query_scores is not None for request in requests)
-        scores = [_request_scores(request, adopters, policy, hybrid) for request in requests]
+        scores = [_request_scores(request, adopters, policy, hybrid, layers)
+                  for request in requests]
         if hybrid:
             policy = replace(policy, pooling="none")  # pooled above
-        if len(layers) != scores[0].shape[0]:
-            index = torch.as_tensor(layers, device=scores[0].device)
-            scores = [score.index_select(0, index) for score in scores]
     return plan_keep(
         policy,
         [request.new_prompt_tokens(request.prompt_len) for request in requests],

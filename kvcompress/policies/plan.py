@@ -13,6 +13,7 @@ from .methods.base import SelectionBlock
 from .scores import pool_scores
 from .selection import PAD_INDEX
 from .settings import PolicySettings
+from .sharing import model_wide_positions
 from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
@@ -208,7 +209,8 @@ def _plan_block(
     """
     num_layers = len(per_layer[0])
     layers_at_once = max(1, MAX_BLOCK_ELEMENTS // (len(lens) * num_kv_heads * max(lens)))
-    if layers_at_once >= num_layers or settings.compression_method.spans_layers:
+    # Shared model-wide, every layer of a request competes: one slice.
+    if layers_at_once >= num_layers or settings.budget_sharing == "model":
         return _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
                             slice(0, num_layers))
     parts = [
@@ -242,7 +244,11 @@ def _plan_layers(
         scores = [score[layers] for score in scores]
     pooled = None if scores is None else _pooled_prefix_scores(settings, lens, scores, prefix)
     block = SelectionBlock(pooled, prefix, quota, num_kv_heads)
-    selected = settings.compression_method.select(block, settings)
+    if settings.budget_sharing == "model":
+        assert pooled is not None  # settings refuse model-wide sharing without scores
+        selected = model_wide_positions(pooled, quota)
+    else:
+        selected = settings.compression_method.select(block, settings)
     # The window [prefix, prompt_len) is disjoint from the selectable prefix: no duplicates.
     window_pos = prefix[:, None] + torch.arange(window, device=device)
     window_pos = window_pos[:, None, None, :].expand(*selected.shape[:3], window)

@@ -12,13 +12,12 @@ from contextlib import contextmanager
 
 from .methods.adakv import ADAKV
 from .methods.base import CompressionMethod
-from .methods.kvzip import KVZIP
 from .methods.pyramidkv import PYRAMIDKV
 from .methods.snapkv import SNAPKV
 from .methods.streamingllm import STREAMINGLLM
 from .validation import check_choice
 
-COMPRESSION_METHODS: tuple[CompressionMethod, ...] = (PYRAMIDKV, SNAPKV, STREAMINGLLM, ADAKV, KVZIP)
+COMPRESSION_METHODS: tuple[CompressionMethod, ...] = (PYRAMIDKV, SNAPKV, STREAMINGLLM, ADAKV)
 METHODS: tuple[str, ...] = tuple(method.name for method in COMPRESSION_METHODS)
 
 _BY_NAME = {method.name: method for method in COMPRESSION_METHODS}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .methods.base import BUDGET_SHAPES, BudgetShape, CompressionMethod
 from .registry import get_method
+from .sharing import BUDGET_SHARINGS, BudgetSharing
 from .validation import (
     check_beta,
     check_budget_spec,
@@ -26,6 +27,8 @@ DEFAULT_POOLING_KERNEL = 15  # measured, as DEFAULT_BETA
 DEFAULT_SINK_TOKENS = 4  # StreamingLLM's attention sinks.
 DEFAULT_ADAKV_FLOOR = 0.2
 DEFAULT_ADAKV_TOTALS: BudgetShape = "pyramid"
+# Where the budget may go: within each layer (the methods' own) or across the whole model.
+DEFAULT_BUDGET_SHARING: BudgetSharing = "layer"
 # How the engine turns window attention into scores (scores.py), before plan_keep sees them.
 DEFAULT_GROUP_REDUCE = "mean"
 DEFAULT_WINDOW_REDUCE = "sum"
@@ -48,6 +51,9 @@ class PolicySettings:
     adakv_totals: the layer totals Ada-KV's heads share: "pyramid" (PyramidKV's schedule) or
         "uniform" (every layer the budget); read only by methods whose record names it
         (CompressionMethod.shape_setting).
+    budget_sharing: "layer" (the method's own: each layer keeps its budget, Ada-KV's heads
+        share theirs) or "model" (the total of the request's layer budgets goes to its best
+        (layer, head, token) anywhere; sharing.py). "model" needs a method with scores.
     """
 
     method: str
@@ -60,6 +66,7 @@ class PolicySettings:
     sink_tokens: int = DEFAULT_SINK_TOKENS
     adakv_floor: float = DEFAULT_ADAKV_FLOOR
     adakv_totals: BudgetShape = DEFAULT_ADAKV_TOTALS
+    budget_sharing: BudgetSharing = DEFAULT_BUDGET_SHARING
 
     def __post_init__(self) -> None:
         get_method(self.method)
@@ -70,6 +77,10 @@ class PolicySettings:
         object.__setattr__(self, "sink_tokens", check_int("sink_tokens", self.sink_tokens, 0))
         check_real("adakv_floor", self.adakv_floor, low=0.0, high=1.0)
         check_choice("adakv_totals", self.adakv_totals, BUDGET_SHAPES)
+        check_choice("budget_sharing", self.budget_sharing, BUDGET_SHARINGS)
+        if self.budget_sharing == "model" and not self.compression_method.needs_scores:
+            raise ValueError(f"budget_sharing 'model' needs a method that scores tokens; "
+                             f"{self.method!r} does not")
 
     @property
     def compression_method(self) -> CompressionMethod:

@@ -101,7 +101,7 @@ def ref_plan(
         win = min(window, q)
         prefix = q - win
         window_set = set(range(prefix, q))
-        if method == "kvzip" and min(budgets) < q:
+        if policy.budget_sharing == "model" and min(budgets) < q:
             result.append(_ref_model_wide(policy, scores[r], budgets, prefix, window_set,
                                           num_kv_heads))
             continue
@@ -150,7 +150,7 @@ def ref_adakv(rows: list[list[float]], quota: int, floor_fraction: float) -> lis
 
 def _ref_model_wide(policy: PolicySettings, scores: torch.Tensor, budgets: list[int],
                     prefix: int, window_set: set[int], num_kv_heads: int) -> list:
-    """KVzip's sharing: the best (layer, head, position) of the whole request for the sum of
+    """Budgets shared model-wide: the best (layer, head, position) of the whole request for the sum of
     the heads' quotas; ties to the lower layer, then head, then position."""
     win = len(window_set)
     total = sum(budget - win for budget in budgets) * num_kv_heads

@@ -64,11 +64,12 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
                                 policy.budget_shape)
         win = min(window, q)
         assert bool(plan.compressed[r]) == (min(budgets) < q)
-        if method == "kvzip":  # the request's total is exact, shared by all its rows
+        model_wide = policy.budget_sharing == "model"
+        if model_wide:  # the request's total is exact, shared by all its rows
             assert int(plan.counts[r].sum()) == num_kv_heads * sum(budgets)
         for layer in range(num_layers):
             counts = plan.counts[r, layer]
-            if method == "kvzip":
+            if model_wide:
                 assert bool((counts >= win).all()) and bool((counts <= q).all())
             elif method == "adakv":
                 assert int(counts.sum()) == num_kv_heads * budgets[layer]  # layer total exact
@@ -90,7 +91,7 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
                 if method == "streamingllm" and count < q:
                     sinks = min(policy.sink_tokens, count - win)
                     assert set(range(sinks)) <= kept_set
-    if method not in ("adakv", "kvzip"):
+    if method != "adakv" and policy.budget_sharing != "model":
         for r, q in enumerate(lens):
             total = int(plan.counts[r, :, 0].sum())
             expected = num_layers * min(q, resolve_budget(q, budget, ratio, window))
@@ -112,6 +113,7 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
     levels=st.sampled_from([None, 3]),
     floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
     totals=st.sampled_from(["pyramid", "uniform"]),
+    model_wide=st.booleans(),
     sinks=st.integers(0, 6),
     seed=st.integers(0, 2**16),
 )
@@ -129,6 +131,7 @@ def test_plan_matches_reference(
     levels,
     floor,
     totals,
+    model_wide,
     sinks,
     seed,
 ):
@@ -145,6 +148,7 @@ def test_plan_matches_reference(
         sink_tokens=sinks,
         adakv_floor=floor,
         adakv_totals=totals,
+        budget_sharing="model" if model_wide and method != "streamingllm" else "layer",
     )
     shape = {"num_layers": num_layers, "num_kv_heads": num_kv_heads}
     plan = plan_keep(policy, lens, scores, **shape)
@@ -358,7 +362,8 @@ def test_settings_defaults_are_the_documented_ones():
     assert (policy.window, policy.beta, policy.pooling, policy.pooling_kernel) == (8, 2, "max", 15)
     assert (policy.sink_tokens, policy.adakv_floor, policy.adakv_totals) == (4, 0.2, "pyramid")
     assert policy.compression_method.name == "snapkv"
-    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv", "kvzip")  # users see
+    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv")  # the order users see
+    assert policy.budget_sharing == "layer"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -130,14 +130,12 @@ def test_a_name_cannot_be_registered_twice(name):
 
 
 def test_the_registry_lists_each_built_in_once_in_user_order():
-    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv", "kvzip")
+    assert METHODS == ("pyramidkv", "snapkv", "streamingllm", "adakv")
     assert [get_method(name) for name in METHODS] == list(COMPRESSION_METHODS)
     shapes = {method.name: method.budget_shape for method in COMPRESSION_METHODS}
     assert shapes == {
-        "pyramidkv": "pyramid", "snapkv": "uniform", "streamingllm": "uniform", "adakv": "pyramid",
-        "kvzip": "uniform",
+        "pyramidkv": "pyramid", "snapkv": "uniform", "streamingllm": "uniform", "adakv": "pyramid"
     }
-    assert [m.name for m in COMPRESSION_METHODS if m.spans_layers] == ["kvzip"]
     assert [m.name for m in COMPRESSION_METHODS if not m.needs_scores] == ["streamingllm"]
     # what the selections are typed to read exists on the settings plan_keep passes them
     assert isinstance(PolicySettings("snapkv", budget=16), SelectionSettings)

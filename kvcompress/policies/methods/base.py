@@ -63,8 +63,6 @@ class CompressionMethod:
     select: the token selection, see SelectTokens.
     shape_setting: the PolicySettings field that chooses the budget shape instead of
         ``budget_shape`` (the default), or None when the shape is fixed.
-    spans_layers: whether ``select`` shares quotas across layers, so it must see all of a
-        request's layers in one block (else the planner may split them).
     """
 
     name: str
@@ -73,7 +71,6 @@ class CompressionMethod:
     needs_scores: bool
     select: SelectTokens
     shape_setting: str | None = None
-    spans_layers: bool = False
 
     def __post_init__(self) -> None:
         check_choice("budget_shape", self.budget_shape, BUDGET_SHAPES)
