@@ -27,7 +27,6 @@ from kvcompress.policies.decode import (
     get_decode_method,
 )
 from kvcompress.policies.methods.base import BUDGET_SHAPES
-from kvcompress.policies.sharing import BUDGET_SHARINGS
 from kvcompress.policies.settings import (
     DEFAULT_ADAKV_FLOOR,
     DEFAULT_ADAKV_TOTALS,
@@ -38,6 +37,7 @@ from kvcompress.policies.settings import (
     DEFAULT_SINK_TOKENS,
     DEFAULT_WINDOW,
 )
+from kvcompress.policies.sharing import BUDGET_SHARINGS
 from kvcompress.policies.validation import POOLINGS
 
 # How the query heads sharing a KV head combine their window attention. "sum" ranks like

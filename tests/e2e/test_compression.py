@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from vllm.exceptions import VLLMValidationError
 
+from kvcompress.config import KVCompressionConfig
 from kvcompress.policies import layer_budgets
 
 from .harness import EngineHarness, greedy, random_prompts
@@ -56,14 +57,25 @@ def expected_layer_budgets(overrides, prompt_len, layers, window):
                          ratio=overrides.get("kv_compression_ratio"), window=window)
 
 
+def resolved_sharing(engine, overrides):
+    """Where the request's budget goes (--kv-budget-sharing resolved; reuse on)."""
+    config = KVCompressionConfig.from_mapping(engine).with_request_overrides(overrides)
+    return config.resolved_budget_sharing if config.enabled else "layer"
+
+
 def assert_holds_policy_budget(manager, internal, name, overrides, prompt_len, since, window,
-                               page, layers, heads):
+                               page, layers, heads, engine):
     """The request's rows in ``manager`` (one rank's ``PageManager``) hold exactly its
-    policy's layer budgets plus the ``since`` generated tokens already cached, in whole
-    pages; returns the prompt part per [layer, head]. ``name`` labels failures."""
+    policy's layer budgets (shared model-wide: their total) plus the ``since`` generated
+    tokens already cached, in whole pages; returns the prompt part per [layer, head].
+    ``engine``: the engine's settings; ``name`` labels failures."""
     lengths = manager.physical_lengths(internal).reshape(layers, heads) - since
     expected = expected_layer_budgets(overrides, prompt_len, layers, window)
-    if overrides.get("kv_compression") == "adakv":
+    if resolved_sharing(engine, overrides) == "model" and min(expected) < prompt_len:
+        # Every row competes for the request's total; each keeps at least its window.
+        assert lengths.sum() == heads * sum(expected), name
+        assert (lengths >= window).all() and (lengths <= prompt_len).all(), name
+    elif overrides.get("kv_compression") == "adakv":
         # Heads of a layer share its total; every head keeps at least its window.
         assert lengths.sum(axis=1).tolist() == [heads * b for b in expected], name
         floor = overrides.get("kv_adakv_floor", 0.2)
@@ -86,11 +98,10 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
     window, page, layers, heads = 8, 16, 4, 2
     if scoring == "expected":
         request.getfixturevalue("profiled_tiny_llama")  # its profile beside it
-    harness = EngineHarness(
-        tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
-                     "kv_scoring": scoring},
-        kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN, **TINY,
-    )
+    engine = {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
+              "kv_scoring": scoring}
+    harness = EngineHarness(tiny_llama, engine, kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN,
+                            **TINY)
     try:
         if scoring == "expected":  # scored by the profile, not by a window fallback
             assert harness.on_workers(
@@ -106,8 +117,10 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
             # The newest sampled token is not in the cache yet; earlier ones are.
             since = len(harness.outputs[name]) - 1
             lengths = assert_holds_policy_budget(manager, internal, name, overrides, length,
-                                                 since, window, page, layers, heads)
-            if overrides.get("kv_compression") == "adakv":
+                                                 since, window, page, layers, heads, engine)
+            if resolved_sharing(engine, overrides) == "model" and name != "full":
+                assert lengths.max() > lengths.min(), f"{name}: shared model-wide"
+            elif overrides.get("kv_compression") == "adakv":
                 assert (lengths[:, 0] != lengths[:, 1]).any(), "adakv should differ per head"
             # The worker's mirror agrees (uniproc executor: same process).
             worker_lengths = harness.on_workers(

@@ -93,8 +93,9 @@ def test_tp2_exact_budgets_on_every_rank_and_a_fault_on_one_rank_ends_its_reques
     generated part on every rank, the workers' mirrors agree with their rank's shard, an
     abort and the finished requests free every rank's pages. Then a fault on one rank."""
     window, page, layers, heads = 8, 16, 4, 2  # heads per rank
+    engine = {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window}
     harness = EngineHarness(
-        tiny_llama_kv4, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window},
+        tiny_llama_kv4, engine,
         max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16,
         kv_cache_memory_bytes=8192 * 4 * 2 * 2 * 32 * 4, **TP2,
     )
@@ -117,7 +118,8 @@ def test_tp2_exact_budgets_on_every_rank_and_a_fault_on_one_rank_ends_its_reques
             per_rank = []
             for rank, shard in enumerate(manager.shards):
                 lengths = assert_holds_policy_budget(shard, internal, (name, rank), overrides,
-                                                     length, since, window, page, layers, heads)
+                                                     length, since, window, page, layers, heads,
+                                                     engine)
                 per_rank.append(lengths)
                 assert worker_lengths[rank] == (lengths + since).reshape(-1).tolist(), name
             if overrides.get("kv_compression") == "adakv":
@@ -152,12 +154,13 @@ def inject_plan_fault_on_rank_1(worker):
     return worker.model_runner.paged_runtime.rank
 
 
-# Decode-time eviction: each head keeps at most budget + interval generated tokens.
+# Decode-time eviction: each head keeps at most budget + interval generated tokens. Their
+# prompt parts keep the method's own split, so each row's is known.
 DECODE_REQUESTS = {
     "h2o_decode": ({"kv_decode_policy": "h2o", "kv_decode_budget": 12,
-                    "kv_decode_interval": 4}, 320),
+                    "kv_decode_interval": 4, "kv_budget_sharing": "layer"}, 320),
     "snap_decode": ({"kv_decode_policy": "snapkv", "kv_decode_budget": 12,
-                     "kv_decode_interval": 4}, 280),
+                     "kv_decode_interval": 4, "kv_budget_sharing": "layer"}, 280),
 }
 
 

@@ -50,24 +50,33 @@ def labelled_case(lengths, prompt_len, settings):
     return case, request
 
 
-def test_prompt_compaction_keeps_exactly_the_planned_tokens():
-    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24})
+@pytest.mark.parametrize("sharing", ["layer", "model"])
+def test_prompt_compaction_keeps_exactly_the_planned_tokens(sharing):
+    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24,
+                                                 "kv_budget_sharing": sharing})
     case, request = labelled_case(lengths=99, prompt_len=100, settings=settings)
     scores = request.window_scores.clone()
+    if sharing == "model":  # one head the scores favour: it keeps more than the others
+        scores[1, 0] += 1.0
+        request.window_scores = scores.clone()
     case.step.completing_prompt = [0]
     compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
     plan = plan_keep(settings.policy, [100], [scores], num_layers=2, num_kv_heads=2)
+    counts = plan.counts[0].reshape(4).tolist()
     assert compactions["req0"].logical_len == 100
-    assert compactions["req0"].physical_lengths.tolist() == [24] * 4
+    assert compactions["req0"].physical_lengths.tolist() == counts
+    assert sum(counts) == 4 * 24
+    assert (counts == [24] * 4) == (sharing == "layer")
     for row in range(4):
-        kept = plan.indices[0].reshape(4, -1)[row, :24].tolist()
+        kept = plan.indices[0].reshape(4, -1)[row, :counts[row]].tolist()
         assert sorted(token_ids_in_slots(case, request, row)) == kept
-    assert request.prompt_kept.tolist() == [24] * 4 and request.window_scores is None
+    assert request.prompt_kept.tolist() == counts and request.window_scores is None
 
 
 def test_resumed_request_keeps_generated_tail_after_prompt_in_order():
     # Preempted after 30 outputs: the recompute covers prompt (100) + 29 outputs.
-    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24})
+    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24,
+                                                 "kv_budget_sharing": "layer"})
     case, request = labelled_case(lengths=128, prompt_len=100, settings=settings)
     case.step.completing_prompt = [0]
     compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
@@ -172,7 +181,8 @@ def test_a_resumed_request_is_compressed_then_evicted_to_its_newest_tokens(polic
     # tail (>= 10 + 5, never scored) is cut to the newest 10 in the same step.
     settings = KVCompressionConfig.from_mapping(
         {"kv_compression": "snapkv", "kv_budget": 24, "kv_window": 4,
-         "kv_decode_policy": policy, "kv_decode_budget": 10, "kv_decode_interval": 5})
+         "kv_budget_sharing": "layer", "kv_decode_policy": policy, "kv_decode_budget": 10,
+         "kv_decode_interval": 5})
     case, request = labelled_case(lengths=128, prompt_len=100, settings=settings)
     case.step.completing_prompt = [0]
     compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
@@ -242,7 +252,7 @@ def segment_plan(settings, scores, new_tokens):
 @pytest.mark.parametrize("tail", [0, 7], ids=["completed", "resumed"])
 def test_an_adopter_keeps_its_context_and_compresses_its_new_prompt_tokens(tail):
     settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 16,
-                                                 "kv_window": 4})
+                                                 "kv_window": 4, "kv_budget_sharing": "layer"})
     new_tokens = 50
     case, request = adopter_case(new_tokens, settings, after=tail, chunk=tail + 1)
     assert request.prompt_kept.tolist() == [p + new_tokens for p in ADOPTED_ROWS]

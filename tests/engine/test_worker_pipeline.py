@@ -65,7 +65,7 @@ def dense_attention(query, keys, values, first_position, window=0):
 
 class Pipeline:
     def __init__(self, device: str, use_triton: bool | None, mover: str, method: str,
-                 layer_windows: tuple[int, ...] = ()):
+                 layer_windows: tuple[int, ...] = (), sharing: str = "auto"):
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(7)
         self.layout = PageLayout(LAYERS, KV_HEADS, HEAD_SIZE, PAGE_SIZE, 4, total_pages=200,
@@ -82,7 +82,8 @@ class Pipeline:
         # "torch": compaction through the page format's gather-then-scatter instead
         self.mover = GPU_PAGE_FORMAT if mover == "torch" else self.kernel
         self.config = KVCompressionConfig.from_mapping(
-            {"kv_compression": method, "kv_budget": BUDGET, "kv_window": WINDOW})
+            {"kv_compression": method, "kv_budget": BUDGET, "kv_window": WINDOW,
+             "kv_budget_sharing": sharing})
         self.req_ids = [f"r{index}" for index in range(len(PROMPTS))]
         # Dense history per (request, row): what the cache must hold, in logical positions.
         self.keys: dict[tuple[int, int], torch.Tensor] = {}
@@ -230,7 +231,9 @@ def test_sliding_window_layer_drops_pages_and_is_never_compacted(monkeypatch, de
     if use_triton and device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     sliding = 8
-    pipeline = Pipeline(device, use_triton, "kernel", "pyramidkv", layer_windows=(sliding, 0))
+    # The method's own split, so each full-attention row keeps exactly BUDGET.
+    pipeline = Pipeline(device, use_triton, "kernel", "pyramidkv", layer_windows=(sliding, 0),
+                        sharing="layer")
     computed, kept = [0] * len(PROMPTS), {}
     dropped = 0
     for _ in range(8):

@@ -150,8 +150,8 @@ def ref_adakv(rows: list[list[float]], quota: int, floor_fraction: float) -> lis
 
 def _ref_model_wide(policy: PolicySettings, scores: torch.Tensor, budgets: list[int],
                     prefix: int, window_set: set[int], num_kv_heads: int) -> list:
-    """Budgets shared model-wide: the best (layer, head, position) of the whole request for the sum of
-    the heads' quotas; ties to the lower layer, then head, then position."""
+    """Budgets shared model-wide: the best (layer, head, position) of the whole request for
+    the sum of the heads' quotas; ties to the lower layer, then head, then position."""
     win = len(window_set)
     total = sum(budget - win for budget in budgets) * num_kv_heads
     candidates = []
