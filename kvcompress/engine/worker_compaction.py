@@ -332,6 +332,10 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
     policy = config.policy
     if adopters:
         policy = replace(policy, sink_tokens=0)
+    if config.budget_sharing == "auto" and not all(r.reconstructed for r in requests):
+        # Scored by a window after all (embeddings, a model without scratch pages): auto
+        # shares only a reconstruction's scores model-wide.
+        policy = replace(policy, budget_sharing="layer")
     needs_scores = policy.compression_method.needs_scores
     scores = None
     if needs_scores:

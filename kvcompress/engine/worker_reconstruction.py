@@ -84,6 +84,7 @@ class Reconstructor:
         layout = self.state.layout
         for request_id in request_ids:
             request = self.state.requests[request_id]
+            request.reconstructed = True
             if request.window_scores is not None:  # hybrid: the window's, kept apart
                 request.query_scores, request.window_scores = request.window_scores, None
             if request.window_scores is None:

@@ -43,6 +43,9 @@ class RequestKV:
     # Hybrid scoring: the window's scores, kept apart while reconstruction passes fill
     # ``window_scores`` (the plan ranks by both).
     query_scores: torch.Tensor | None = None
+    # A reconstruction pass scored this prompt (``--kv-budget-sharing auto`` shares only such
+    # scores model-wide: a prompt scored by its window instead keeps the method's split).
+    reconstructed: bool = False
     # This request's compression config (engine config + its own overrides).
     config: KVCompressionConfig | None = None
     # Per row: slots [0, prompt_kept) hold prompt tokens, the rest generated tokens in

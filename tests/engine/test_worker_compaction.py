@@ -322,3 +322,20 @@ def test_a_failing_adopter_plan_fails_only_that_request():
     assert compact_completed_prompts(case.state, case.step, case.pool, FORMAT) == {}
     assert "planning the compression" in case.step.failures["req0"]
     assert request.lengths.tolist() == lengths.tolist() and not request.compressed
+
+
+def test_auto_sharing_keeps_the_methods_split_for_a_prompt_no_reconstruction_scored():
+    """Reuse on resolves auto to hybrid and model-wide sharing; a prompt the engine scored
+    by its window after all (no reconstruction ran) keeps the method's own split, and one a
+    reconstruction scored shares the total model-wide."""
+    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24})
+    assert settings.resolved_budget_sharing == "model"
+    for reconstructed in (False, True):
+        case, request = labelled_case(lengths=99, prompt_len=100, settings=settings)
+        request.window_scores[1, 0] += 1.0  # one head the scores favour
+        request.reconstructed = reconstructed
+        case.step.completing_prompt = [0]
+        compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
+        lengths = compactions["req0"].physical_lengths.tolist()
+        assert sum(lengths) == 4 * 24
+        assert (lengths == [24] * 4) == (not reconstructed), (reconstructed, lengths)

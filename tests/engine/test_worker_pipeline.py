@@ -22,7 +22,7 @@ from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout, PageManager
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
-from kvcompress.policies import METHODS, observation_window_scores, plan_keep
+from kvcompress.policies import METHODS, get_method, observation_window_scores, plan_keep
 from kvcompress.step import PagedAttentionMetadata
 
 LAYERS, KV_HEADS, GROUP, HEAD_SIZE, PAGE_SIZE = 2, 2, 2, 32, 16
@@ -65,7 +65,7 @@ def dense_attention(query, keys, values, first_position, window=0):
 
 class Pipeline:
     def __init__(self, device: str, use_triton: bool | None, mover: str, method: str,
-                 layer_windows: tuple[int, ...] = (), sharing: str = "auto"):
+                 layer_windows: tuple[int, ...] = (), sharing: str | None = None):
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(7)
         self.layout = PageLayout(LAYERS, KV_HEADS, HEAD_SIZE, PAGE_SIZE, 4, total_pages=200,
@@ -81,6 +81,8 @@ class Pipeline:
             self.kernel.native_move = None
         # "torch": compaction through the page format's gather-then-scatter instead
         self.mover = GPU_PAGE_FORMAT if mover == "torch" else self.kernel
+        if sharing is None:  # model-wide where the method scores: the plan's harder case
+            sharing = "model" if get_method(method).needs_scores else "layer"
         self.config = KVCompressionConfig.from_mapping(
             {"kv_compression": method, "kv_budget": BUDGET, "kv_window": WINDOW,
              "kv_budget_sharing": sharing})
