@@ -90,12 +90,15 @@ def test_embedded_model_fp8_identical_on_mixed_lengths(embedded_model):
     assert ours == vanilla
 
 
-@pytest.mark.parametrize("scoring", ["window", "hybrid"])
-def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring):
-    """Every method of test_compression's mix, scored from fp8 keys (by the window, or by the
-    window and a reconstruction pass), keeps exactly its budget per (layer, KV head) in whole
-    32-token pages; two decode steps grow every head by one token each; all pages return."""
+@pytest.mark.parametrize("scoring", ["window", "hybrid", "expected"])
+def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring, request):
+    """Every method of test_compression's mix, scored from fp8 keys (by the window, by the
+    window and a reconstruction pass, or by the query profile with each layer's K scale),
+    keeps exactly its budget per (layer, KV head) in whole 32-token pages; two decode steps
+    grow every head by one token each; all pages return."""
     window, page, layers, heads = 8, 32, 4, 2
+    if scoring == "expected":
+        request.getfixturevalue("profiled_tiny_llama")  # its profile beside it
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
                      "kv_scoring": scoring},
@@ -103,6 +106,9 @@ def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring):
     )
     try:
         assert harness.on_workers(fp8_page_setup) == [("torch.uint8", "torch.float8_e4m3fn")]
+        if scoring == "expected":  # the layers' K scales (vLLM's default 1.0 here)
+            assert harness.on_workers(lambda worker: worker.model_runner.paged_runtime
+                                      .expected_scorer.key_scales) == [(1.0,) * layers]
         prompts = {}
         for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
             prompts[name] = random_prompts([length], seed=30 + offset)["p0"]
