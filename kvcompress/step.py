@@ -128,6 +128,19 @@ class StepBatch:
         return self.lengths_before + self.num_new_tokens[:, None]
 
 
+@dataclass(frozen=True)
+class KVScales:
+    """One layer's fp8 scales (vLLM's ``layer._k_scale_float`` / ``_v_scale_float``): an fp8
+    page element stores ``x / scale``. 1.0 where vLLM has none (a checkpoint without scales);
+    unused on pages in the model's dtype."""
+
+    key: float = 1.0
+    value: float = 1.0
+
+
+UNSCALED = KVScales()  # the default: scales of 1 (and pages in the model's dtype ignore them)
+
+
 @runtime_checkable
 class KVMover(Protocol):
     """Copies K and V between pool slots with parallel-move semantics (every source is read
@@ -150,15 +163,18 @@ class PlatformKernel(KVMover, Protocol):
     def prepare(self, step: StepBatch) -> Any: ...
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor) -> None:
-        """``key``/``value`` ``[T, H, D]`` to per-head ``slots [T, H]``."""
+              slots: torch.Tensor, *, kv_scales: KVScales = UNSCALED) -> None:
+        """``key``/``value`` ``[T, H, D]`` to per-head ``slots [T, H]``; fp8 pages
+        (``page_format.fp8_dtype``) store them divided by the layer's ``kv_scales``."""
         ...
 
     def attend(self, args: Any, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+               sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+               kv_scales: KVScales = UNSCALED) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``:
         logit soft-capping, attention-sink logits in the denominator); None: plain softmax.
+        ``kv_scales``: the layer's fp8 scales, applied to fp8 pages' K and V.
 
         ``sliding_window``: the layer's window W (vLLM's ``sliding_window``), None or 0 for
         full attention. Per (request, KV head) row, with the row's own length: its query i
@@ -169,14 +185,15 @@ class PlatformKernel(KVMover, Protocol):
         ...
 
     def accumulate_window_scores(self, args: Any, layer: int, query: torch.Tensor,
-                                 key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
+                                 key: torch.Tensor | None, pool: torch.Tensor, step: StepBatch,
                                  scale: float, *,
                                  soft_cap: float | None = None,
                                  sinks: torch.Tensor | None = None) -> None:
         """Add ``layer``'s observation-window probabilities (under the layer's softmax) into
         each window's accumulator (``step.window_queries``), its query heads combined as the
         window says (``WindowQueries.group_reduce``); ``key`` is the step's own ``[T, H, D]``
-        keys."""
+        keys (None: read every key from the pool, as with fp8 pages, whose ``scale``
+        already carries the layer's K scale)."""
         ...
 
 

@@ -10,6 +10,7 @@ import torch
 from kvcompress.engine.worker_state import StepBatch, WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import PageFormat
+from kvcompress.step import UNSCALED, KVScales
 
 
 @dataclass
@@ -40,18 +41,28 @@ def build_case(
     prompt_lens: list[int] | None = None,
     window: int = 4,
     wants_compression: list[bool] | None = None,
+    kv_scales: KVScales = UNSCALED,
 ) -> PagedCase:
+    """``page_format.fp8_dtype`` set: an fp8 pool (uint8, one byte per element) whose K/V,
+    history and new tokens alike, are exactly representable as ``fp8 * kv_scales`` (so any
+    rounding of a write stores them exactly, and the dense reference is exact); ``dtype`` is
+    then the model's (queries', new tokens')."""
     generator = torch.Generator().manual_seed(seed)
+    fp8 = page_format.fp8_dtype
+    element_bytes = 1 if fp8 is not None else torch.empty((), dtype=dtype).element_size()
     rows = num_layers * num_kv_heads
     pages_needed = [
         [-(-(lengths_before[r][row] + num_new[r]) // page_size) for row in range(rows)]
         for r in range(len(num_new))
     ]
     total_pages = sum(map(sum, pages_needed)) + 7
-    layout = PageLayout(num_layers, num_kv_heads, head_size, page_size,
-                        torch.empty((), dtype=dtype).element_size(), total_pages)
+    layout = PageLayout(num_layers, num_kv_heads, head_size, page_size, element_bytes,
+                        total_pages)
     # Loud finite garbage in unused slots: a kernel reading past a head's length shows.
-    pool = torch.full((total_pages, 2, page_size, head_size), 50.0, dtype=dtype)
+    pool = torch.full((total_pages, 2, page_size, head_size), 50.0,
+                      dtype=dtype if fp8 is None else fp8)
+    if fp8 is not None:
+        pool = pool.view(torch.uint8)
     # Every power of two of widths its own class: the kernels see split batches.
     state = WorkerKVState(layout, torch.device("cpu"), min_class_pages=1, class_spread=1)
     permutation = torch.randperm(total_pages, generator=generator).numpy().astype(np.int32)
@@ -72,7 +83,13 @@ def build_case(
             positions = torch.arange(length)
             slots = (torch.as_tensor(request.table.pages[row])[positions // page_size].long()
                      * page_size + positions % page_size)
-            page_format.write_tokens(pool, keys, values, slots)
+            if fp8 is None:
+                page_format.write_tokens(pool, keys, values, slots)
+            else:
+                keys = fp8_representable(keys, fp8, kv_scales.key)
+                values = fp8_representable(values, fp8, kv_scales.value)
+                page_format.write_tokens(pool, fp8_bytes(keys, fp8, kv_scales.key),
+                                         fp8_bytes(values, fp8, kv_scales.value), slots)
             old_keys[r, row], old_values[r, row] = keys, values
     num_reqs = len(num_new)
     prompt_lens = prompt_lens or [lengths_before[r][0] + num_new[r] for r in range(num_reqs)]
@@ -88,8 +105,22 @@ def build_case(
     query = torch.randn(total, num_kv_heads * group, head_size, generator=generator).to(dtype)
     new_keys = torch.randn(total, rows, head_size, generator=generator).to(dtype)
     new_values = torch.randn(total, rows, head_size, generator=generator).to(dtype)
+    if fp8 is not None:
+        new_keys = fp8_representable(new_keys, fp8, kv_scales.key)
+        new_values = fp8_representable(new_values, fp8, kv_scales.value)
     return PagedCase(layout, state, pool, step, query, new_keys, new_values, old_keys,
                      old_values)
+
+
+def fp8_representable(x: torch.Tensor, fp8: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` moved to the nearest ``fp8 value * scale`` (kept in x's dtype; exact there for the
+    power-of-two scales the tests use)."""
+    return ((x.float() / scale).to(fp8).float() * scale).to(x.dtype)
+
+
+def fp8_bytes(x: torch.Tensor, fp8: torch.dtype, scale: float) -> torch.Tensor:
+    """The page bytes of ``x`` (representable) at ``scale``."""
+    return (x.float() / scale).to(fp8).view(torch.uint8)
 
 
 def dense_attention(case: PagedCase, layer: int, scale: float, soft_cap: float | None = None,
@@ -161,18 +192,19 @@ def dense_window_probs(case: PagedCase, layer: int, scale: float, soft_cap: floa
     return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
 
 
-def run_kernel(kernel, case: PagedCase, window: int | None, **softmax) -> list[torch.Tensor]:
+def run_kernel(kernel, case: PagedCase, window: int | None, kv_scales: KVScales = UNSCALED,
+               **softmax) -> list[torch.Tensor]:
     """Every layer's outputs (scale head_size ** -0.5), the new tokens written first (as the
-    engine does)."""
+    engine does); ``kv_scales``: fp8 pages' scales."""
     args = kernel.prepare(case.step)
     scale = case.layout.head_size**-0.5
     outputs = []
     for layer in range(case.layout.num_layers):
         rows = case.step.layer_rows(layer)
         kernel.write(case.pool, case.new_keys[:, rows], case.new_values[:, rows],
-                     case.step.slot_mapping[:, rows])
+                     case.step.slot_mapping[:, rows], kv_scales=kv_scales)
         output = torch.full_like(case.query, float("nan"))
         kernel.attend(args, layer, case.query, case.pool, output, scale,
-                      sliding_window=window, **softmax)
+                      sliding_window=window, kv_scales=kv_scales, **softmax)
         outputs.append(output)
     return outputs

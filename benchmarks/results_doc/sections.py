@@ -16,6 +16,7 @@ from benchmarks import (
     attention_analysis,
     compression_cost,
     decode_fidelity,
+    fp8_selection,
     hybrid_memory,
     kvpress_reference,
     memory_sweep,
@@ -64,6 +65,10 @@ def _quality(report: Report) -> str:
         return retention_analysis.render(report["configs"])
     # both question positions when a run has them (an inside-only run: the one table)
     return quality_report.render_report(report["configs"], report["workload"]["tasks"])
+
+
+def _fp8_selection(report: Report) -> str:
+    return fp8_selection.render(report["configs"])
 
 
 def _compression_cost(report: Report) -> str:
@@ -121,6 +126,8 @@ SECTIONS: tuple[Section, ...] = (
             ("quality_question_outside.json", "quality_question_outside_256.json"), _quality),
     Section("kvpress_reference", "Against NVIDIA kvpress", ("kvpress_reference.json",),
             kvpress_reference.render),
+    Section("fp8_selection", "Scores from fp8 keys", ("fp8_selection.json",),
+            _fp8_selection),
     Section("attention_analysis", "Attention analysis", ("attention_analysis.json",),
             attention_analysis.render),
     Section("compression_cost", "Compression cost", ("compression_cost.json",),

@@ -27,13 +27,14 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from kvcompress.attention.layer import attend_layer
-from kvcompress.step import PagedAttentionMetadata, runtime_for
+from kvcompress.step import KVScales, PagedAttentionMetadata, runtime_for
 
 
 class KVCompressAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+    # fp8 pages: one byte per element with vLLM's per-layer scales (CPU: AVX-512 or AMX).
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
@@ -168,4 +169,7 @@ class KVCompressAttentionImpl(AttentionImpl):
             )
         return attend_layer(attn_metadata, layer_index, query, key, value, kv_cache, output,
                             self.scale, soft_cap=self.logits_soft_cap, sinks=self.sinks,
-                            sliding_window=self.sliding_window)
+                            sliding_window=self.sliding_window,
+                            # the scales vLLM loaded or defaulted for this layer, as its own
+                            # backends pass them to their cache write and attention
+                            kv_scales=KVScales(layer._k_scale_float, layer._v_scale_float))

@@ -14,6 +14,12 @@ A sliding window W goes to the kernel as vLLM's own CPU backend passes it (left 
 causal): its query positions are ``seq_len - query_len + i`` of each sequence, i.e. of each of
 our rows, so the mask is per row with the row's own length (checked against the torch
 reference in tests/attention/test_sliding_window_kernels.py).
+
+fp8 pages (``kv_cache_dtype`` fp8 / fp8_e4m3 / fp8_e5m2) run the kernel's vec ISA in its fp8
+mode, as vLLM's own CPU backend does on x86 with AVX-512 or AMX: the write quantizes with the
+layer's K/V scales, attention dequantizes with them; the layout is the vec one byte per element
+(``CPU_PAGE_FORMAT`` with ``fp8_dtype``), checked against vLLM's write in
+tests/paging/test_fp8_page_format.py.
 """
 
 from __future__ import annotations
@@ -27,23 +33,48 @@ from vllm import envs
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.paging import PageLayout
 from kvcompress.paging.batch_tables import on_class_tokens
-from kvcompress.paging.page_format import AMX_PAGE_FORMAT, CPU_PAGE_FORMAT, PageFormat
-from kvcompress.step import StepBatch
+from kvcompress.paging.page_format import (
+    AMX_PAGE_FORMAT,
+    CPU_PAGE_FORMAT,
+    PageFormat,
+    fp8_dtype_of,
+)
+from kvcompress.step import UNSCALED, KVScales, StepBatch
 
 
-def cpu_isa(page_size: int, head_size: int, dtype: torch.dtype | None = None) -> str:
+def cpu_supports_fp8_pages() -> bool:
+    """vLLM's CPU attention reads fp8 pages on x86 with AVX-512 or AMX only."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def cpu_isa(page_size: int, head_size: int, dtype: torch.dtype | None = None,
+            kv_cache_dtype: str = "auto") -> str:
     """The kernel variant for our pages: ``amx`` (AMX tiles, bf16, pages and heads multiples of
     32: its own page layout, ``AMX_PAGE_FORMAT``) where the CPU has it, else vec / vec16 (K
-    transposed per page, ``CPU_PAGE_FORMAT``), as vLLM's own CPU backend picks."""
+    transposed per page, ``CPU_PAGE_FORMAT``), as vLLM's own CPU backend picks. fp8 pages
+    always run vec (pages and heads multiples of 32, AVX-512 or AMX)."""
     if head_size % 16:
         raise NotImplementedError(f"kvcompress on CPU needs head_size % 16 == 0, got {head_size}")
+    if fp8_dtype_of(kv_cache_dtype) is not None:
+        if not cpu_supports_fp8_pages():
+            raise NotImplementedError(
+                f"--kv-cache-dtype {kv_cache_dtype}: fp8 KV pages on CPU need x86 with AVX-512 "
+                "or AMX (vLLM's CPU attention kernel); use --kv-cache-dtype auto")
+        if page_size % 32 or head_size % 32:
+            raise NotImplementedError(
+                f"--kv-cache-dtype {kv_cache_dtype} on CPU needs --kv-page-size and the head "
+                f"size to be multiples of 32, got {page_size} and {head_size}")
+        return "vec"
     if (dtype == torch.bfloat16 and page_size % 32 == 0 and head_size % 32 == 0
             and torch.cpu._is_amx_tile_supported()):
         return "amx"
     return "vec" if page_size % 32 == 0 and head_size % 32 == 0 else "vec16"
 
 
-def page_format_for(isa: str) -> PageFormat:
+def page_format_for(isa: str, kv_cache_dtype: str = "auto") -> PageFormat:
+    fp8_dtype = fp8_dtype_of(kv_cache_dtype)
+    if fp8_dtype is not None:
+        return PageFormat(CPU_PAGE_FORMAT.key_layout, fp8_dtype)
     return AMX_PAGE_FORMAT if isa == "amx" else CPU_PAGE_FORMAT
 
 
@@ -72,12 +103,16 @@ class CpuStepArgs:
 class CpuPagedKernel:
     """``kvcompress.step.PlatformKernel`` on CPU."""
 
-    def __init__(self, layout: PageLayout, dtype: torch.dtype, isa: str | None = None) -> None:
-        """``isa``: the kernel variant (default: ``cpu_isa``'s pick for this CPU)."""
+    def __init__(self, layout: PageLayout, dtype: torch.dtype, isa: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        """``dtype``: the model's (queries'); ``isa``: the kernel variant (default:
+        ``cpu_isa``'s pick for this CPU); ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype``
+        (``auto``: pages in ``dtype``; fp8 ones: one byte per element)."""
         self.layout = layout
         self.dtype = dtype
-        self.isa = isa or cpu_isa(layout.page_size, layout.head_size, dtype)
-        self.page_format = page_format_for(self.isa)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.isa = isa or cpu_isa(layout.page_size, layout.head_size, dtype, kv_cache_dtype)
+        self.page_format = page_format_for(self.isa, kv_cache_dtype)
         if self.isa == "amx":
             torch.cpu._init_amx()  # the process may use AMX tiles (Linux asks first)
 
@@ -106,8 +141,9 @@ class CpuPagedKernel:
         return CpuStepArgs(classes)
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor) -> None:
-        """key/value ``[T, H, D]`` to per-head ``slots [T, H]``."""
+              slots: torch.Tensor, *, kv_scales: KVScales = UNSCALED) -> None:
+        """key/value ``[T, H, D]`` to per-head ``slots [T, H]`` (fp8 pages: quantized with
+        ``kv_scales``)."""
         key_cache, value_cache = self._caches(pool)
         head_size = self.layout.head_size
         # The op reads the slot list densely: one layer's column of the step's [T, rows]
@@ -115,23 +151,27 @@ class CpuPagedKernel:
         ops.cpu_attn_reshape_and_cache(
             key.reshape(-1, 1, head_size), value.reshape(-1, 1, head_size),
             key_cache, value_cache, slots.reshape(-1).contiguous(), self.isa,
+            k_scale=kv_scales.key, v_scale=kv_scales.value, kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def attend(self, args: CpuStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+               sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+               kv_scales: KVScales = UNSCALED) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
-        ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
+        ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``;
+        ``kv_scales``: the layer's fp8 scales (unused on unquantized pages)."""
         window = _window_for_cpu_kernel(sliding_window)
         for part in args.classes:
             on_class_tokens(part.token_index, query, output,
                             lambda part_query, part_output, part=part: self._attend_class(
                                 part, layer, part_query, pool, part_output, scale, soft_cap,
-                                sinks, window))
+                                sinks, window, kv_scales))
 
     def _attend_class(self, args: CpuClassArgs, layer: int, query: torch.Tensor,
                       pool: torch.Tensor, output: torch.Tensor, scale: float,
-                      soft_cap: float | None, sinks: torch.Tensor | None, window: int) -> None:
+                      soft_cap: float | None, sinks: torch.Tensor | None, window: int,
+                      kv_scales: KVScales) -> None:
         """Attention of one width class: ``query`` / ``output`` hold its tokens only."""
         num_tokens, num_q_heads, head_size = query.shape
         heads = self.layout.num_kv_heads
@@ -141,13 +181,13 @@ class CpuPagedKernel:
         result = torch.empty_like(per_sequence)
         if sinks is None:
             self._attend_sequences(args, layer, None, per_sequence, result, pool, scale,
-                                   soft_cap, None, window)
+                                   soft_cap, None, window, kv_scales)
         else:
             head_sinks = _sinks_for_cpu_kernel(sinks).view(heads, group)
             for head in range(heads):
                 rows = slice(head * num_tokens, (head + 1) * num_tokens)
                 self._attend_sequences(args, layer, head, per_sequence[rows], result[rows], pool,
-                                       scale, soft_cap, head_sinks[head], window)
+                                       scale, soft_cap, head_sinks[head], window, kv_scales)
         output.view(num_tokens, heads, group, head_size).copy_(
             result.view(heads, num_tokens, group, head_size).transpose(0, 1)
         )
@@ -155,7 +195,7 @@ class CpuPagedKernel:
     def _attend_sequences(self, args: CpuClassArgs, layer: int, head: int | None,
                           query: torch.Tensor, result: torch.Tensor, pool: torch.Tensor,
                           scale: float, soft_cap: float | None,
-                          sinks: torch.Tensor | None, window: int) -> None:
+                          sinks: torch.Tensor | None, window: int, kv_scales: KVScales) -> None:
         """One call of vLLM's kernel over the sequences of KV head ``head`` (``query [R * T',
         G, D]``), or of every head (``head`` None, ``query [H * T', G, D]``). ``window``: the
         layer's W, -1 for none; a layer always has the same one, so the scheduler metadata
@@ -175,6 +215,7 @@ class CpuPagedKernel:
                 head_dim=query.shape[2], seq_lens=seq_lens, dtype=self.dtype,
                 query_start_loc=query_start_loc, causal=True, sliding_window_size=window,
                 isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         key_cache, value_cache = self._caches(pool)
         ops.cpu_attention_with_kv_cache(
@@ -183,10 +224,11 @@ class CpuPagedKernel:
             causal=True, alibi_slopes=None, sliding_window=window,
             block_table=args.block_tables[layer, sequences], softcap=soft_cap or 0,
             scheduler_metadata=metadata, s_aux=sinks,
+            k_scale=kv_scales.key, v_scale=kv_scales.value, kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def accumulate_window_scores(self, args: CpuStepArgs, layer: int, query: torch.Tensor,
-                                 key: torch.Tensor, pool: torch.Tensor, step: StepBatch,
+                                 key: torch.Tensor | None, pool: torch.Tensor, step: StepBatch,
                                  scale: float, *,
                                  soft_cap: float | None = None,
                                  sinks: torch.Tensor | None = None) -> None:

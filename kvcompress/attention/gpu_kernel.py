@@ -24,7 +24,7 @@ from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
 from kvcompress.paging import PageLayout
 from kvcompress.paging.batch_tables import on_class_tokens
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
-from kvcompress.step import StepBatch
+from kvcompress.step import UNSCALED, KVScales, StepBatch
 
 
 @dataclass
@@ -112,17 +112,20 @@ class TritonPagedKernel:
         return TritonStepArgs(classes, windows=self._window_batch(step))
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor) -> None:
-        """key/value ``[T, H, D]`` to per-head ``slots [T, H]``."""
+              slots: torch.Tensor, *, kv_scales: KVScales = UNSCALED) -> None:
+        """key/value ``[T, H, D]`` to per-head ``slots [T, H]``. Pages hold the model's
+        dtype here (fp8 pages are refused on CUDA at start), so ``kv_scales`` is unused."""
         shape = (slots.shape[0], self.layout.num_kv_heads, self.layout.head_size)
         write_kv(key.reshape(shape), value.reshape(shape), pool, slots,
                  use_triton=self.use_triton)
 
     def attend(self, args: TritonStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
-               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> None:
+               sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+               kv_scales: KVScales = UNSCALED) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
-        ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``."""
+        ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``;
+        ``kv_scales`` unused (no fp8 pages on CUDA yet)."""
         rows = self._rows(layer)
         for part in args.classes:
             on_class_tokens(part.token_index, query, output.view(query.shape),
@@ -140,7 +143,7 @@ class TritonPagedKernel:
         args: TritonStepArgs,
         layer: int,
         query: torch.Tensor,
-        key: torch.Tensor,
+        key: torch.Tensor | None,
         pool: torch.Tensor,
         step: StepBatch,
         scale: float,

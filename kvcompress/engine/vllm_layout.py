@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVQuantMode,
+    SlidingWindowSpec,
+)
 
 from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
@@ -85,14 +90,17 @@ class ScoringReserve:
                    reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2)
 
 
-def default_page_size(dtype: torch.dtype, head_size: int) -> int:
+def default_page_size(dtype: torch.dtype, head_size: int, fp8_pages: bool = False) -> int:
     """Pages of 32 tokens where vLLM's CPU attention runs on AMX tiles (its amx kernel needs
     pages of multiples of 32 and runs prefill attention ~3x faster than the vec16 kernel
-    16-token pages get), else 16. The scheduler and the workers run on the same machine, so
-    both sides pick the same."""
+    16-token pages get) or reads fp8 pages (only its vec kernel does, on pages of multiples
+    of 32), else 16. The scheduler and the workers run on the same machine, so both sides
+    pick the same."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        if fp8_pages:
+            return AMX_PAGE_SIZE
         from kvcompress.attention.cpu_kernel import cpu_isa
 
         if cpu_isa(AMX_PAGE_SIZE, head_size, dtype) == "amx":
@@ -106,10 +114,16 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     budgets for its KV cache, less the score ``reserve`` and reconstruction scratch."""
     layers = _layer_specs(kv_cache_config)
     spec: Any = layers[0][1]
-    page_size = page_size or default_page_size(spec.dtype, spec.head_size)
+    fp8_pages = spec.kv_quant_mode == KVQuantMode.FP8_PER_TENSOR
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        raise NotImplementedError(f"kvcompress pages cannot hold {spec.kv_quant_mode.name} "
+                                  "KV caches; use --kv-cache-dtype auto or fp8")
+    page_size = page_size or default_page_size(spec.dtype, spec.head_size, fp8_pages)
     if spec.head_size_v != spec.head_size:
         raise NotImplementedError("kvcompress needs equal key and value head sizes")
     windows = tuple(_window(layer_spec) for _, layer_spec in layers)
+    # The element size of vLLM's KV-cache dtype (1 for fp8 pages): page bytes, pool size,
+    # admission and scratch all follow it.
     dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
     memory = kv_cache_bytes(kv_cache_config)
     # Reconstruction passes run on full-attention models only (sliding rows drop pages).

@@ -25,10 +25,11 @@ ATTENTION_BACKEND_PATH = "kvcompress.attention.backend.KVCompressAttentionBacken
 
 
 class KVCompressCPUModelRunner(PagedKVRunnerMixin, CPUModelRunner):
-    def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
+    def make_kernel(self, layout: PageLayout, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> PlatformKernel:
         from kvcompress.attention.cpu_kernel import CpuPagedKernel
 
-        return CpuPagedKernel(layout, dtype)
+        return CpuPagedKernel(layout, dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 class KVCompressCPUWorker(CPUWorker):

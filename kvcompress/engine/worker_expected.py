@@ -18,7 +18,10 @@ from kvcompress.profiles import QueryProfile
 class ExpectedScorer:
     """Scores prompts of one worker from its share of a query profile (its query heads)."""
 
-    def __init__(self, profile: QueryProfile, layout: PageLayout, device: torch.device) -> None:
+    def __init__(self, profile: QueryProfile, layout: PageLayout, device: torch.device,
+                 key_scales: tuple[float, ...] = ()) -> None:
+        """``key_scales``: each layer's K scale where pages hold fp8 (empty: unquantized
+        pages); scores see the keys attention sees."""
         if profile.num_heads % layout.num_kv_heads:
             raise ValueError(f"--kv-profile: {profile.num_heads} query heads do not group "
                              f"into {layout.num_kv_heads} KV heads")
@@ -28,6 +31,7 @@ class ExpectedScorer:
         self.inv_freq = profile.inv_freq.to(device)
         self.rotary_scaling = profile.rotary_scaling
         self.scale = profile.attention_scale
+        self.key_scales = key_scales
 
     def score(self, request: RequestKV, pool: torch.Tensor,
               page_format: PageFormat) -> torch.Tensor:
@@ -46,6 +50,8 @@ class ExpectedScorer:
         for layer in layout.compressed_layers:
             rows = slice(layer * heads, (layer + 1) * heads)
             keys = page_format.gather_keys(pool, pages[rows], width)  # [H, D, width]
+            if self.key_scales:
+                keys = keys * self.key_scales[layer]
             scores[layer] = expected_scores(keys, prompt_end[rows], self.means[layer],
                                             self.covariances[layer], rotation, self.scale,
                                             reduce)

@@ -35,10 +35,14 @@ ATTENTION_BACKEND_PATH = "kvcompress.attention.backend.KVCompressCudaAttentionBa
 
 
 class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
-    def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
+    def make_kernel(self, layout: PageLayout, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> PlatformKernel:
         from kvcompress.attention.gpu_kernel import TritonPagedKernel
         from kvcompress.kernels.cuda_ext import ENV_SWITCH, jit_unavailable_reason
 
+        if kv_cache_dtype != "auto":  # prepare_engine_args refuses it first
+            raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype} with --kv-compression "
+                                      "is not yet supported on CUDA")
         kernel = TritonPagedKernel(layout, dtype, self.device)
         if kernel.native_move is not None:
             logger.info("kvcompress: compaction moves K/V with the native CUDA kernel")

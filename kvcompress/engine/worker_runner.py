@@ -44,7 +44,10 @@ class PagedKVRunnerMixin:
     paged_runtime: PagedKVRuntime | None = None
     _pending_report: WorkerReport
 
-    def make_kernel(self, layout: PageLayout, dtype: torch.dtype) -> PlatformKernel:
+    def make_kernel(self, layout: PageLayout, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> PlatformKernel:
+        """The platform kernel for queries in ``dtype`` over pages of vLLM's
+        ``--kv-cache-dtype`` (``auto``: the model's dtype; fp8 ones: one byte per element)."""
         raise NotImplementedError
 
     def initialize_kv_cache_tensors(
@@ -57,11 +60,12 @@ class PagedKVRunnerMixin:
         layout = page_layout(kv_cache_config, config.page_size,
                              ScoringReserve.of(self.vllm_config))
         layer_names = attention_layer_names(kv_cache_config)
-        dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
-        runtime = PagedKVRuntime(
-            config, layout, layer_names, self.make_kernel(layout, dtype), dtype, self.device,
-            rank=get_tensor_model_parallel_rank(),
-        )
+        # Pages hold vLLM's KV-cache dtype (uint8 for fp8 pages); queries the model's.
+        page_dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
+        kernel = self.make_kernel(layout, self.vllm_config.model_config.dtype,
+                                  self.vllm_config.cache_config.cache_dtype)
+        runtime = PagedKVRuntime(config, layout, layer_names, kernel, page_dtype, self.device,
+                                 rank=get_tensor_model_parallel_rank())
         runtime.bind_runner(self)
         if layout.scratch_pages:
             self._enable_reconstruction(runtime, config)
@@ -70,7 +74,7 @@ class PagedKVRunnerMixin:
                            "layers, or a sixteenth of the KV memory holds none): prompts are "
                            "scored by their observation window (--kv-scoring window)")
         if config.loads_profile:
-            self._enable_expected_scoring(runtime, config, layout)
+            self._enable_expected_scoring(runtime, config, layout, layer_names)
         self.paged_runtime = runtime
         self._pending_report = WorkerReport()
         register_runtime(self.vllm_config, runtime)
@@ -113,16 +117,22 @@ class PagedKVRunnerMixin:
             reconstruction_chunk(config.reconstruct_chunk, batched))
 
     def _enable_expected_scoring(self, runtime: PagedKVRuntime, config: KVCompressionConfig,
-                                 layout: PageLayout) -> None:
+                                 layout: PageLayout, layer_names: list[str]) -> None:
         """The query profile at the path ``prepare_engine_args`` resolved, after it checked
         the profile's fingerprint against the model (not hashed again here), its shape
-        checked against this model, cut to this rank's query heads."""
+        checked against this model, cut to this rank's query heads. fp8 pages: with each
+        layer's K scale (loaded with the weights, before the KV cache is made)."""
         model_config = self.vllm_config.model_config
         profile = load_profile(config.profile)
         check_profile_shape(profile, layout.num_layers,
                             model_config.hf_text_config.num_attention_heads, layout.head_size)
+        key_scales: tuple[float, ...] = ()
+        if runtime.kernel.page_format.fp8_dtype is not None:
+            layers = self.compilation_config.static_forward_context
+            key_scales = tuple(float(layers[name]._k_scale_float) for name in layer_names)
         runtime.enable_expected_scoring(profile.heads_of_rank(
-            get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()))
+            get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
+            key_scales)
 
     @torch.inference_mode()
     def _forward_reconstruction(self, reconstruction: ReconstructionPass,

@@ -80,9 +80,12 @@ class PagedKVRuntime:
         if self.layout.scratch_pages:
             self.reconstructor = Reconstructor(self.state, repeat_ids, chunk)
 
-    def enable_expected_scoring(self, profile: QueryProfile) -> None:
-        """Score ``--kv-scoring expected`` prompts from ``profile`` (this rank's heads)."""
-        self.expected_scorer = ExpectedScorer(profile, self.layout, self.pool.device)
+    def enable_expected_scoring(self, profile: QueryProfile,
+                                key_scales: tuple[float, ...] = ()) -> None:
+        """Score ``--kv-scoring expected`` prompts from ``profile`` (this rank's heads);
+        ``key_scales``: per layer, where pages hold fp8."""
+        self.expected_scorer = ExpectedScorer(profile, self.layout, self.pool.device,
+                                              key_scales)
 
     def bind_runner(self, runner: Any) -> None:
         """The vLLM model runner: its persistent batch gives the row order of each step,

@@ -15,6 +15,12 @@ of three layouts (``PageFormat.key_layout``):
 The CPU kernel reads and writes pages in its ISA's layout, so it runs over our pages
 unchanged; everything else (moves, score reads) goes through this class. No vLLM imports:
 plain torch, shared by engine and tests.
+
+fp8 pages (``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``) hold one byte per element
+(the pool is uint8, as vLLM allocates it) in the same layouts; an element is the fp8 code of
+``x / scale`` with the layer's K or V scale. Moves copy the bytes; score reads decode them to
+fp32 without the scale, which the caller folds into its logit scale once
+(``PageFormat.fp8_dtype``).
 """
 
 from __future__ import annotations
@@ -25,15 +31,44 @@ import torch
 
 KEY_LAYOUTS = ("row", "transposed", "amx")
 AMX_TILE = 16  # tokens per K group and dimensions per V block in the amx layout
+# vLLM's --kv-cache-dtype values for fp8 pages and the fp8 format their bytes encode ("fp8"
+# is e4m3, as in vLLM).
+FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def fp8_dtype_of(kv_cache_dtype: str | None) -> torch.dtype | None:
+    """The fp8 format of pages of vLLM's ``--kv-cache-dtype`` (None: pages in the model's
+    dtype, ``auto``). Any other value is refused, naming the flag and what it allows."""
+    if kv_cache_dtype in (None, "auto"):
+        return None
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: kvcompress pages support auto, "
+                         f"{', '.join(FP8_KV_CACHE_DTYPES)}")
+    return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 @dataclass(frozen=True)
 class PageFormat:
     key_layout: str
+    # The fp8 format of the pool's bytes (None: the pool holds K/V in the model's dtype).
+    fp8_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.key_layout not in KEY_LAYOUTS:
             raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {self.key_layout!r}")
+        if self.fp8_dtype is not None and self.fp8_dtype not in FP8_KV_CACHE_DTYPES.values():
+            raise ValueError(f"fp8_dtype must be an fp8 format, got {self.fp8_dtype}")
+
+    def decode(self, elements: torch.Tensor) -> torch.Tensor:
+        """Elements read from the pool as numbers: fp8 bytes as their fp32 values, unscaled
+        (the caller applies the layer's scale once, to its logits); otherwise unchanged."""
+        if self.fp8_dtype is None:
+            return elements
+        return elements.view(self.fp8_dtype).float()
 
     def _key_slots(self, pool: torch.Tensor, pages: torch.Tensor,
                    offsets: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple[int, ...]]:
@@ -99,11 +134,11 @@ class PageFormat:
         """K of ``pages [...]`` as ``[..., head_size, page_size]`` (dimension-major): one
         contiguous gather on CPU, where pages already hold K transposed (the amx layout is
         reordered after the gather), so scoring can multiply queries by whole pages without
-        first transposing every key."""
+        first transposing every key. fp8 pages come back decoded (``decode``)."""
         num_pages, _, page_size, head_size = pool.shape
         # index_select over whole K pages is several times faster than advanced indexing
         key_pages = pool.view(num_pages, 2, page_size * head_size)[:, 0]
-        keys = key_pages.index_select(0, pages.reshape(-1))
+        keys = self.decode(key_pages.index_select(0, pages.reshape(-1)))
         if self.key_layout == "transposed":
             return keys.view(*pages.shape, head_size, page_size)
         if self.key_layout == "amx":  # [group, pair, token, 2] -> [pair, 2, group, token]
@@ -117,7 +152,7 @@ class PageFormat:
     ) -> torch.Tensor:
         """K of the first ``num_tokens`` positions of each row of ``page_tables [...,
         max_pages]``, dimension-major: ``[..., head_size, num_tokens]``, ready to multiply
-        queries by (V is not read: scores need none)."""
+        queries by (V is not read: scores need none). fp8 pages come back decoded."""
         page_size, head_size = pool.shape[2], pool.shape[3]
         pages = page_tables[..., : -(-num_tokens // page_size)]
         keys = self.gather_key_pages(pool, pages)  # [..., P, D, page]

@@ -22,6 +22,9 @@ from tests.paged_cases import (
 )
 
 HEADS, GROUP, HEAD_SIZE = 2, 3, 64
+# vLLM's attention layer as the backend reads it: its name and its fp8 scales (1.0 unless a
+# checkpoint brings others)
+LAYER = SimpleNamespace(layer_name="layers.0.attn", _k_scale_float=1.0, _v_scale_float=1.0)
 
 
 def _impl(**overrides) -> KVCompressAttentionImpl:
@@ -49,7 +52,7 @@ def test_a_layer_window_the_page_layout_does_not_know_stops_the_step():
     )
     with pytest.raises(RuntimeError, match="attention window 16 but the page layout has full"):
         _impl(sliding_window=16).forward(
-            SimpleNamespace(layer_name="layers.0.attn"), case.query, case.new_keys,
+            LAYER, case.query, case.new_keys,
             case.new_values, case.pool, metadata, torch.empty_like(case.query))
 
 
@@ -80,7 +83,7 @@ def test_forward_attends_and_scores_with_the_layer_softmax(kind):
         kernel_args=kernel.prepare(case.step), layer_index={"layers.0.attn": 0},
     )
     output = torch.empty_like(case.query)
-    impl.forward(SimpleNamespace(layer_name="layers.0.attn"), case.query, case.new_keys,
+    impl.forward(LAYER, case.query, case.new_keys,
                  case.new_values, case.pool, metadata, output)
     torch.testing.assert_close(output.double(), dense_attention(case, 0, impl.scale, **softmax),
                                atol=2e-5, rtol=2e-5)

@@ -17,7 +17,7 @@ from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
-from kvcompress.step import PagedAttentionMetadata
+from kvcompress.step import UNSCALED, PagedAttentionMetadata
 from tests.paged_cases import build_case, model_softmax
 
 LAYERS, HEADS, GROUP, HEAD_SIZE = 2, 2, 2, 32
@@ -42,11 +42,12 @@ SCORED = [0, 3]
 PROMPT_LENS = [20, 47, 10, 5, 15]
 
 
-def decode_case(page_format, seed=0):
+def decode_case(page_format, seed=0, page_size=16, kv_scales=UNSCALED):
     case = build_case(page_format, [lengths for _, lengths, _, _ in REQUESTS],
                       [new for _, _, new, _ in REQUESTS], num_layers=LAYERS,
-                      num_kv_heads=HEADS, group=GROUP, head_size=HEAD_SIZE, page_size=16,
-                      dtype=torch.float32, seed=seed, prompt_lens=PROMPT_LENS)
+                      num_kv_heads=HEADS, group=GROUP, head_size=HEAD_SIZE,
+                      page_size=page_size, dtype=torch.float32, seed=seed,
+                      prompt_lens=PROMPT_LENS, kv_scales=kv_scales)
     for index, (config, lengths, _, generated) in enumerate(REQUESTS):
         request = case.state.requests[f"req{index}"]
         request.config = config

@@ -13,6 +13,10 @@ from vllm.engine.arg_utils import EngineArgs
 from kvcompress.engine import engine_args as setup
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# Engine arguments load vLLM's plugins, and ours imports vLLM modules that read the platform
+# when first imported: load them now, under the real platform, before a test fakes it (alone,
+# this file failed otherwise).
+EngineArgs(model="unused")
 
 
 def _platform(kind: str) -> SimpleNamespace:
@@ -169,3 +173,36 @@ def test_reuse_follows_vllms_prefix_caching_switch_unless_given(monkeypatch, pre
     assert engine_args.enable_prefix_caching is False
     assert engine_args.additional_config["kv_reuse"] == expected
     assert setup.prepare_engine_args(engine_args).reuse == expected  # idempotent
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pages_are_taken_on_a_cpu_with_avx512_or_amx(monkeypatch, cache_dtype):
+    from kvcompress.attention import cpu_kernel
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform("cpu"))
+    monkeypatch.setattr(cpu_kernel, "cpu_supports_fp8_pages", lambda: True)
+    engine_args = _engine_args(kv_cache_dtype=cache_dtype)
+    setup.prepare_engine_args(engine_args)
+    assert engine_args.worker_cls == setup.CPU_WORKER_CLS
+    assert engine_args.kv_cache_dtype == cache_dtype
+
+
+@pytest.mark.parametrize("platform, avx512, cache_dtype, page_size, reason", [
+    ("cpu", False, "fp8", None, "fp8 on this CPU.*AVX-512 or AMX"),
+    ("cpu", True, "fp8_e4m3", 16, "fp8_e4m3 with --kv-page-size 16.*multiple of 32"),
+    ("cpu", True, "int8_per_token_head", None,
+     r"int8_per_token_head \(allowed: auto, fp8, fp8_e4m3, fp8_e5m2\)"),
+    ("cuda", True, "fp8", None, "fp8 on cuda.*CPU only"),
+])
+def test_fp8_pages_are_refused_at_start_with_the_reason(monkeypatch, platform, avx512,
+                                                         cache_dtype, page_size, reason):
+    from kvcompress.attention import cpu_kernel
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", _platform(platform))
+    monkeypatch.setattr(cpu_kernel, "cpu_supports_fp8_pages", lambda: avx512)
+    settings = {"kv_compression": "pyramidkv"} | ({"kv_page_size": page_size} if page_size
+                                                  else {})
+    engine_args = EngineArgs(model="unused", additional_config=settings,
+                             kv_cache_dtype=cache_dtype)
+    with pytest.raises(NotImplementedError, match=f"--kv-cache-dtype {reason}"):
+        setup.prepare_engine_args(engine_args)
