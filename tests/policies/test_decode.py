@@ -31,16 +31,18 @@ def reference_keep(scores: torch.Tensor, budget: int, recent: int) -> list[list[
 
 
 def test_registry_lists_the_methods_in_order_and_names_them_on_a_typo():
-    assert DECODE_POLICIES == ("window", "h2o", "snapkv")
+    assert DECODE_POLICIES == ("window", "h2o", "snapkv", "rkv", "anchors")
     assert [method.name for method in DECODE_METHODS] == list(DECODE_POLICIES)
-    with pytest.raises(ValueError, match="window, h2o, snapkv"):
+    with pytest.raises(ValueError, match="window, h2o, snapkv, rkv, anchors"):
         get_decode_method("h2")
 
 
 def test_what_each_method_scores_and_whether_scores_survive_an_eviction():
-    window, h2o, snapkv = (get_decode_method(name) for name in DECODE_POLICIES)
-    assert not window.needs_scores and h2o.needs_scores and snapkv.needs_scores
-    assert h2o.carries_scores and not snapkv.carries_scores and not window.carries_scores
+    window, h2o, snapkv, rkv, anchors = (get_decode_method(name) for name in DECODE_POLICIES)
+    assert not window.needs_scores and all(m.needs_scores for m in (h2o, snapkv, rkv, anchors))
+    assert [m.name for m in DECODE_METHODS if m.carries_scores] == ["h2o", "anchors"]
+    assert [m.name for m in DECODE_METHODS if m.needs_keys] == ["rkv"]
+    assert [m.name for m in DECODE_METHODS if m.scores_anchors] == ["anchors"]
     # budget 6 + interval 4: evicts once a head holds 10 generated tokens
     scored = {name: [g for g in range(1, 13) if eviction(name).scores_step(g)]
               for name in DECODE_POLICIES}
@@ -48,6 +50,8 @@ def test_what_each_method_scores_and_whether_scores_survive_an_eviction():
         "window": [],
         "h2o": list(range(1, 11)),  # every decode step up to the eviction
         "snapkv": [9, 10],  # the steps of the newest `recent` tokens before it
+        "rkv": [9, 10],
+        "anchors": list(range(1, 11)),
     }
     assert eviction("h2o").capacity == 10
     assert [g for g in range(8, 13) if eviction("h2o").due(g)] == [10, 11, 12]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from ..validation import check_choice
 from .base import DecodeMethod
+from .anchors import ANCHORS
 from .h2o import H2O
+from .rkv import RKV
 from .snapkv import SNAPKV
 from .window import WINDOW
 
-DECODE_METHODS: tuple[DecodeMethod, ...] = (WINDOW, H2O, SNAPKV)
+DECODE_METHODS: tuple[DecodeMethod, ...] = (WINDOW, H2O, SNAPKV, RKV, ANCHORS)
 DECODE_POLICIES: tuple[str, ...] = tuple(method.name for method in DECODE_METHODS)
 _BY_NAME = {method.name: method for method in DECODE_METHODS}
 
