@@ -4,8 +4,8 @@ they see them, and lookup by name. A new method is one file here plus one line b
 from __future__ import annotations
 
 from ..validation import check_choice
-from .base import DecodeMethod
 from .anchors import ANCHORS
+from .base import DecodeMethod
 from .h2o import H2O
 from .rkv import RKV
 from .snapkv import SNAPKV
