@@ -186,7 +186,7 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "With --kv-decode-budget: which generated tokens each KV head keeps during long "
         "generations; "
         + "; ".join(f"'{method.name}' {method.summary}" for method in DECODE_METHODS)
-        + f". h2o and snapkv always keep the newest --kv-window generated tokens. Default "
+        + f". All but window always keep the newest --kv-window generated tokens. Default "
         f"{DEFAULT_DECODE_POLICY}.",
         DECODE_POLICIES,
     ),
@@ -194,7 +194,7 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "kv_decode_budget", "--kv-decode-budget", "decode_budget", int,
         "Bound the cache during long generations: generated tokens each KV head keeps, "
         "besides its prompt part (which prompt compression governs and decode eviction never "
-        "touches). >= 1, and > --kv-window for h2o and snapkv. Off by default: every "
+        "touches). >= 1, and > --kv-window for every policy but window. Off by default: every "
         "generated token is kept.",
     ),
     FlagSpec(

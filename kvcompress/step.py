@@ -61,6 +61,10 @@ class WindowQueries:
     starts_in_step: bool = True
     # How the query heads of a KV head combine (the request's --kv-gqa-reduce).
     group_reduce: str = "mean"
+    # Decode policy 'anchors': a second accumulator like ``scores`` that only the newest
+    # ``anchor_steps`` offsets add to (the mass a token gets right after it is written).
+    anchor_scores: torch.Tensor | None = None
+    anchor_steps: int = 0
 
 
 @dataclass
@@ -80,6 +84,10 @@ class DecodeQueries:
     num_generated: int
     # How the query heads of a KV head combine (the request's --kv-gqa-reduce).
     group_reduce: str = "mean"
+    # Decode policy 'anchors': a second accumulator like ``scores`` that only the newest
+    # ``anchor_steps`` offsets add to (the mass a token gets right after it is written).
+    anchor_scores: torch.Tensor | None = None
+    anchor_steps: int = 0
 
 
 @dataclass

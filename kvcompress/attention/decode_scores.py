@@ -103,6 +103,10 @@ def accumulate_decode_scores_batch(
                     for number, decode in enumerate(part)]
     for decode, mass in updates:
         decode.scores[layer, :, : decode.num_generated] += mass
+        if decode.anchor_scores is not None:
+            # Only the newest offsets: evictions keep order, so they are the youngest tokens.
+            young = max(0, decode.num_generated - decode.anchor_steps)
+            decode.anchor_scores[layer, :, young : decode.num_generated] += mass[:, young:]
 
 
 def _combine_query_heads(probs: torch.Tensor, group_reduces: list[str]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
+from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies import KeepPlan, PolicySettings, plan_keep, pool_scores, rank_union
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.selection import PAD_INDEX
@@ -114,16 +115,19 @@ def evict_generated_tokens(
     pool: torch.Tensor,
     mover: KVMover,
     stats: CompactionStats | None = None,
+    page_format: PageFormat | None = None,
 ) -> dict[str, Compaction]:
     """--kv-decode-budget: keep each head's prompt part plus ``budget`` of its generated
     tokens once it holds ``budget + interval`` of them (amortized: at most every
     ``interval`` decode steps).
 
     Generated tokens sit after the prompt part in generation order; the request's decode
-    policy picks the kept offsets per row (window: the newest; h2o / snapkv: the newest
-    ``recent`` plus the best-scored older ones) and they shift down in order. The decode
-    scores follow the tokens: h2o's kept tokens keep their mass (freed offsets restart at
-    zero), snapkv's scores are dropped (the next observation window starts afresh). A request
+    policy picks the kept offsets per row (window: the newest; the others: the newest
+    ``recent`` plus older ones by their scores, and rkv by the keys it reads from the pool
+    through ``page_format``, by default ``mover`` itself) and they shift down in order. The
+    decode scores follow the tokens: h2o's and anchors' kept tokens keep their mass (freed
+    offsets restart at zero), snapkv's and rkv's are dropped (the next observation window
+    starts afresh). A request
     without usable scores (resumed after preemption: its recomputed outputs were never
     scored) keeps its newest tokens. Failures are recorded in ``step.failures`` as for prompt
     compaction.
@@ -144,7 +148,11 @@ def evict_generated_tokens(
             continue
         try:
             maybe_fail("plan", [request.prompt_len])
-            kept, scored = _select_generated(eviction, request, generated, rows)
+            keys = (_generated_keys(state, request, rows, int(generated.max()), pool,
+                                    page_format or _page_format_of(mover))
+                    if eviction.method.needs_keys and request.decode_scores is not None
+                    else None)
+            kept, scored = _select_generated(eviction, request, generated, rows, keys)
             # Planned on the host, next to the page tables: one transfer per request.
             row_moves, kept_lengths = plan_generated_keep(
                 request.lengths[rows], request.prompt_kept[rows], kept.to("cpu").numpy()
@@ -167,16 +175,20 @@ def evict_generated_tokens(
     for request_id in compactions:
         request = state.requests[request_id]
         kept = carried.get(request_id)
-        request.decode_scores = (None if kept is None or request.decode_scores is None
-                                 else _carry_scores(request.decode_scores, kept,
-                                                    state.layout.compressed_rows))
+        request.decode_scores, request.anchor_scores = (
+            None if kept is None or scores is None
+            else _carry_scores(scores, kept, state.layout.compressed_rows)
+            for scores in (request.decode_scores, request.anchor_scores)
+        )
     return compactions
 
 
 def _select_generated(eviction: DecodeEviction, request: RequestKV, generated: np.ndarray,
-                      rows: np.ndarray) -> tuple[torch.Tensor, bool]:
+                      rows: np.ndarray,
+                      keys: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """Kept generated offsets ``[len(rows), budget]`` of the compressed ``rows`` (on the
-    scores' device), and whether scores chose them (False: the newest were kept)."""
+    scores' device), and whether scores chose them (False: the newest were kept). ``keys``
+    ``[len(rows), generated, D]``: the rows' generated keys, for methods that read them."""
     count = int(generated.max())
     if int(generated.min()) != count:
         # Every row gets every token and every eviction keeps `budget` in each: never uneven.
@@ -185,12 +197,40 @@ def _select_generated(eviction: DecodeEviction, request: RequestKV, generated: n
     scores = request.decode_scores
     usable = (eviction.method.needs_scores and scores is not None
               and scores.shape[-1] >= count)
-    rows_scores = None
-    if usable:
-        all_rows = scores.reshape(-1, scores.shape[-1])
-        rows_scores = (all_rows[:, :count] if len(rows) == all_rows.shape[0]
-                       else all_rows[torch.as_tensor(rows, device=scores.device), :count])
-    return eviction.keep(rows_scores, len(rows), count), usable
+    if not usable:
+        return eviction.keep(None, len(rows), count), False
+    assert scores is not None
+
+    def of_rows(accumulator: torch.Tensor) -> torch.Tensor:
+        all_rows = accumulator.reshape(-1, accumulator.shape[-1])
+        return (all_rows[:, :count] if len(rows) == all_rows.shape[0]
+                else all_rows[torch.as_tensor(rows, device=accumulator.device), :count])
+
+    anchors = request.anchor_scores
+    return eviction.keep(of_rows(scores), len(rows), count, keys=keys,
+                         anchor_scores=None if anchors is None else of_rows(anchors)), True
+
+
+def _page_format_of(mover: KVMover) -> PageFormat:
+    """The page format the keys are read with: the platform kernel's, or the mover itself
+    when it is a bare PageFormat (tests)."""
+    page_format = getattr(mover, "page_format", mover)
+    if not isinstance(page_format, PageFormat):
+        raise TypeError(f"cannot read keys through {type(mover).__name__}: pass page_format")
+    return page_format
+
+
+def _generated_keys(state: WorkerKVState, request: RequestKV, rows: np.ndarray, count: int,
+                    pool: torch.Tensor, page_format: PageFormat) -> torch.Tensor:
+    """K of the ``count`` generated tokens of each of ``rows``: ``[len(rows), count, D]``
+    (they sit in generation order after each row's prompt part)."""
+    page_size = state.layout.page_size
+    positions = request.prompt_kept[rows][:, None] + np.arange(count)[None, :]
+    pages = np.take_along_axis(request.table.pages[rows], positions // page_size, axis=1)
+    slots = state.to_device(torch.as_tensor((pages.astype(np.int64) * page_size
+                                             + positions % page_size).reshape(-1)))
+    keys, _values = page_format.read_tokens(pool, slots)
+    return keys.view(len(rows), count, -1)
 
 
 def _carry_scores(scores: torch.Tensor, kept: torch.Tensor, rows: np.ndarray) -> torch.Tensor:

@@ -292,7 +292,7 @@ class PagedKVRuntime:
         # A request resumed after preemption may have both in one step: the decode
         # eviction's lengths are final, the prompt's eviction must reach the scheduler too.
         merge_compactions(compactions, evict_generated_tokens(
-            self.state, step, self.pool, self.kernel, self.stats))
+            self.state, step, self.pool, self.kernel, self.stats, self.kernel.page_format))
         seconds = time.perf_counter() - started if compactions else 0.0
         self.stats.seconds += seconds
         return WorkerReport(compactions, step.failures, step.score_seconds, seconds)

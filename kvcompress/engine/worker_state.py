@@ -55,6 +55,9 @@ class RequestKV:
     # [num_layers, num_kv_heads, decode budget + interval] fp32 scores of the generated
     # tokens by offset (h2o / snapkv decode eviction), from the first scored decode step.
     decode_scores: torch.Tensor | None = None
+    # Decode policy 'anchors': the same shape, the mass each token got while among the newest
+    # --kv-window generated tokens (see DecodeQueries.anchor_scores).
+    anchor_scores: torch.Tensor | None = None
     # Multi-turn reuse: logical tokens of a cached context the request started from (vLLM
     # computed them before this request), and per row the physical slots [0, adopted_rows)
     # that hold them (rows differ: each head kept its own). None / 0: no adoption.
@@ -263,11 +266,11 @@ class WorkerKVState:
 
     def prepare_decode_scoring(self, step: StepBatch) -> None:
         """Fill ``step.decode_queries``: every request decoding one token whose decode policy
-        scores this step (h2o: every decode step; snapkv: those of the newest --kv-window
-        tokens before an eviction), with its accumulator, allocated on first use. One
-        host->device copy for all of them (their rows' prompt parts)."""
+        scores this step (h2o, anchors: every decode step; snapkv, rkv: those of the newest
+        --kv-window tokens before an eviction), with its accumulators, allocated on first
+        use. One host->device copy for all of them (their rows' prompt parts)."""
         layout = self.layout
-        picked: list[tuple[int, RequestKV, int]] = []
+        picked: list[tuple[int, RequestKV, int, int]] = []
         for index, request_id in enumerate(step.req_ids):
             request = self.requests[request_id]
             eviction = request.config.decode_eviction if request.config is not None else None
@@ -284,15 +287,19 @@ class WorkerKVState:
                     layout.num_layers, layout.num_kv_heads, eviction.capacity,
                     dtype=torch.float32,
                 ))
-            picked.append((index, request, generated_after))
+            if eviction.method.scores_anchors and request.anchor_scores is None:
+                request.anchor_scores = torch.zeros_like(request.decode_scores)
+            picked.append((index, request, generated_after, eviction.recent))
         if not picked:
             return
         prompt_kept = self.to_device(torch.as_tensor(
-            np.stack([request.prompt_kept for _, request, _ in picked]).astype(np.int64)))
+            np.stack([request.prompt_kept for _, request, _, _ in picked]).astype(np.int64)))
         step.decode_queries = [
             DecodeQueries(index, request.prompt_len, request.decode_scores, prompt_kept[number],
-                          generated_after, group_reduce=_gqa_reduce(request.config))
-            for number, (index, request, generated_after) in enumerate(picked)
+                          generated_after, group_reduce=_gqa_reduce(request.config),
+                          anchor_scores=request.anchor_scores,
+                          anchor_steps=recent)
+            for number, (index, request, generated_after, recent) in enumerate(picked)
         ]
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:

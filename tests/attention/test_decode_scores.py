@@ -176,6 +176,27 @@ def test_attention_layers_collect_decode_scores():
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_anchors_collect_the_mass_of_the_newest_window_offsets_apart():
+    case = decode_case(GPU_PAGE_FORMAT, seed=7)
+    request = case.state.requests["req0"]
+    request.config = H2O.with_request_overrides({"kv_decode_policy": "anchors"})
+    case.state.prepare_decode_scoring(case.step)
+    assert request.anchor_scores is not None and not request.anchor_scores.any()
+    earlier = torch.rand(LAYERS, HEADS, 24, generator=torch.Generator().manual_seed(8))
+    request.anchor_scores += earlier  # carried from earlier steps: this step adds to it
+    run_layers(case)
+    assert not case.step.failures
+    dense = dense_decode_scores(case, 0, "mean")
+    torch.testing.assert_close(request.decode_scores.double(), dense, atol=1e-5, rtol=1e-5)
+    # 11 generated offsets after this step, window 4: only offsets 7..10 are young enough
+    young = torch.zeros(24, dtype=torch.bool)
+    young[7:11] = True
+    torch.testing.assert_close(request.anchor_scores.double(),
+                               earlier.double() + torch.where(young, dense, 0.0),
+                               atol=1e-5, rtol=1e-5)
+    assert case.state.requests["req3"].anchor_scores is None  # snapkv collects none
+
+
 @pytest.mark.parametrize("kind", ["soft_cap", "sinks", "both"])
 def test_decode_scores_use_the_model_softmax(kind):
     case = decode_case(GPU_PAGE_FORMAT, seed=5)

@@ -337,7 +337,7 @@ def run_checking_generated_parts(harness, names, num_tokens):
     return history
 
 
-@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv", "rkv", "anchors"])
 def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
     budget, interval, window, tokens = 24, 8, 8, 120
     harness = EngineHarness(
@@ -359,9 +359,10 @@ def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
                 want = in_cache if in_cache < budget + interval else (
                     budget + (in_cache - budget) % interval)
                 assert held == want, (name, held, in_cache)
-                if policy == "h2o":  # scored from the first decode step on, carried over
+                if policy in ("h2o", "anchors"):  # scored from the first decode step on,
+                    # carried over
                     assert scores == (None if in_cache == 0 else (4, 2, budget + interval))
-                elif policy == "snapkv":  # scored by the newest `window` tokens, then reset
+                elif policy in ("snapkv", "rkv"):  # scored by the newest `window`, then reset
                     scoring = held > budget + interval - window
                     assert scores == ((4, 2, budget + interval) if scoring else None), held
                 else:

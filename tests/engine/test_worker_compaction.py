@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.worker_compaction import compact_completed_prompts, evict_generated_tokens
+from kvcompress.engine.worker_compaction import (
+    _generated_keys,
+    compact_completed_prompts,
+    evict_generated_tokens,
+)
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT
 from kvcompress.policies import plan_keep
 from tests.paged_cases import build_case
@@ -155,7 +159,7 @@ def test_scored_policies_keep_the_chosen_tokens_in_order_and_update_their_scores
     assert len(set(map(tuple, kept))) > 1, "rows should choose differently"
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "rkv", "anchors"])
 def test_a_request_without_decode_scores_keeps_its_newest_tokens(policy):
     # e.g. resumed after preemption: its recomputed outputs were never scored
     case, request = decode_case(policy, budget=10, interval=5, lengths=150)
@@ -167,6 +171,46 @@ def test_a_request_without_decode_scores_keeps_its_newest_tokens(policy):
     assert request.decode_scores is None
 
 
+def test_rkv_reads_the_generated_keys_from_the_pool():
+    budget, interval, window = 10, 5, 4
+    case, request = decode_case("rkv", budget, interval, lengths=134, window=window)
+    scores = torch.rand(2, 2, budget + interval, generator=torch.Generator().manual_seed(4))
+    request.decode_scores = scores.clone()
+    rows = case.state.layout.compressed_rows
+    keys = _generated_keys(case.state, request, rows, budget + interval, case.pool, FORMAT)
+    # the labels: generated offset j of every row is token 120 + j
+    assert keys[..., 0].round().long().tolist() == [list(range(120, 135))] * 4
+    want = request.config.decode_eviction.keep(scores.reshape(4, -1), 4, budget + interval,
+                                               keys=keys)
+    compactions = evict_generated_tokens(case.state, case.step, case.pool, FORMAT)
+    assert compactions["req0"].physical_lengths.tolist() == [120 + budget] * 4
+    for row in range(4):
+        assert token_ids_in_slots(case, request, row) == (
+            list(range(120)) + [120 + offset for offset in want[row].tolist()])
+    assert request.decode_scores is None  # as snapkv: the next window starts afresh
+
+
+def test_anchors_carry_both_accumulators_over_an_eviction():
+    budget, interval, window = 10, 5, 4
+    case, request = decode_case("anchors", budget, interval, lengths=134, window=window)
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.rand(2, 2, budget + interval, generator=gen)
+    anchor_scores = torch.rand(2, 2, budget + interval, generator=gen)
+    request.decode_scores, request.anchor_scores = scores.clone(), anchor_scores.clone()
+    want = request.config.decode_eviction.keep(
+        scores.reshape(4, -1), 4, budget + interval, anchor_scores=anchor_scores.reshape(4, -1))
+    evict_generated_tokens(case.state, case.step, case.pool, FORMAT)
+    for row in range(4):
+        kept = want[row].tolist()
+        assert token_ids_in_slots(case, request, row) == (
+            list(range(120)) + [120 + offset for offset in kept])
+        for before, after in ((scores, request.decode_scores),
+                              (anchor_scores, request.anchor_scores)):
+            carried = after.reshape(4, -1)
+            assert carried[row, :budget].tolist() == before.reshape(4, -1)[row, kept].tolist()
+            assert not carried[row, budget:].any()
+
+
 def test_a_failed_decode_eviction_fails_only_its_request(monkeypatch):
     case, request = decode_case("h2o", budget=10, interval=5, lengths=134)
     monkeypatch.setenv("KVCOMPRESS_FAULT_INJECTION", "plan:120")
@@ -175,7 +219,7 @@ def test_a_failed_decode_eviction_fails_only_its_request(monkeypatch):
     assert request.lengths.tolist() == [135] * 4  # untouched
 
 
-@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv", "rkv", "anchors"])
 def test_a_resumed_request_is_compressed_then_evicted_to_its_newest_tokens(policy):
     # Preempted after 30 outputs, recomputed: prompt 100 -> 24 per head, then its 29-token
     # tail (>= 10 + 5, never scored) is cut to the newest 10 in the same step.

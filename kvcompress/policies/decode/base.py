@@ -22,9 +22,29 @@ from ..validation import check_choice, check_int
 ScoreCollection = Literal["none", "every_step", "last_window"]
 SCORE_COLLECTIONS: tuple[ScoreCollection, ...] = ("none", "every_step", "last_window")
 
-# (scores [rows, generated] fp32 or None, rows, generated, budget, recent) -> kept offsets
-# [rows, budget], ascending, each row's newest ``recent`` offsets among them.
-SelectGenerated = Callable[[torch.Tensor | None, int, int, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GeneratedSignals:
+    """What a selection may look at, per (layer, KV head) row and generated offset.
+
+    scores: ``[rows, generated]`` fp32 attention mass (what the method's score_collection
+        says), or None: no scores were collected (keep the newest).
+    keys: ``[rows, generated, head_size]`` the generated tokens' keys as cached (after the
+        rotary embedding), only for methods with ``needs_keys`` (else None).
+    anchor_scores: ``[rows, generated]`` fp32 attention mass each token received from the
+        ``recent`` decode queries after it was written (itself included), only for methods
+        with ``scores_anchors`` (else None).
+    """
+
+    scores: torch.Tensor | None
+    keys: torch.Tensor | None = None
+    anchor_scores: torch.Tensor | None = None
+
+
+# (signals, rows, generated, budget, recent) -> kept offsets [rows, budget], ascending, each
+# row's newest ``recent`` offsets among them.
+SelectGenerated = Callable[[GeneratedSignals, int, int, int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -40,15 +60,24 @@ class DecodeMethod:
     select: the selection, see SelectGenerated. Given ``scores=None`` (a method without
         scores, or a request with none collected yet, e.g. resumed after preemption) it keeps
         the newest ``budget`` offsets.
+    needs_keys: the selection reads the generated tokens' keys (the engine gathers them from
+        the pool at an eviction).
+    scores_anchors: the decode steps also collect anchor scores (GeneratedSignals); they are
+        carried over an eviction like "every_step" scores, so this needs "every_step".
     """
 
     name: str
     summary: str
     score_collection: ScoreCollection
     select: SelectGenerated
+    needs_keys: bool = False
+    scores_anchors: bool = False
 
     def __post_init__(self) -> None:
         check_choice("score_collection", self.score_collection, SCORE_COLLECTIONS)
+        if self.scores_anchors and self.score_collection != "every_step":
+            raise ValueError(f"decode method {self.name!r}: anchor scores are collected at "
+                             "every decode step, so score_collection must be 'every_step'")
 
     @property
     def needs_scores(self) -> bool:
@@ -105,14 +134,23 @@ class DecodeEviction:
             return generated_after > self.capacity - self.recent
         return True
 
-    def keep(self, scores: torch.Tensor | None, num_rows: int, generated: int) -> torch.Tensor:
+    def keep(self, scores: torch.Tensor | None, num_rows: int, generated: int, *,
+             keys: torch.Tensor | None = None,
+             anchor_scores: torch.Tensor | None = None) -> torch.Tensor:
         """Kept offsets ``[num_rows, budget]``, ascending, of rows holding ``generated >=
-        budget`` tokens; ``scores`` ``[num_rows, generated]`` or None (keep the newest)."""
+        budget`` tokens; ``scores`` ``[num_rows, generated]`` or None (keep the newest);
+        ``keys`` and ``anchor_scores`` as in GeneratedSignals."""
         check_int("generated", generated, self.budget)
-        if scores is not None and tuple(scores.shape) != (num_rows, generated):
-            raise ValueError(f"decode scores must be [{num_rows}, {generated}], "
-                             f"got {list(scores.shape)}")
-        kept = self.method.select(scores, num_rows, generated, self.budget, self.recent)
+        for name, tensor in (("scores", scores), ("anchor scores", anchor_scores)):
+            if tensor is not None and tuple(tensor.shape) != (num_rows, generated):
+                raise ValueError(f"decode {name} must be [{num_rows}, {generated}], "
+                                 f"got {list(tensor.shape)}")
+        if keys is not None and (keys.dim() != 3 or tuple(keys.shape[:2]) != (num_rows,
+                                                                            generated)):
+            raise ValueError(f"decode keys must be [{num_rows}, {generated}, head_size], "
+                             f"got {list(keys.shape)}")
+        signals = GeneratedSignals(scores, keys, anchor_scores)
+        kept = self.method.select(signals, num_rows, generated, self.budget, self.recent)
         if tuple(kept.shape) != (num_rows, self.budget):
             raise ValueError(f"decode method {self.method.name!r} kept {list(kept.shape)} "
                              f"offsets, expected [{num_rows}, {self.budget}]")
@@ -123,6 +161,12 @@ def newest_offsets(num_rows: int, generated: int, budget: int,
                    device: torch.device | None = None) -> torch.Tensor:
     """The newest ``budget`` of ``generated`` offsets, in every row: ``[num_rows, budget]``."""
     return torch.arange(generated - budget, generated, device=device).expand(num_rows, -1)
+
+
+def select_recent_and_top(signals: GeneratedSignals, num_rows: int, generated: int,
+                          budget: int, recent: int) -> torch.Tensor:
+    """``recent_and_top_offsets`` by the signals' scores (h2o, snapkv)."""
+    return recent_and_top_offsets(signals.scores, num_rows, generated, budget, recent)
 
 
 def recent_and_top_offsets(scores: torch.Tensor | None, num_rows: int, generated: int,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import DecodeMethod, recent_and_top_offsets
+from .base import DecodeMethod, select_recent_and_top
 
 # Scores: the running sum over every decode step of each token's attention probability (GQA
 # group reduced). Kept tokens carry their mass over an eviction, so old heavy hitters stay
@@ -11,5 +11,5 @@ H2O = DecodeMethod(
     name="h2o",
     summary="keeps the newest generated tokens plus those with the most attention mass so far",
     score_collection="every_step",
-    select=recent_and_top_offsets,
+    select=select_recent_and_top,
 )

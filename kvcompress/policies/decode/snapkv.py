@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import DecodeMethod, recent_and_top_offsets
+from .base import DecodeMethod, select_recent_and_top
 
 # Scores: only the decode steps of the newest ``recent`` tokens before an eviction add their
 # attention (those tokens are kept anyway); reset after each eviction. No pooling (the prompt
@@ -11,5 +11,5 @@ SNAPKV = DecodeMethod(
     name="snapkv",
     summary="keeps the newest generated tokens plus those they attended to most",
     score_collection="last_window",
-    select=recent_and_top_offsets,
+    select=select_recent_and_top,
 )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import DecodeMethod, newest_offsets
+from .base import DecodeMethod, GeneratedSignals, newest_offsets
 
 
-def select_newest(scores: torch.Tensor | None, num_rows: int, generated: int, budget: int,
+def select_newest(signals: GeneratedSignals, num_rows: int, generated: int, budget: int,
                   recent: int) -> torch.Tensor:
     """The newest ``budget`` offsets of every row (scores are ignored)."""
     return newest_offsets(num_rows, generated, budget)
