@@ -494,7 +494,40 @@ class KVCompressionConfig:
         if "kv_budget" in overrides or "kv_compression_ratio" in overrides:
             merged["kv_budget"] = merged["kv_compression_ratio"] = None
         merged.update(overrides)
-        return KVCompressionConfig.from_mapping(merged, source="request")
+        resolved = KVCompressionConfig.from_mapping(merged, source="request")
+        self._check_decode_score_capacity(resolved)
+        return resolved
+
+    @property
+    def decode_score_capacity(self) -> int:
+        """Generated offsets a request's decode-score accumulator may hold on this engine
+        (0: none): the engine's --kv-decode-budget + --kv-decode-interval, what the score
+        reserve taken from the KV-cache memory is sized for (``engine.scoring_memory``)."""
+        if not self.enabled or self.decode_budget is None:
+            return 0
+        return self.decode_budget + self.decode_interval
+
+    def _check_decode_score_capacity(self, request: KVCompressionConfig) -> None:
+        """A request whose decode policy scores must fit its accumulator in the engine's
+        reserve: budget + interval at most the engine's."""
+        eviction = request.decode_eviction
+        if eviction is None or not eviction.method.needs_scores:
+            return
+        capacity = self.decode_score_capacity
+        if eviction.capacity <= capacity:
+            return
+        if not capacity:
+            allowed = ("a scored decode policy needs a server started with --kv-decode-budget "
+                       "(its budget + interval size the decode-score reserve)")
+        else:
+            allowed = (f"kv_decode_budget + kv_decode_interval <= {capacity} (the server's "
+                       "--kv-decode-budget + --kv-decode-interval, what its decode-score "
+                       "reserve holds)")
+        detail = (f"got {eviction.budget} + interval {eviction.interval} with "
+                  f"kv_decode_policy {eviction.method.name}; allowed: {allowed}")
+        raise KVCompressionConfigError(
+            f"invalid per-request setting 'kv_decode_budget': {detail}", "kv_decode_budget",
+            detail)
 
     def to_mapping(self) -> dict[str, Any]:
         """The ``additional_config`` keys that reproduce this config exactly."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.decode_plan import plan_decode_scoring
 from kvcompress.engine.scoring_memory import scores_prompt
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
@@ -250,7 +251,10 @@ class WorkerKVState:
         self.peak_scored_tokens = max(self.peak_scored_tokens, held)
 
     def finish_step(self, batch: StepBatch) -> None:
-        """The forward wrote every new token: advance the physical lengths."""
+        """The forward wrote every new token: advance the physical lengths, and add the
+        step's decode scores into their accumulators."""
+        if batch.decode_scoring is not None:
+            batch.decode_scoring.commit(batch.decode_queries)
         for index, request_id in enumerate(batch.req_ids):
             request = self.requests[request_id]
             request.lengths = batch.host_lengths_after[index].copy()
@@ -261,8 +265,9 @@ class WorkerKVState:
     def prepare_decode_scoring(self, step: StepBatch) -> None:
         """Fill ``step.decode_queries``: every request decoding one token whose decode policy
         scores this step (h2o: every decode step; snapkv: those of the newest --kv-window
-        tokens before an eviction), with its accumulator, allocated on first use. One
-        host->device copy for all of them (their rows' prompt parts)."""
+        tokens before an eviction), with its accumulator, allocated on first use, and
+        ``step.decode_scoring``: the index tensors every layer reads, copied to the device
+        once here."""
         layout = self.layout
         picked: list[tuple[int, RequestKV, int]] = []
         for index, request_id in enumerate(step.req_ids):
@@ -284,13 +289,14 @@ class WorkerKVState:
             picked.append((index, request, generated_after))
         if not picked:
             return
-        prompt_kept = self.to_device(torch.as_tensor(
-            np.stack([request.prompt_kept for _, request, _ in picked]).astype(np.int64)))
         step.decode_queries = [
-            DecodeQueries(index, request.prompt_len, request.decode_scores, prompt_kept[number],
-                          generated_after, group_reduce=_gqa_reduce(request.config))
-            for number, (index, request, generated_after) in enumerate(picked)
+            DecodeQueries(index, request.prompt_len, request.decode_scores, generated_after,
+                          group_reduce=_gqa_reduce(request.config))
+            for index, request, generated_after in picked
         ]
+        step.decode_scoring = plan_decode_scoring(
+            layout, step, step.decode_queries, [request.table.pages for _, request, _ in picked],
+            np.stack([request.prompt_kept for _, request, _ in picked]), self.to_device)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor -> the runner's device (the only host->device path of a step)."""
