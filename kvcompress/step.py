@@ -96,8 +96,8 @@ class DecodeScoring:
     page_ids: torch.Tensor  # [L, n, H, P] int64: each row's first P pages (past them: unread)
     lengths: torch.Tensor  # [L, n, H] int64: each row's keys, this step's token included
     key_positions: torch.Tensor  # [S] int64: 0 .. S - 1
-    generated: torch.Tensor  # [L, n, H, W] int64: key position of each generated offset (< S)
-    generated_valid: torch.Tensor  # [L, n, H, W] fp32: 1 where that offset holds a token
+    prompt_kept: torch.Tensor  # [L, n, H] int64: each row's prompt part (its first generated key)
+    offsets: torch.Tensor  # [W] int64: 0 .. W - 1
     # The requests' --kv-gqa-reduce, or "mixed": then ``reduce_codes [n]`` int64 holds each
     # one's index in GQA_REDUCE_CODES.
     group_reduce: str
@@ -114,8 +114,7 @@ class DecodeScoring:
         return DecodeScoring(
             self.tokens.index_select(0, index), self.page_ids.index_select(1, index),
             self.lengths.index_select(1, index), self.key_positions,
-            self.generated.index_select(1, index),
-            self.generated_valid.index_select(1, index), self.group_reduce,
+            self.prompt_kept.index_select(1, index), self.offsets, self.group_reduce,
             None if self.reduce_codes is None else self.reduce_codes.index_select(0, index),
             self.mass.index_select(0, index))
 

@@ -65,7 +65,11 @@ def _layer_mass(query: torch.Tensor, pool: torch.Tensor, page_format: PageFormat
     sink_logits = None if sinks is None else sinks.view(num_heads, -1)
     probs = attention_probs(logits, soft_cap, sink_logits)  # [n, H, G, S]
     per_key = _combine_query_heads(probs, plan, part)  # [n, H, S]
-    return per_key.gather(-1, plan.generated[layer, part]) * plan.generated_valid[layer, part]
+    # the generated keys [prompt_kept, length) at offsets 0 ..; zero past the row
+    positions = plan.prompt_kept[layer, part, :, None] + plan.offsets  # [n, H, W]
+    held = positions < plan.lengths[layer, part, :, None]
+    mass = per_key.gather(-1, positions.clamp_(max=per_key.shape[-1] - 1))
+    return torch.where(held, mass, 0.0)
 
 
 def _combine_query_heads(probs: torch.Tensor, plan: DecodeScoring, part: slice) -> torch.Tensor:

@@ -31,7 +31,6 @@ def plan_decode_scoring(layout: PageLayout, step: StepBatch, decodes: Sequence[D
     for number, table in enumerate(page_tables):
         held = min(num_pages, table.shape[1])
         pages[number, :, :held] = table[:, :held]
-    positions = prompt_kept[..., None] + np.arange(width)  # [n, rows, W]
 
     def by_layer(array: np.ndarray) -> torch.Tensor:
         """[n, rows, ...] -> [L, n, H, ...] on the device."""
@@ -42,14 +41,13 @@ def plan_decode_scoring(layout: PageLayout, step: StepBatch, decodes: Sequence[D
     mixed = len(set(reduces)) > 1
     codes = torch.tensor([GQA_REDUCE_CODES.index(reduce) for reduce in reduces])
     tokens = [step.query_start_loc[decode.batch_index] for decode in decodes]
-    valid = positions < lengths[..., None]
     return DecodeScoring(
         tokens=to_device(torch.tensor(tokens, dtype=torch.int64)),
         page_ids=by_layer(pages),
         lengths=by_layer(lengths),
         key_positions=to_device(torch.arange(num_pages * page_size)),
-        generated=by_layer(np.minimum(positions, num_pages * page_size - 1)),
-        generated_valid=by_layer(valid.astype(np.float32)),
+        prompt_kept=by_layer(prompt_kept.astype(np.int64)),
+        offsets=to_device(torch.arange(width)),
         group_reduce="mixed" if mixed else reduces[0],
         reduce_codes=to_device(codes) if mixed else None,
         mass=to_device(torch.zeros(count, num_layers, num_heads, width, dtype=torch.float32)),

@@ -60,8 +60,8 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
 
 
 # Per generated offset of a request's decode scores: its fp32 accumulator, and the step's
-# workspace (``step.DecodeScoring``: fp32 mass, int64 position, fp32 validity).
-DECODE_SCORE_BYTES = SCORE_BYTES + 4 + 8 + 4
+# fp32 scores before they are added to it (``step.DecodeScoring.mass``).
+DECODE_SCORE_BYTES = 2 * SCORE_BYTES
 
 
 def decode_reserved_bytes(max_num_seqs: int, num_layers: int, num_kv_heads: int,

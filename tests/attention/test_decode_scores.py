@@ -114,9 +114,10 @@ def test_a_step_scores_only_decoding_requests_whose_policy_scores_it():
         request = case.state.requests[f"req{index}"]
         lengths = case.step.host_lengths_after[index].reshape(LAYERS, HEADS)
         kept = request.prompt_kept.reshape(LAYERS, HEADS)
-        valid = plan.generated_valid[:, number].sum(-1)
-        assert valid.tolist() == (lengths - kept).tolist()  # one score per generated token
+        assert (plan.prompt_kept[:, number].numpy() == kept).all()
         assert (plan.lengths[:, number].numpy() == lengths).all()
+    assert plan.offsets.tolist() == list(range(22))  # the longest generated part
+    assert plan.key_positions.shape == (48,)  # the longest row (41) in 16-token pages
     unscored = [case.state.requests[f"req{i}"].decode_scores for i in (1, 2, 4)]
     assert unscored == [None, None, None]
 

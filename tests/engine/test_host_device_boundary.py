@@ -89,8 +89,8 @@ def test_decode_scoring_is_prepared_without_reading_the_device(emulated_device):
         assert is_on_device(decode.scores)
     plan = case.step.decode_scoring
     assert all(is_on_device(tensor) for tensor in (
-        plan.tokens, plan.page_ids, plan.lengths, plan.generated, plan.generated_valid,
-        plan.mass))
+        plan.tokens, plan.page_ids, plan.lengths, plan.key_positions, plan.prompt_kept,
+        plan.offsets, plan.mass))
     assert DeviceTensor.syncs == 0
 
 
