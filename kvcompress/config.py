@@ -189,6 +189,12 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         f"{DEFAULT_DECODE_INTERVAL}.",
     ),
     FlagSpec(
+        "kv_decode_score_every", "--kv-decode-score-every", "decode_score_every", int,
+        "With --kv-decode-policy h2o: score every K-th decode step only, each scored step "
+        "counting K times (the attention mass is sampled, not summed: about K times cheaper, "
+        "approximate); 1 (default) scores every step exactly. Integer >= 1.",
+    ),
+    FlagSpec(
         "kv_page_size", "--kv-page-size", "page_size", int,
         "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
@@ -278,6 +284,7 @@ class KVCompressionConfig:
     decode_policy: str = DEFAULT_DECODE_POLICY
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
+    decode_score_every: int = 1
     admission_lookahead: int = DEFAULT_ADMISSION_LOOKAHEAD
     reuse: str = "on"
     scoring: str = DEFAULT_SCORING
@@ -440,6 +447,9 @@ class KVCompressionConfig:
                   f"got {self.decode_policy!r}; allowed: {', '.join(DECODE_POLICIES)}")
         if self.decode_interval < 1:
             _fail("kv_decode_interval", f"got {self.decode_interval}; allowed: an integer >= 1")
+        if self.decode_score_every < 1:
+            _fail("kv_decode_score_every",
+                  f"got {self.decode_score_every}; allowed: an integer >= 1")
         scored = get_decode_method(self.decode_policy).needs_scores
         if self.decode_budget is None:
             if scored:

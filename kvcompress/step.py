@@ -78,6 +78,9 @@ class DecodeQueries:
     num_generated: int
     # How the query heads of a KV head combine (the request's --kv-gqa-reduce).
     group_reduce: str = "mean"
+    # What this step's scores count for: K when only every K-th step is scored
+    # (--kv-decode-score-every), so the sampled mass estimates the summed one.
+    weight: float = 1.0
 
 
 # DecodeScoring.reduce_codes: a request's --kv-gqa-reduce by its index here.
@@ -104,10 +107,6 @@ class DecodeScoring:
     reduce_codes: torch.Tensor | None
     mass: torch.Tensor  # [n, L, H, W] fp32: this step's scores, zero where not scored
 
-    @property
-    def num_requests(self) -> int:
-        return self.tokens.shape[0]
-
     def subset(self, numbers: list[int]) -> DecodeScoring:
         """The plan of requests ``numbers`` only (after some failed), in that order."""
         index = torch.as_tensor(numbers, dtype=torch.int64).to(self.tokens.device)
@@ -123,7 +122,8 @@ class DecodeScoring:
         ``i``): once per step, not per layer."""
         for number, decode in enumerate(decodes):
             width = decode.num_generated
-            decode.scores[:, :, :width] += self.mass[number, :, :, :width]
+            decode.scores[:, :, :width].add_(self.mass[number, :, :, :width],
+                                             alpha=decode.weight)
 
 
 @dataclass

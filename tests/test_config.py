@@ -139,6 +139,7 @@ def test_request_overrides_replace_the_amount_and_keep_the_rest():
         ({"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_window": 16},
          "'kv_decode_budget'"),
         ({"kv_decode_window": 64}, "kv_decode_window"),  # the flag it replaced
+        ({"kv_decode_score_every": 0}, r"'kv_decode_score_every'.*>= 1"),
         ({"kv_adakv_floor": 1.2}, r"'kv_adakv_floor'.*\[0, 1\]"),
         ({"kv_adakv_floor": "high"}, "'kv_adakv_floor'"),
         ({"kv_adakv_totals": "linear"}, "'kv_adakv_totals'.*pyramid, uniform"),
@@ -177,7 +178,8 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_compression": "adakv", "kv_budget": 96, "kv_window": 16, "kv_pyramid_beta": 4,
         "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
         "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
-        "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
+        "kv_decode_score_every": 4, "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8,
+        "kv_adakv_totals": "uniform",
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
         "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
         "kv_min_prompt": 64,

@@ -71,10 +71,12 @@ def write_layer(case, page_format, layer):
                              case.step.slot_mapping[:, rows].reshape(-1))
 
 
-def dense_decode_scores(case, index, group_reduce, soft_cap=None, sinks=None):
+def dense_decode_scores(case, index, group_reduce, soft_cap=None, sinks=None, prompt_shift=0):
     """Loop reference of one request's share: [L, H, 24] added by its decode query, under the
-    model's softmax (soft-capped logits; a sink logit per query head in the denominator)."""
+    model's softmax (soft-capped logits; a sink logit per query head in the denominator).
+    ``prompt_shift``: the prompt part is that much longer (the generated one shorter)."""
     _, lengths, _, generated = REQUESTS[index]
+    generated = [count - prompt_shift for count in generated]
     token = case.step.query_start_loc[index]
     out = torch.zeros(LAYERS, HEADS, 24, dtype=torch.float64)
     for layer in range(LAYERS):
@@ -217,3 +219,50 @@ def test_a_decode_scoring_failure_fails_only_its_request(monkeypatch):
     assert not case.state.requests["req3"].decode_scores.any()
     torch.testing.assert_close(case.state.requests["req0"].decode_scores.double(),
                                dense_decode_scores(case, 0, "mean"), atol=1e-5, rtol=1e-5)
+
+
+def test_sampled_h2o_scores_every_kth_step_and_counts_it_k_times():
+    """--kv-decode-score-every 4: a step is scored only when its request's generated part
+    reaches a multiple of 4, and then adds 4x the dense probabilities; snapkv's window steps
+    are never sampled."""
+    case = decode_case(GPU_PAGE_FORMAT, seed=7)
+    for index in SCORED:  # h2o at 11 generated tokens after the step, snapkv at 22
+        request = case.state.requests[f"req{index}"]
+        request.config = request.config.with_request_overrides({"kv_decode_score_every": 4})
+    case.step.decode_queries, case.step.decode_scoring = [], None
+    case.state.prepare_decode_scoring(case.step)
+    assert [decode.batch_index for decode in case.step.decode_queries] == [3]  # 11 % 4 != 0
+    assert case.step.decode_queries[0].weight == 1  # snapkv: every window step
+    h2o = case.state.requests["req0"]
+    h2o.prompt_kept = h2o.prompt_kept + 3  # now 8 generated after the step: sampled
+    h2o.decode_scores = None
+    case.step.decode_queries, case.step.decode_scoring = [], None
+    case.state.prepare_decode_scoring(case.step)
+    assert [decode.weight for decode in case.step.decode_queries] == [4, 1]
+    run_layers(case)
+    want = 4 * dense_decode_scores(case, 0, "mean", prompt_shift=3)
+    torch.testing.assert_close(h2o.decode_scores.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("every", "min_overlap"), [(1, 1.0), (4, 0.93), (16, 0.88)])
+def test_sampled_mass_keeps_nearly_what_the_summed_mass_keeps(every, min_overlap):
+    """How far sampling takes h2o from its exact sums, on a synthetic generation of 192 steps
+    (budget 128 + interval 64, 8 recent) whose attention favours a few heavy hitters, as
+    h2o assumes: the share of the exact choice that the sampled mass keeps too."""
+    generator = torch.Generator().manual_seed(11)
+    steps, budget, recent, rows = 192, 128, 8, 64
+    importance = torch.randn(rows, steps, generator=generator) * 2
+    exact = torch.zeros(rows, steps, dtype=torch.float64)
+    sampled = torch.zeros_like(exact)
+    for step in range(1, steps + 1):  # the query of a step sees the tokens generated so far
+        noise = torch.randn(rows, step, generator=generator)
+        probs = torch.softmax(importance[:, :step] + noise, dim=-1).double()
+        exact[:, :step] += probs
+        if step % every == 0:
+            sampled[:, :step] += every * probs
+    older = steps - recent
+    chosen = [torch.topk(scores[:, :older], budget - recent).indices for scores in (exact,
+                                                                                    sampled)]
+    overlap = [len(set(a.tolist()) & set(b.tolist())) / (budget - recent)
+               for a, b in zip(*chosen)]
+    assert min(overlap) >= min_overlap, (every, min(overlap))

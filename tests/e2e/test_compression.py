@@ -237,9 +237,11 @@ def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
 
 # Decode eviction for some of the soak's requests (3 and 5 are coprime: every method meets
 # every decode policy).
+# The engine's decode budget (window policy) sizes the decode-score reserve; ``None`` turns a
+# request's decode eviction off.
 DECODE_MIX = [
     {"kv_decode_policy": "h2o", "kv_decode_budget": 48, "kv_decode_interval": 16},
-    {},
+    {"kv_decode_budget": None},
     {"kv_decode_policy": "snapkv", "kv_decode_budget": 48, "kv_decode_interval": 16},
 ]
 
@@ -252,7 +254,7 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
     rng = np.random.default_rng(7)
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96, "kv_admission_lookahead": 0,
-                     "kv_scoring": "window"},
+                     "kv_scoring": "window", "kv_decode_budget": 48, "kv_decode_interval": 16},
         kv_cache_memory_bytes=12 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     try:
@@ -362,13 +364,15 @@ def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
 def test_per_request_decode_policies_share_a_batch(tiny_llama):
     tokens = 100
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 48},
+        # the engine's decode budget sizes the decode-score reserve the h2o request uses
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 48, "kv_decode_budget": 24,
+                     "kv_decode_interval": 8},
         kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
     )
     requests = {
         "h2o": {"kv_decode_policy": "h2o", "kv_decode_budget": 24, "kv_decode_interval": 8},
         "window": {"kv_decode_budget": 16, "kv_decode_interval": 4},
-        "full": {},  # no decode budget: keeps every generated token
+        "full": {"kv_decode_budget": None},  # no decode budget: keeps every generated token
     }
     try:
         for offset, (name, overrides) in enumerate(requests.items()):
@@ -403,7 +407,8 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
     budget, interval, tokens = 16, 8, 150
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
-                     "kv_admission_lookahead": 0, "kv_scoring": "window"},
+                     "kv_admission_lookahead": 0, "kv_scoring": "window",
+                     "kv_decode_budget": budget, "kv_decode_interval": interval},
         kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,
@@ -413,7 +418,8 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
     try:
         for name, prompt in prompts.items():
             harness.add(name, prompt,
-                        greedy(tokens, extra_args=decode if name in budgeted else {}))
+                        greedy(tokens, extra_args=decode if name in budgeted
+                               else {"kv_decode_budget": None}))
         outputs_when_preempted = {}
         while harness.engine.has_unfinished_requests():
             harness.step()
