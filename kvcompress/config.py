@@ -204,6 +204,12 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         f"{DEFAULT_DECODE_INTERVAL}.",
     ),
     FlagSpec(
+        "kv_decode_score_every", "--kv-decode-score-every", "decode_score_every", int,
+        "With --kv-decode-policy h2o: score every K-th decode step only, each scored step "
+        "counting K times (the attention mass is sampled, not summed: about K times cheaper, "
+        "approximate); 1 (default) scores every step exactly. Integer >= 1.",
+    ),
+    FlagSpec(
         "kv_page_size", "--kv-page-size", "page_size", int,
         "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
@@ -295,6 +301,7 @@ class KVCompressionConfig:
     decode_policy: str = DEFAULT_DECODE_POLICY
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
+    decode_score_every: int = 1
     admission_lookahead: int = DEFAULT_ADMISSION_LOOKAHEAD
     reuse: str = "on"
     scoring: str = DEFAULT_SCORING
@@ -473,6 +480,9 @@ class KVCompressionConfig:
                   f"got {self.decode_policy!r}; allowed: {', '.join(DECODE_POLICIES)}")
         if self.decode_interval < 1:
             _fail("kv_decode_interval", f"got {self.decode_interval}; allowed: an integer >= 1")
+        if self.decode_score_every < 1:
+            _fail("kv_decode_score_every",
+                  f"got {self.decode_score_every}; allowed: an integer >= 1")
         scored = get_decode_method(self.decode_policy).needs_scores
         if self.decode_budget is None:
             if scored:
@@ -527,7 +537,40 @@ class KVCompressionConfig:
         if "kv_budget" in overrides or "kv_compression_ratio" in overrides:
             merged["kv_budget"] = merged["kv_compression_ratio"] = None
         merged.update(overrides)
-        return KVCompressionConfig.from_mapping(merged, source="request")
+        resolved = KVCompressionConfig.from_mapping(merged, source="request")
+        self._check_decode_score_capacity(resolved)
+        return resolved
+
+    @property
+    def decode_score_capacity(self) -> int:
+        """Generated offsets a request's decode-score accumulator may hold on this engine
+        (0: none): the engine's --kv-decode-budget + --kv-decode-interval, what the score
+        reserve taken from the KV-cache memory is sized for (``engine.scoring_memory``)."""
+        if not self.enabled or self.decode_budget is None:
+            return 0
+        return self.decode_budget + self.decode_interval
+
+    def _check_decode_score_capacity(self, request: KVCompressionConfig) -> None:
+        """A request whose decode policy scores must fit its accumulator in the engine's
+        reserve: budget + interval at most the engine's."""
+        eviction = request.decode_eviction
+        if eviction is None or not eviction.method.needs_scores:
+            return
+        capacity = self.decode_score_capacity
+        if eviction.capacity <= capacity:
+            return
+        if not capacity:
+            allowed = ("a scored decode policy needs a server started with --kv-decode-budget "
+                       "(its budget + interval size the decode-score reserve)")
+        else:
+            allowed = (f"kv_decode_budget + kv_decode_interval <= {capacity} (the server's "
+                       "--kv-decode-budget + --kv-decode-interval, what its decode-score "
+                       "reserve holds)")
+        detail = (f"got {eviction.budget} + interval {eviction.interval} with "
+                  f"kv_decode_policy {eviction.method.name}; allowed: {allowed}")
+        raise KVCompressionConfigError(
+            f"invalid per-request setting 'kv_decode_budget': {detail}", "kv_decode_budget",
+            detail)
 
     def to_mapping(self) -> dict[str, Any]:
         """The ``additional_config`` keys that reproduce this config exactly."""

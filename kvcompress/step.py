@@ -77,8 +77,6 @@ class DecodeQueries:
     # The request's accumulator, [L, H, decode budget + interval] fp32 on the device, indexed
     # by generated offset (position - prompt_kept of the row).
     scores: torch.Tensor
-    # [rows] int64 on the device: each row's prompt part, so its first generated position.
-    prompt_kept: torch.Tensor
     # Host: generated tokens of the longest row once this step's token is in (<= the
     # accumulator's width): how many offsets this step scores.
     num_generated: int
@@ -88,6 +86,57 @@ class DecodeQueries:
     # ``anchor_steps`` offsets add to (the mass a token gets right after it is written).
     anchor_scores: torch.Tensor | None = None
     anchor_steps: int = 0
+    # What this step's scores count for: K when only every K-th step is scored
+    # (--kv-decode-score-every), so the sampled mass estimates the summed one.
+    weight: float = 1.0
+
+
+# DecodeScoring.reduce_codes: a request's --kv-gqa-reduce by its index here.
+GQA_REDUCE_CODES = ("mean", "max", "sum")
+
+
+@dataclass
+class DecodeScoring:
+    """What every layer's decode scoring needs, built once per step on the device
+    (``engine.decode_plan``) so that no layer copies from the host or indexes by a mask:
+    request ``i`` is ``StepBatch.decode_queries[i]``; ``S = P * page_size`` key positions,
+    ``W`` the most generated offsets any of them scores. Each layer writes its scores into
+    ``mass``; ``commit`` adds them into the accumulators once the forward is done."""
+
+    tokens: torch.Tensor  # [n] int64: each request's query token in the step
+    page_ids: torch.Tensor  # [L, n, H, P] int64: each row's first P pages (past them: unread)
+    lengths: torch.Tensor  # [L, n, H] int64: each row's keys, this step's token included
+    key_positions: torch.Tensor  # [S] int64: 0 .. S - 1
+    prompt_kept: torch.Tensor  # [L, n, H] int64: each row's prompt part (its first generated key)
+    offsets: torch.Tensor  # [W] int64: 0 .. W - 1
+    # The requests' --kv-gqa-reduce, or "mixed": then ``reduce_codes [n]`` int64 holds each
+    # one's index in GQA_REDUCE_CODES.
+    group_reduce: str
+    reduce_codes: torch.Tensor | None
+    mass: torch.Tensor  # [n, L, H, W] fp32: this step's scores, zero where not scored
+
+    def subset(self, numbers: list[int]) -> DecodeScoring:
+        """The plan of requests ``numbers`` only (after some failed), in that order."""
+        index = torch.as_tensor(numbers, dtype=torch.int64).to(self.tokens.device)
+        return DecodeScoring(
+            self.tokens.index_select(0, index), self.page_ids.index_select(1, index),
+            self.lengths.index_select(1, index), self.key_positions,
+            self.prompt_kept.index_select(1, index), self.offsets, self.group_reduce,
+            None if self.reduce_codes is None else self.reduce_codes.index_select(0, index),
+            self.mass.index_select(0, index))
+
+    def commit(self, decodes: list[DecodeQueries]) -> None:
+        """Add this step's scores into each request's accumulator (``decodes[i]`` is request
+        ``i``): once per step, not per layer."""
+        for number, decode in enumerate(decodes):
+            width = decode.num_generated
+            decode.scores[:, :, :width].add_(self.mass[number, :, :, :width],
+                                             alpha=decode.weight)
+            if decode.anchor_scores is not None:
+                # Only the newest offsets: evictions keep order, so they are the youngest.
+                young = max(0, width - decode.anchor_steps)
+                decode.anchor_scores[:, :, young:width].add_(
+                    self.mass[number, :, :, young:width], alpha=decode.weight)
 
 
 @dataclass
@@ -108,6 +157,7 @@ class StepBatch:
     host_lengths_after: np.ndarray
     window_queries: list[WindowQueries] = field(default_factory=list)
     decode_queries: list[DecodeQueries] = field(default_factory=list)
+    decode_scoring: DecodeScoring | None = None  # their index tensors, None without any
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
     # Time the attention backend spent scoring (observation windows, decode queries).

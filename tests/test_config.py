@@ -144,6 +144,7 @@ def test_request_overrides_replace_the_amount_and_keep_the_rest():
         ({"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_window": 16},
          "'kv_decode_budget'"),
         ({"kv_decode_window": 64}, "kv_decode_window"),  # the flag it replaced
+        ({"kv_decode_score_every": 0}, r"'kv_decode_score_every'.*>= 1"),
         ({"kv_adakv_floor": 1.2}, r"'kv_adakv_floor'.*\[0, 1\]"),
         ({"kv_adakv_floor": "high"}, "'kv_adakv_floor'"),
         ({"kv_adakv_totals": "linear"}, "'kv_adakv_totals'.*pyramid, uniform"),
@@ -158,7 +159,10 @@ def test_bad_request_overrides_name_the_field(overrides, message):
 def test_decode_eviction_is_off_by_default_and_resolved_per_request():
     assert ENGINE.decode_eviction is None
     assert "decode=" not in ENGINE.describe()
-    h2o = ENGINE.with_request_overrides({"kv_decode_policy": "h2o", "kv_decode_budget": 64})
+    # a scored policy fits the decode-score reserve of a server with a decode budget
+    budgeted = ENGINE.with_request_overrides({"kv_decode_budget": 64})
+    assert budgeted.decode_score_capacity == 128
+    h2o = budgeted.with_request_overrides({"kv_decode_policy": "h2o"})
     rule = h2o.decode_eviction
     assert (rule.method.name, rule.budget, rule.interval, rule.recent) == ("h2o", 64, 64, 8)
     assert "decode=h2o/64+64" in h2o.describe()
@@ -179,7 +183,8 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_compression": "adakv", "kv_budget": 96, "kv_window": 16, "kv_pyramid_beta": 4,
         "kv_pooling": "avg", "kv_pooling_kernel": 5, "kv_sink_tokens": 2, "kv_page_size": 32,
         "kv_decode_policy": "h2o", "kv_decode_budget": 128, "kv_decode_interval": 8,
-        "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8, "kv_adakv_totals": "uniform",
+        "kv_decode_score_every": 4, "kv_admission_lookahead": 64, "kv_adakv_floor": 0.8,
+        "kv_adakv_totals": "uniform",
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
         "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
         "kv_min_prompt": 64, "kv_budget_sharing": "model",

@@ -97,6 +97,11 @@ CHANGES: tuple[Change, ...] = (
            "hybrid scoring pools each source before the rank union (pooling after it spread "
            "either source's top and lost single-question retrieval)",
            ("shared_context",)),
+    Change("6fdf583", "2026-12-03T14:19:13+00:00",
+           "decode scores (`h2o`, `snapkv`): index tensors built once per step, a fixed "
+           "handful of batched operations per layer (the pass ~3.5x cheaper); their "
+           "accumulators reserved out of the KV memory (fewer pages for a scored decode "
+           "policy)", ("long_generation",)),
 )
 
 

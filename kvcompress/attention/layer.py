@@ -10,10 +10,7 @@ from typing import Any
 
 import torch
 
-from kvcompress.attention.decode_scores import (
-    accumulate_decode_scores,
-    accumulate_decode_scores_batch,
-)
+from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.faults import maybe_fail
@@ -67,7 +64,7 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
                              "scoring them one by one")
             _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
         step.score_seconds += time.perf_counter() - started
-    if step.decode_queries:
+    if step.decode_scoring is not None:
         started = time.perf_counter()
         _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
         step.score_seconds += time.perf_counter() - started
@@ -100,29 +97,30 @@ def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,
 def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
                           query: torch.Tensor, pool: torch.Tensor, scale: float,
                           softmax: dict[str, Any]) -> None:
-    """All decoding requests at once; if that fails, each alone (torch path): one that fails
-    loses only itself, and stops being scored in the later layers of this step."""
+    """All decoding requests at once; if that fails, each alone: one that fails loses only
+    itself, and stops being scored in the later layers of this step."""
     step = metadata.step
+    plan = step.decode_scoring
     page_format = metadata.kernel.page_format
     try:
         maybe_fail("score", [decode.prompt_len for decode in step.decode_queries])
-        accumulate_decode_scores_batch(query, pool, page_format, step, step.decode_queries,
-                                       layer_index, scale, **softmax)
+        score_decode_layer(query, pool, page_format, plan, layer_index, scale, **softmax)
         return
     except Exception:
         logger.exception("kvcompress: decode scoring failed; scoring requests one by one")
     healthy = []
-    for decode in step.decode_queries:
+    for number, decode in enumerate(step.decode_queries):
         try:
             maybe_fail("score", [decode.prompt_len])
-            accumulate_decode_scores(query, pool, page_format, step, decode, layer_index, scale,
-                                     **softmax)
-            healthy.append(decode)
+            score_decode_layer(query, pool, page_format, plan, layer_index, scale,
+                               requests=slice(number, number + 1), **softmax)
+            healthy.append(number)
         except Exception as error:
             request_id = step.req_ids[decode.batch_index]
             logger.exception("kvcompress: decode scoring failed for request %s", request_id)
             step.fail([request_id], f"decode scoring failed: {error!r}")
-    step.decode_queries = healthy
+    step.decode_queries = [step.decode_queries[number] for number in healthy]
+    step.decode_scoring = plan.subset(healthy) if healthy else None
 
 
 def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,

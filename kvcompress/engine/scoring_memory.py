@@ -1,5 +1,5 @@
 """Memory vLLM's profiling never sees: observation-window score accumulators, bounded and
-counted.
+counted, and decode-score accumulators (bounded per request, see ``decode_reserved_bytes``).
 
 A request whose prompt is scored holds a ``[layers, kv_heads, prompt_len]`` fp32
 accumulator from the step its observation window begins until its prompt is compacted
@@ -57,6 +57,20 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
     largest_block = max(MAX_BLOCK_ELEMENTS, num_kv_heads * longest_prompt)
     return (scores * SCORE_BYTES * accumulators
             + min(2 * scores, largest_block) * PLAN_BYTES_PER_SCORE)
+
+
+# Per generated offset of a request's decode scores: its fp32 accumulator, and the step's
+# fp32 scores before they are added to it (``step.DecodeScoring.mass``).
+DECODE_SCORE_BYTES = 2 * SCORE_BYTES
+
+
+def decode_reserved_bytes(max_num_seqs: int, num_layers: int, num_kv_heads: int,
+                          capacity: int) -> int:
+    """Bytes taken from the KV-cache memory for decode scores (h2o / snapkv): every running
+    request (at most ``max_num_seqs``; a preempted or finished one drops its accumulator) may
+    hold ``[layers, kv_heads, capacity]`` of them, ``capacity`` the engine's decode budget +
+    interval, which no request may exceed (``KVCompressionConfig.decode_score_capacity``)."""
+    return max_num_seqs * num_layers * num_kv_heads * capacity * DECODE_SCORE_BYTES
 
 
 def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:

@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import (
 from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
     MAX_REPEAT_TOKENS,
+    decode_reserved_bytes,
     reconstruction_tokens,
     reserved_bytes,
     scored_token_reserve,
@@ -78,16 +79,26 @@ class ScoringReserve:
     longest_prompt: int
     reconstruction_tokens: int = 0
     accumulators: int = 1
+    # Decode scores: requests that may hold them at once, and offsets each (0: none).
+    decode_requests: int = 0
+    decode_capacity: int = 0
 
     @classmethod
     def of(cls, vllm_config: Any) -> ScoringReserve:
         max_model_len = vllm_config.model_config.max_model_len
         batched = vllm_config.scheduler_config.max_num_batched_tokens
         config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
+        decode = {"decode_requests": vllm_config.scheduler_config.max_num_seqs,
+                  "decode_capacity": config.decode_score_capacity}
         if not config.reserves_reconstruction:
-            return cls(scored_token_reserve(max_model_len, batched), max_model_len)
+            return cls(scored_token_reserve(max_model_len, batched), max_model_len, **decode)
         return cls(scored_token_reserve(max_model_len, batched), max_model_len,
-                   reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2)
+                   reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2,
+                   **decode)
+
+    def decode_bytes(self, num_layers: int, num_kv_heads: int) -> int:
+        return decode_reserved_bytes(self.decode_requests, num_layers, num_kv_heads,
+                                     self.decode_capacity)
 
 
 def default_page_size(dtype: torch.dtype, head_size: int, fp8_pages: bool = False) -> int:
@@ -132,9 +143,10 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         len(layers) * spec.num_kv_heads * 2 * spec.head_size * dtype_bytes)
     return PageLayout.for_memory(
         kv_cache_bytes=memory,
-        reserved_bytes=0 if reserve is None else reserved_bytes(
+        reserved_bytes=0 if reserve is None else (reserved_bytes(
             reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
-            reserve.accumulators if scratch else 1),
+            reserve.accumulators if scratch else 1)
+            + reserve.decode_bytes(len(layers), spec.num_kv_heads)),
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,

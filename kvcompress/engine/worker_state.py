@@ -22,9 +22,11 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.decode_plan import plan_decode_scoring
 from kvcompress.engine.scoring_memory import scores_prompt
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
+from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
 from kvcompress.step import DecodeQueries, StepBatch, WindowQueries
 
@@ -256,7 +258,10 @@ class WorkerKVState:
         self.peak_scored_tokens = max(self.peak_scored_tokens, held)
 
     def finish_step(self, batch: StepBatch) -> None:
-        """The forward wrote every new token: advance the physical lengths."""
+        """The forward wrote every new token: advance the physical lengths, and add the
+        step's decode scores into their accumulators."""
+        if batch.decode_scoring is not None:
+            batch.decode_scoring.commit(batch.decode_queries)
         for index, request_id in enumerate(batch.req_ids):
             request = self.requests[request_id]
             request.lengths = batch.host_lengths_after[index].copy()
@@ -266,9 +271,11 @@ class WorkerKVState:
 
     def prepare_decode_scoring(self, step: StepBatch) -> None:
         """Fill ``step.decode_queries``: every request decoding one token whose decode policy
-        scores this step (h2o, anchors: every decode step; snapkv, rkv: those of the newest
-        --kv-window tokens before an eviction), with its accumulators, allocated on first
-        use. One host->device copy for all of them (their rows' prompt parts)."""
+        scores this step (h2o, anchors: every decode step, or every K-th with
+        --kv-decode-score-every K; snapkv, rkv: those of the newest --kv-window tokens before
+        an eviction), with its accumulators, allocated on first use, and
+        ``step.decode_scoring``: the index tensors every layer reads, copied to the device
+        once here."""
         layout = self.layout
         picked: list[tuple[int, RequestKV, int, int]] = []
         for index, request_id in enumerate(step.req_ids):
@@ -280,7 +287,8 @@ class WorkerKVState:
             if eviction is None or request.prompt_kept is None or new_tokens.max() != 1:
                 continue
             generated_after = int((step.host_lengths_after[index] - request.prompt_kept).max())
-            if not eviction.scores_step(generated_after):
+            every = _score_every(request.config, eviction)
+            if not eviction.scores_step(generated_after) or generated_after % every:
                 continue
             if request.decode_scores is None:
                 request.decode_scores = self.to_device(torch.zeros(
@@ -289,18 +297,20 @@ class WorkerKVState:
                 ))
             if eviction.method.scores_anchors and request.anchor_scores is None:
                 request.anchor_scores = torch.zeros_like(request.decode_scores)
-            picked.append((index, request, generated_after, eviction.recent))
+            picked.append((index, request, generated_after, every))
         if not picked:
             return
-        prompt_kept = self.to_device(torch.as_tensor(
-            np.stack([request.prompt_kept for _, request, _, _ in picked]).astype(np.int64)))
         step.decode_queries = [
-            DecodeQueries(index, request.prompt_len, request.decode_scores, prompt_kept[number],
-                          generated_after, group_reduce=_gqa_reduce(request.config),
+            DecodeQueries(index, request.prompt_len, request.decode_scores, generated_after,
+                          group_reduce=_gqa_reduce(request.config), weight=every,
                           anchor_scores=request.anchor_scores,
-                          anchor_steps=recent)
-            for number, (index, request, generated_after, recent) in enumerate(picked)
+                          anchor_steps=request.config.decode_eviction.recent)
+            for index, request, generated_after, every in picked
         ]
+        step.decode_scoring = plan_decode_scoring(
+            layout, step, step.decode_queries,
+            [request.table.pages for _, request, _, _ in picked],
+            np.stack([request.prompt_kept for _, request, _, _ in picked]), self.to_device)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor -> the runner's device (the only host->device path of a step)."""
@@ -335,6 +345,14 @@ def _adoption_problem(state: RequestKV, delta: PageTableDelta,
     if np.isin(src, own).any():
         return "page copies read pages the request itself holds"
     return None
+
+
+def _score_every(config: KVCompressionConfig, eviction: DecodeEviction) -> int:
+    """Decode steps per scored one (--kv-decode-score-every): sampling applies to methods
+    scored every step (h2o); a last-window method (snapkv) scores its few steps each."""
+    if eviction.method.score_collection != "every_step":
+        return 1
+    return config.decode_score_every
 
 
 def _gqa_reduce(config: KVCompressionConfig | None) -> str:

@@ -191,7 +191,6 @@ def test_window_scores_read_fp8_pages_through_the_layer(cache_dtype, whole_promp
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_decode_scores_read_fp8_pages_through_the_layer(cache_dtype):
     case = decode_case(fp8_format(cache_dtype), seed=3, page_size=32, kv_scales=SCALES)
-    case.state.prepare_decode_scoring(case.step)
     kernel = CpuPagedKernel(case.layout, torch.float32, kv_cache_dtype=cache_dtype)
     total = case.query.shape[0]
     metadata = PagedAttentionMetadata(case.step, total, kernel, kernel.prepare(case.step), {})
@@ -200,6 +199,7 @@ def test_decode_scores_read_fp8_pages_through_the_layer(cache_dtype):
         attend_layer(metadata, layer, case.query, case.new_keys[:, rows],
                      case.new_values[:, rows], case.pool, torch.empty_like(case.query), SCALE,
                      kv_scales=SCALES)
+    case.state.finish_step(case.step)  # the step's scores reach the accumulators
     assert not case.step.failures
     assert HEADS == 2 and HEAD_SIZE == 32  # the decode case's shape, fp8-compatible
     for index in SCORED:

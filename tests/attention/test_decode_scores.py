@@ -4,15 +4,14 @@ own lengths), the GQA reduction, and a scoring failure that stays with its reque
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from kvcompress.attention import decode_scores
-from kvcompress.attention.decode_scores import (
-    accumulate_decode_scores,
-    accumulate_decode_scores_batch,
-)
+from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
@@ -22,8 +21,10 @@ from tests.paged_cases import build_case, model_softmax
 
 LAYERS, HEADS, GROUP, HEAD_SIZE = 2, 2, 2, 32
 SCALE = HEAD_SIZE**-0.5
+# The engine's decode budget + interval bound what requests may score (its reserve).
 ENGINE = KVCompressionConfig.from_mapping(
-    {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4})
+    {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4, "kv_decode_budget": 16,
+     "kv_decode_interval": 8})
 H2O = ENGINE.with_request_overrides(
     {"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_decode_interval": 8})
 SNAPKV = H2O.with_request_overrides({"kv_decode_policy": "snapkv"})
@@ -42,7 +43,10 @@ SCORED = [0, 3]
 PROMPT_LENS = [20, 47, 10, 5, 15]
 
 
-def decode_case(page_format, seed=0, page_size=16, kv_scales=UNSCALED):
+def decode_case(page_format, seed=0, group_reduces=("mean",), page_size=16,
+                kv_scales=UNSCALED):
+    """The case with its decode scoring prepared; scored request i combines its query
+    heads as ``group_reduces[i % len]`` says."""
     case = build_case(page_format, [lengths for _, lengths, _, _ in REQUESTS],
                       [new for _, _, new, _ in REQUESTS], num_layers=LAYERS,
                       num_kv_heads=HEADS, group=GROUP, head_size=HEAD_SIZE,
@@ -53,13 +57,28 @@ def decode_case(page_format, seed=0, page_size=16, kv_scales=UNSCALED):
         request.config = config
         if generated is not None:
             request.prompt_kept = np.array(lengths) - np.array(generated)
+    for number, index in enumerate(SCORED):
+        request = case.state.requests[f"req{index}"]
+        # "sum" is no flag value: set past validation (the scores support it)
+        request.config = replace(request.config,
+                                 gqa_reduce=group_reduces[number % len(group_reduces)])
+    case.state.prepare_decode_scoring(case.step)
     return case
 
 
-def dense_decode_scores(case, index, group_reduce, soft_cap=None, sinks=None):
+def write_layer(case, page_format, layer):
+    rows = case.step.layer_rows(layer)
+    page_format.write_tokens(case.pool, case.new_keys[:, rows].reshape(-1, HEAD_SIZE),
+                             case.new_values[:, rows].reshape(-1, HEAD_SIZE),
+                             case.step.slot_mapping[:, rows].reshape(-1))
+
+
+def dense_decode_scores(case, index, group_reduce, soft_cap=None, sinks=None, prompt_shift=0):
     """Loop reference of one request's share: [L, H, 24] added by its decode query, under the
-    model's softmax (soft-capped logits; a sink logit per query head in the denominator)."""
+    model's softmax (soft-capped logits; a sink logit per query head in the denominator).
+    ``prompt_shift``: the prompt part is that much longer (the generated one shorter)."""
     _, lengths, _, generated = REQUESTS[index]
+    generated = [count - prompt_shift for count in generated]
     token = case.step.query_start_loc[index]
     out = torch.zeros(LAYERS, HEADS, 24, dtype=torch.float64)
     for layer in range(LAYERS):
@@ -83,7 +102,6 @@ def dense_decode_scores(case, index, group_reduce, soft_cap=None, sinks=None):
 
 def test_a_step_scores_only_decoding_requests_whose_policy_scores_it():
     case = decode_case(GPU_PAGE_FORMAT)
-    case.state.prepare_decode_scoring(case.step)
     decodes = case.step.decode_queries
     assert [decode.batch_index for decode in decodes] == SCORED
     assert [decode.num_generated for decode in decodes] == [11, 22]
@@ -92,7 +110,18 @@ def test_a_step_scores_only_decoding_requests_whose_policy_scores_it():
         request = case.state.requests[f"req{decode.batch_index}"]
         assert decode.scores is request.decode_scores
         assert decode.scores.shape == (LAYERS, HEADS, 24) and not decode.scores.any()
-        assert decode.prompt_kept.tolist() == request.prompt_kept.tolist()
+    plan = case.step.decode_scoring
+    assert plan.tokens.tolist() == [case.step.query_start_loc[i] for i in SCORED]
+    assert plan.mass.shape == (2, LAYERS, HEADS, 22) and not plan.mass.any()
+    assert plan.group_reduce == "mean" and plan.reduce_codes is None
+    for number, index in enumerate(SCORED):
+        request = case.state.requests[f"req{index}"]
+        lengths = case.step.host_lengths_after[index].reshape(LAYERS, HEADS)
+        kept = request.prompt_kept.reshape(LAYERS, HEADS)
+        assert (plan.prompt_kept[:, number].numpy() == kept).all()
+        assert (plan.lengths[:, number].numpy() == lengths).all()
+    assert plan.offsets.tolist() == list(range(22))  # the longest generated part
+    assert plan.key_positions.shape == (48,)  # the longest row (41) in 16-token pages
     unscored = [case.state.requests[f"req{i}"].decode_scores for i in (1, 2, 4)]
     assert unscored == [None, None, None]
 
@@ -101,21 +130,15 @@ def test_a_step_scores_only_decoding_requests_whose_policy_scores_it():
 @pytest.mark.parametrize("group_reduce", ["mean", "max", "sum"])
 def test_decode_scores_match_dense_probabilities_over_the_generated_part(page_format,
                                                                         group_reduce):
-    case = decode_case(page_format, seed=1)
-    case.state.prepare_decode_scoring(case.step)
+    case = decode_case(page_format, seed=1, group_reduces=[group_reduce])
     # h2o carries mass from earlier steps: this step adds to it
     earlier = torch.rand(LAYERS, HEADS, 24, generator=torch.Generator().manual_seed(2))
     case.step.decode_queries[0].scores += earlier
-    for decode in case.step.decode_queries:
-        decode.group_reduce = group_reduce
     for layer in range(LAYERS):
-        rows = case.step.layer_rows(layer)
-        page_format.write_tokens(case.pool, case.new_keys[:, rows].reshape(-1, HEAD_SIZE),
-                                 case.new_values[:, rows].reshape(-1, HEAD_SIZE),
-                                 case.step.slot_mapping[:, rows].reshape(-1))
-        for decode in case.step.decode_queries:
-            accumulate_decode_scores(case.query, case.pool, page_format, case.step, decode,
-                                     layer, SCALE)
+        write_layer(case, page_format, layer)
+        score_decode_layer(case.query, case.pool, page_format, case.step.decode_scoring,
+                           layer, SCALE)
+    case.step.decode_scoring.commit(case.step.decode_queries)
     for decode in case.step.decode_queries:
         want = dense_decode_scores(case, decode.batch_index, group_reduce)
         if decode.batch_index == 0:
@@ -131,27 +154,27 @@ def test_batched_decode_scores_match_one_request_at_a_time(monkeypatch, page_for
                                                            max_gathered, group_reduces):
     """All requests in one gather (or in chunks of one: ``max_gathered``), rows padded to the
     longest, give each request the scores it gets alone, also when requests combine their
-    query heads differently."""
+    query heads differently, and the dense reference's."""
     monkeypatch.setattr(decode_scores, "MAX_GATHERED_ELEMENTS", max_gathered)
-    alone, batched = (decode_case(page_format, seed=6) for _ in range(2))
+    alone, batched = (decode_case(page_format, seed=6, group_reduces=group_reduces)
+                      for _ in range(2))
     softmax = model_softmax("both", HEADS * GROUP)
-    for case in (alone, batched):
-        case.state.prepare_decode_scoring(case.step)
-        for number, decode in enumerate(case.step.decode_queries):
-            decode.group_reduce = group_reduces[number % len(group_reduces)]
     for layer in range(LAYERS):
         for case in (alone, batched):
-            rows = case.step.layer_rows(layer)
-            page_format.write_tokens(case.pool, case.new_keys[:, rows].reshape(-1, HEAD_SIZE),
-                                     case.new_values[:, rows].reshape(-1, HEAD_SIZE),
-                                     case.step.slot_mapping[:, rows].reshape(-1))
-        for decode in alone.step.decode_queries:
-            accumulate_decode_scores(alone.query, alone.pool, page_format, alone.step, decode,
-                                     layer, SCALE, **softmax)
-        accumulate_decode_scores_batch(batched.query, batched.pool, page_format, batched.step,
-                                       batched.step.decode_queries, layer, SCALE, **softmax)
-    for one, other in zip(alone.step.decode_queries, batched.step.decode_queries):
+            write_layer(case, page_format, layer)
+        for number in range(len(SCORED)):
+            score_decode_layer(alone.query, alone.pool, page_format, alone.step.decode_scoring,
+                               layer, SCALE, requests=slice(number, number + 1), **softmax)
+        score_decode_layer(batched.query, batched.pool, page_format,
+                           batched.step.decode_scoring, layer, SCALE, **softmax)
+    for case in (alone, batched):
+        case.step.decode_scoring.commit(case.step.decode_queries)
+    for number, (one, other) in enumerate(zip(alone.step.decode_queries,
+                                              batched.step.decode_queries)):
         torch.testing.assert_close(other.scores, one.scores, atol=1e-6, rtol=1e-5)
+        want = dense_decode_scores(batched, other.batch_index,
+                                   group_reduces[number % len(group_reduces)], **softmax)
+        torch.testing.assert_close(other.scores.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def run_layers(case, **softmax):
@@ -163,11 +186,11 @@ def run_layers(case, **softmax):
         attend_layer(metadata, layer, case.query, case.new_keys[:, rows],
                      case.new_values[:, rows], case.pool, torch.empty_like(case.query), SCALE,
                      **softmax)
+    case.state.finish_step(case.step)  # the step's scores reach the accumulators
 
 
 def test_attention_layers_collect_decode_scores():
     case = decode_case(GPU_PAGE_FORMAT, seed=3)
-    case.state.prepare_decode_scoring(case.step)
     run_layers(case)
     assert not case.step.failures
     for index in SCORED:
@@ -200,7 +223,6 @@ def test_anchors_collect_the_mass_of_the_newest_window_offsets_apart():
 @pytest.mark.parametrize("kind", ["soft_cap", "sinks", "both"])
 def test_decode_scores_use_the_model_softmax(kind):
     case = decode_case(GPU_PAGE_FORMAT, seed=5)
-    case.state.prepare_decode_scoring(case.step)
     softmax = model_softmax(kind, HEADS * GROUP)
     run_layers(case, **softmax)
     assert not case.step.failures
@@ -212,7 +234,6 @@ def test_decode_scores_use_the_model_softmax(kind):
 
 def test_a_decode_scoring_failure_fails_only_its_request(monkeypatch):
     case = decode_case(GPU_PAGE_FORMAT, seed=4)
-    case.state.prepare_decode_scoring(case.step)
     monkeypatch.setenv("KVCOMPRESS_FAULT_INJECTION", f"score:{PROMPT_LENS[3]}")
     run_layers(case)
     assert set(case.step.failures) == {"req3"}
@@ -221,3 +242,50 @@ def test_a_decode_scoring_failure_fails_only_its_request(monkeypatch):
     assert not case.state.requests["req3"].decode_scores.any()
     torch.testing.assert_close(case.state.requests["req0"].decode_scores.double(),
                                dense_decode_scores(case, 0, "mean"), atol=1e-5, rtol=1e-5)
+
+
+def test_sampled_h2o_scores_every_kth_step_and_counts_it_k_times():
+    """--kv-decode-score-every 4: a step is scored only when its request's generated part
+    reaches a multiple of 4, and then adds 4x the dense probabilities; snapkv's window steps
+    are never sampled."""
+    case = decode_case(GPU_PAGE_FORMAT, seed=7)
+    for index in SCORED:  # h2o at 11 generated tokens after the step, snapkv at 22
+        request = case.state.requests[f"req{index}"]
+        request.config = request.config.with_request_overrides({"kv_decode_score_every": 4})
+    case.step.decode_queries, case.step.decode_scoring = [], None
+    case.state.prepare_decode_scoring(case.step)
+    assert [decode.batch_index for decode in case.step.decode_queries] == [3]  # 11 % 4 != 0
+    assert case.step.decode_queries[0].weight == 1  # snapkv: every window step
+    h2o = case.state.requests["req0"]
+    h2o.prompt_kept = h2o.prompt_kept + 3  # now 8 generated after the step: sampled
+    h2o.decode_scores = None
+    case.step.decode_queries, case.step.decode_scoring = [], None
+    case.state.prepare_decode_scoring(case.step)
+    assert [decode.weight for decode in case.step.decode_queries] == [4, 1]
+    run_layers(case)
+    want = 4 * dense_decode_scores(case, 0, "mean", prompt_shift=3)
+    torch.testing.assert_close(h2o.decode_scores.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("every", "min_overlap"), [(1, 1.0), (4, 0.93), (16, 0.88)])
+def test_sampled_mass_keeps_nearly_what_the_summed_mass_keeps(every, min_overlap):
+    """How far sampling takes h2o from its exact sums, on a synthetic generation of 192 steps
+    (budget 128 + interval 64, 8 recent) whose attention favours a few heavy hitters, as
+    h2o assumes: the share of the exact choice that the sampled mass keeps too."""
+    generator = torch.Generator().manual_seed(11)
+    steps, budget, recent, rows = 192, 128, 8, 64
+    importance = torch.randn(rows, steps, generator=generator) * 2
+    exact = torch.zeros(rows, steps, dtype=torch.float64)
+    sampled = torch.zeros_like(exact)
+    for step in range(1, steps + 1):  # the query of a step sees the tokens generated so far
+        noise = torch.randn(rows, step, generator=generator)
+        probs = torch.softmax(importance[:, :step] + noise, dim=-1).double()
+        exact[:, :step] += probs
+        if step % every == 0:
+            sampled[:, :step] += every * probs
+    older = steps - recent
+    chosen = [torch.topk(scores[:, :older], budget - recent).indices for scores in (exact,
+                                                                                    sampled)]
+    overlap = [len(set(a.tolist()) & set(b.tolist())) / (budget - recent)
+               for a, b in zip(*chosen)]
+    assert min(overlap) >= min_overlap, (every, min(overlap))

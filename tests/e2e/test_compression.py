@@ -21,6 +21,7 @@ TINY = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=512, max
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4
 
 
+
 def step_until_first_token(harness, request_ids):
     """Step until every request has exactly its first output token (prefill done)."""
     for _ in range(200):
@@ -250,9 +251,11 @@ def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
 
 # Decode eviction for some of the soak's requests (3 and 5 are coprime: every method meets
 # every decode policy).
+# The engine's decode budget (window policy) sizes the decode-score reserve; ``None`` turns a
+# request's decode eviction off.
 DECODE_MIX = [
     {"kv_decode_policy": "h2o", "kv_decode_budget": 48, "kv_decode_interval": 16},
-    {},
+    {"kv_decode_budget": None},
     {"kv_decode_policy": "snapkv", "kv_decode_budget": 48, "kv_decode_interval": 16},
 ]
 
@@ -265,8 +268,10 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_l
     rng = np.random.default_rng(7)
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96, "kv_admission_lookahead": 0,
-                     "kv_scoring": "window"},
-        kv_cache_memory_bytes=12 * 128 * BYTES_PER_TOKEN, **TINY,
+                     "kv_scoring": "window", "kv_decode_budget": 48, "kv_decode_interval": 16},
+        # 13 x 128 tokens: one request of max_model_len still fits beside the decode-score
+        # reserve (12 x 128 did before it; the assertions below check the pool stays tight)
+        kv_cache_memory_bytes=13 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     try:
         lengths = rng.integers(20, 700, size=40).tolist()
@@ -376,13 +381,15 @@ def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
 def test_per_request_decode_policies_share_a_batch(tiny_llama):
     tokens = 100
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 48},
+        # the engine's decode budget sizes the decode-score reserve the h2o request uses
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 48, "kv_decode_budget": 24,
+                     "kv_decode_interval": 8},
         kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
     )
     requests = {
         "h2o": {"kv_decode_policy": "h2o", "kv_decode_budget": 24, "kv_decode_interval": 8},
         "window": {"kv_decode_budget": 16, "kv_decode_interval": 4},
-        "full": {},  # no decode budget: keeps every generated token
+        "full": {"kv_decode_budget": None},  # no decode budget: keeps every generated token
     }
     try:
         for offset, (name, overrides) in enumerate(requests.items()):
@@ -417,7 +424,8 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
     budget, interval, tokens = 16, 8, 150
     harness = EngineHarness(
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
-                     "kv_admission_lookahead": 0, "kv_scoring": "window"},
+                     "kv_admission_lookahead": 0, "kv_scoring": "window",
+                     "kv_decode_budget": budget, "kv_decode_interval": interval},
         kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,
@@ -427,7 +435,8 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
     try:
         for name, prompt in prompts.items():
             harness.add(name, prompt,
-                        greedy(tokens, extra_args=decode if name in budgeted else {}))
+                        greedy(tokens, extra_args=decode if name in budgeted
+                               else {"kv_decode_budget": None}))
         outputs_when_preempted = {}
         while harness.engine.has_unfinished_requests():
             harness.step()

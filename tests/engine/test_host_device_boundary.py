@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_compaction
@@ -37,7 +38,9 @@ def test_a_plan_made_on_the_device_is_brought_to_the_host_for_the_moves(monkeypa
                           (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
 
     monkeypatch.setattr(worker_compaction, "plan_keep", plan_on_device)
-    config = KVCompressionConfig.from_mapping({"kv_compression": method, "kv_budget": 24})
+    sharing = "layer" if method == "streamingllm" else "model"  # model: the harder plan
+    config = KVCompressionConfig.from_mapping({"kv_compression": method, "kv_budget": 24,
+                                               "kv_budget_sharing": sharing})
     case, request = labelled_case(lengths=99, prompt_len=100, settings=config)
     host_scores = request.window_scores.clone()
     request.window_scores = on_device(request.window_scores)
@@ -85,8 +88,43 @@ def test_decode_scoring_is_prepared_without_reading_the_device(emulated_device):
     case.state.prepare_decode_scoring(case.step)
     assert [decode.batch_index for decode in case.step.decode_queries] == [0, 1]
     for decode in case.step.decode_queries:
-        assert is_on_device(decode.scores) and is_on_device(decode.prompt_kept)
+        assert is_on_device(decode.scores)
+    plan = case.step.decode_scoring
+    assert all(is_on_device(tensor) for tensor in (
+        plan.tokens, plan.page_ids, plan.lengths, plan.key_positions, plan.prompt_kept,
+        plan.offsets, plan.mass))
     assert DeviceTensor.syncs == 0
+
+
+def test_a_layer_scores_decode_queries_without_host_data_or_syncs(emulated_device, monkeypatch):
+    """Every index a layer's decode scoring reads was built for the step: the layers make no
+    tensor from host data (no host->device copy), read nothing back, and the step's scores
+    reach the accumulators once, when the step finishes."""
+    case = build_case(GPU_PAGE_FORMAT, [[30, 17, 25, 40], [20] * 4], [1, 1], num_layers=2,
+                      num_kv_heads=2, group=2, head_size=32, page_size=16,
+                      dtype=torch.float32, prompt_lens=[10, 10])
+    config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4,
+         "kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_decode_interval": 8})
+    for request in case.state.requests.values():
+        request.config = config
+        request.prompt_kept = request.lengths - 5
+    case.state.prepare_decode_scoring(case.step)
+    pool, query = on_device(case.pool), on_device(case.query)
+
+    def from_host(*args, **kwargs):
+        raise AssertionError("a layer built a tensor from host data")
+
+    with monkeypatch.context() as patched:
+        for name in ("tensor", "as_tensor", "from_numpy"):
+            patched.setattr(torch, name, from_host)
+        for layer in range(2):
+            score_decode_layer(query, pool, GPU_PAGE_FORMAT, case.step.decode_scoring, layer,
+                               32**-0.5)
+    assert DeviceTensor.syncs == 0
+    assert not any(decode.scores.any() for decode in case.step.decode_queries)
+    case.state.finish_step(case.step)
+    assert all(decode.scores.any() for decode in case.step.decode_queries)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])

@@ -1,12 +1,15 @@
-"""The scheduler's ScoringGate and the window-score reserve, without vLLM."""
+"""The scheduler's ScoringGate, the window-score reserve and the decode-score reserve (and
+the per-request bound that keeps it exact), without vLLM."""
 
 from dataclasses import dataclass
 
 import pytest
 
-from kvcompress.config import KVCompressionConfig
+from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
 from kvcompress.engine.scoring_memory import (
+    DECODE_SCORE_BYTES,
     ScoringGate,
+    decode_reserved_bytes,
     reserved_bytes,
     scored_token_reserve,
     scores_prompt,
@@ -100,3 +103,42 @@ def test_decoding_and_unscored_requests_pass_untouched():
     assert gate.limit(FakeRequest("done", 600, 600), SNAPKV, 600, 1) == 1
     streaming = KVCompressionConfig.from_mapping({"kv_compression": "streamingllm"})
     assert gate.limit(FakeRequest("s", 600), streaming, 0, 600) == 600
+
+
+def test_decode_scores_are_reserved_per_running_request_at_the_engine_capacity():
+    engine = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 8,
+         "kv_decode_policy": "h2o", "kv_decode_budget": 100, "kv_decode_interval": 28})
+    assert engine.decode_score_capacity == 128
+    assert KVCompressionConfig.from_mapping({"kv_compression": "snapkv"}).decode_score_capacity == 0
+    # 16 requests x 4 layers x 2 heads x 128 offsets: the accumulator and the step's workspace
+    assert decode_reserved_bytes(16, 4, 2, 128) == 16 * 4 * 2 * 128 * DECODE_SCORE_BYTES
+    assert decode_reserved_bytes(16, 4, 2, 0) == 0
+    # requests fit in the engine's capacity whatever their split of it ...
+    fits = engine.with_request_overrides({"kv_decode_policy": "snapkv", "kv_decode_budget": 64,
+                                          "kv_decode_interval": 64})
+    assert fits.decode_eviction.capacity == 128
+    # ... the window policy holds no scores, so it is not bounded
+    window = engine.with_request_overrides({"kv_decode_policy": "window",
+                                            "kv_decode_budget": 500})
+    assert window.decode_eviction.capacity == 528
+
+
+@pytest.mark.parametrize(("engine", "overrides", "message"), [
+    ({"kv_decode_budget": 100, "kv_decode_interval": 28},
+     {"kv_decode_policy": "h2o", "kv_decode_budget": 101},
+     r"'kv_decode_budget': got 101 \+ interval 28 .* allowed: kv_decode_budget \+ "
+     r"kv_decode_interval <= 128"),
+    ({"kv_decode_budget": 100, "kv_decode_interval": 28},
+     {"kv_decode_policy": "snapkv", "kv_decode_interval": 29},
+     r"'kv_decode_budget'.*<= 128"),
+    ({}, {"kv_decode_policy": "h2o", "kv_decode_budget": 16},
+     r"'kv_decode_budget'.*needs a server started with --kv-decode-budget"),
+])
+def test_a_request_scoring_beyond_the_decode_reserve_is_refused_naming_the_field(
+        engine, overrides, message):
+    config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 8, **engine})
+    with pytest.raises(KVCompressionConfigError, match=message) as error:
+        config.with_request_overrides(overrides)
+    assert error.value.key == "kv_decode_budget"

@@ -12,7 +12,13 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvcompress.engine.vllm_layout import attention_layer_names, kv_cache_bytes, page_layout
+from kvcompress.engine.scoring_memory import decode_reserved_bytes, reserved_bytes
+from kvcompress.engine.vllm_layout import (
+    ScoringReserve,
+    attention_layer_names,
+    kv_cache_bytes,
+    page_layout,
+)
 
 SHAPE = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
 SIZE = 1 << 22
@@ -72,3 +78,17 @@ def test_unsupported_kv_cache_layouts_are_refused_with_the_reason():
         KVCacheGroupSpec([name(1)], SlidingWindowSpec(**other_shape, sliding_window=4))])
     with pytest.raises(NotImplementedError, match="same KV heads, head size"):
         attention_layer_names(config)
+
+
+def test_the_decode_score_reserve_comes_out_of_the_kv_memory():
+    """Every running request's decode accumulators, at the engine's capacity, are taken from
+    the pages, to the page."""
+    config = gemma3_like_config()
+    plain = page_layout(config, 16, ScoringReserve(1000, 500))
+    reserve = ScoringReserve(1000, 500, decode_requests=8, decode_capacity=96)
+    with_decode = page_layout(config, 16, reserve)
+    decode_bytes = decode_reserved_bytes(8, 12, 1, 96)
+    assert reserve.decode_bytes(12, 1) == decode_bytes > 0
+    window_bytes = reserved_bytes(1000, 12, 1, 500)
+    assert plain.total_pages == (SIZE - window_bytes) // plain.page_bytes
+    assert with_decode.total_pages == (SIZE - window_bytes - decode_bytes) // plain.page_bytes
