@@ -102,6 +102,11 @@ CHANGES: tuple[Change, ...] = (
            "handful of batched operations per layer (the pass ~3.5x cheaper); their "
            "accumulators reserved out of the KV memory (fewer pages for a scored decode "
            "policy)", ("long_generation",)),
+    Change("5b9d2d3", "2026-12-03T14:50:52+00:00",
+           "`--kv-budget-sharing auto`: a prompt a reconstruction scored (`reconstruct`, "
+           "`hybrid`, and `auto` with reuse on) shares its total model-wide instead of each "
+           "method's per-layer split",
+           ("shared_context", "multi_turn", "multi_turn_recall", "quality_question_outside")),
 )
 
 
