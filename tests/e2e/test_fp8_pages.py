@@ -99,9 +99,10 @@ def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring, request)
     window, page, layers, heads = 8, 32, 4, 2
     if scoring == "expected":
         request.getfixturevalue("profiled_tiny_llama")  # its profile beside it
+    engine = {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
+              "kv_scoring": scoring}
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
-                     "kv_scoring": scoring},
+        tiny_llama, engine,
         kv_cache_dtype="fp8", kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN, **TINY,
     )
     try:
@@ -118,7 +119,7 @@ def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring, request)
         for name, (overrides, length) in MIXED_REQUESTS.items():
             since = len(harness.outputs[name]) - 1
             assert_holds_policy_budget(manager, harness.internal_id(name), name, overrides,
-                                       length, since, window, page, layers, heads)
+                                       length, since, window, page, layers, heads, engine)
         before = {name: manager.physical_lengths(harness.internal_id(name)).copy()
                   for name in prompts}
         generated = {name: len(harness.outputs[name]) for name in prompts}
