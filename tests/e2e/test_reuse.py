@@ -98,11 +98,16 @@ def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
         rows_by_turn[request_id.split("-")[0]] = rows
     for c in range(2):
         first, second, third = (rows_by_turn[f"c{c}t{t}"] for t in range(3))
-        assert np.all(first == 64)  # snapkv: every head keeps the budget
-        # The adopted part (first turn's 64 + its 11 computed answer tokens) stays; the
-        # 200-odd new tokens are compressed to the budget.
-        assert np.all(second == 64 + 11 + 64)
-        assert np.all(third == second + 11 + 64)
+        # The budget's total, shared model-wide (the default where a reconstruction scores):
+        # every row's window at least, and the rows' total exactly.
+        rows = first.size
+        assert first.sum() == rows * 64 and np.all(first >= 8)
+        # The adopted part (first turn's rows + its 11 computed answer tokens) stays; the
+        # 200-odd new tokens are compressed to the budget's total again.
+        assert np.all(second >= first + 11 + 8)
+        assert (second - first - 11).sum() == rows * 64
+        assert np.all(third >= second + 11 + 8)
+        assert (third - second - 11).sum() == rows * 64
 
 
 def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(tiny_llama):
