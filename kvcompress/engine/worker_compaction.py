@@ -61,21 +61,23 @@ def compact_completed_prompts(
     already failed in this step, is left as it is and recorded in ``step.failures``; if the
     moves themselves fail, every request they were for is.
     """
-    # Adopters plan their new segment (other lengths, no sinks): a group of their own.
-    groups: dict[tuple[KVCompressionConfig, bool], list[str]] = defaultdict(list)
+    # Adopters plan their new segment (other lengths, no sinks): a group of their own; so do
+    # prompts a reconstruction scored (``auto`` budget sharing differs for them, see _plan).
+    groups: dict[tuple[KVCompressionConfig, bool, bool], list[str]] = defaultdict(list)
     for index in step.completing_prompt:
         request_id = step.req_ids[index]
         if request_id in step.failures:
             continue
         request = state.requests[request_id]
         assert request.config is not None, "configs are resolved when the step is prepared"
-        groups[request.config, request.adopted_rows is not None].append(request_id)
+        groups[request.config, request.adopted_rows is not None,
+               request.reconstructed].append(request_id)
     compactions: dict[str, Compaction] = {}
     moves = MoveBatch(state.layout.page_size)
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     # Only full-attention rows are planned; sliding-window rows stay as they are.
     rows = state.layout.compressed_rows
-    for (config, adopters), req_ids in groups.items():
+    for (config, adopters, _reconstructed), req_ids in groups.items():
         for request_id, counts, indices in _plan_isolated(state, config, req_ids, step,
                                                           adopters):
             request = state.requests[request_id]
@@ -372,9 +374,9 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
     policy = config.policy
     if adopters:
         policy = replace(policy, sink_tokens=0)
-    if config.budget_sharing == "auto" and not all(r.reconstructed for r in requests):
+    if config.budget_sharing == "auto" and not requests[0].reconstructed:
         # Scored by a window after all (embeddings, a model without scratch pages): auto
-        # shares only a reconstruction's scores model-wide.
+        # shares only a reconstruction's scores model-wide. (Groups never mix the two.)
         policy = replace(policy, budget_sharing="layer")
     needs_scores = policy.compression_method.needs_scores
     scores = None

@@ -23,11 +23,10 @@ from kvcompress.step import KVScales, PagedAttentionMetadata
 from tests.attention.test_decode_scores import (
     HEAD_SIZE,
     HEADS,
-    LAYERS,
-    SCALE,
     SCORED,
     decode_case,
     dense_decode_scores,
+    run_layers,
 )
 from tests.paged_cases import (
     MODEL_SOFTMAXES,
@@ -192,14 +191,7 @@ def test_window_scores_read_fp8_pages_through_the_layer(cache_dtype, whole_promp
 def test_decode_scores_read_fp8_pages_through_the_layer(cache_dtype):
     case = decode_case(fp8_format(cache_dtype), seed=3, page_size=32, kv_scales=SCALES)
     kernel = CpuPagedKernel(case.layout, torch.float32, kv_cache_dtype=cache_dtype)
-    total = case.query.shape[0]
-    metadata = PagedAttentionMetadata(case.step, total, kernel, kernel.prepare(case.step), {})
-    for layer in range(LAYERS):
-        rows = case.step.layer_rows(layer)
-        attend_layer(metadata, layer, case.query, case.new_keys[:, rows],
-                     case.new_values[:, rows], case.pool, torch.empty_like(case.query), SCALE,
-                     kv_scales=SCALES)
-    case.state.finish_step(case.step)  # the step's scores reach the accumulators
+    run_layers(case, kernel, kv_scales=SCALES)
     assert not case.step.failures
     assert HEADS == 2 and HEAD_SIZE == 32  # the decode case's shape, fp8-compatible
     for index in SCORED:

@@ -177,15 +177,18 @@ def test_batched_decode_scores_match_one_request_at_a_time(monkeypatch, page_for
         torch.testing.assert_close(other.scores.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def run_layers(case, **softmax):
-    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=False)
+def run_layers(case, kernel=None, **attend_kwargs):
+    """Every layer's attention over ``case`` through ``kernel`` (default: the Triton adapter
+    in torch), then the step's end; ``attend_kwargs``: the softmax, the fp8 scales."""
+    if kernel is None:
+        kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=False)
     total = case.query.shape[0]
     metadata = PagedAttentionMetadata(case.step, total, kernel, kernel.prepare(case.step), {})
     for layer in range(LAYERS):
         rows = case.step.layer_rows(layer)
         attend_layer(metadata, layer, case.query, case.new_keys[:, rows],
                      case.new_values[:, rows], case.pool, torch.empty_like(case.query), SCALE,
-                     **softmax)
+                     **attend_kwargs)
     case.state.finish_step(case.step)  # the step's scores reach the accumulators
 
 

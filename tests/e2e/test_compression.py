@@ -92,6 +92,20 @@ def assert_holds_policy_budget(manager, internal, name, overrides, prompt_len, s
     return lengths
 
 
+def assert_heads_grow_by_their_new_tokens(harness, manager, names):
+    """Two more decode steps: every head of each request grows by exactly the tokens it
+    generated since."""
+    before = {name: manager.physical_lengths(harness.internal_id(name)).copy()
+              for name in names}
+    generated = {name: len(harness.outputs[name]) for name in names}
+    harness.step()
+    harness.step()
+    for name in names:
+        grown = len(harness.outputs[name]) - generated[name]
+        after = manager.physical_lengths(harness.internal_id(name))
+        assert (after - before[name] == grown).all(), name
+
+
 @pytest.mark.parametrize("scoring", ["window", "reconstruct", "hybrid", "expected"])
 def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama, scoring,
                                                                        request):
@@ -129,16 +143,7 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
                     rid].lengths.tolist()
             )[0]
             assert worker_lengths == (lengths + since).reshape(-1).tolist(), name
-        # Two more decode steps: every head grows by exactly the tokens generated since.
-        before = {name: manager.physical_lengths(harness.internal_id(name)).copy()
-                  for name in prompts}
-        generated = {name: len(harness.outputs[name]) for name in prompts}
-        harness.step()
-        harness.step()
-        for name in prompts:
-            grown = len(harness.outputs[name]) - generated[name]
-            after = manager.physical_lengths(harness.internal_id(name))
-            assert (after - before[name] == grown).all(), name
+        assert_heads_grow_by_their_new_tokens(harness, manager, prompts)
         harness.run_until_done()
         assert manager.num_available == manager.total_pages
     finally:

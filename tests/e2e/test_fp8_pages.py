@@ -17,6 +17,7 @@ from .test_compression import (
     BYTES_PER_TOKEN,
     MIXED_REQUESTS,
     TINY,
+    assert_heads_grow_by_their_new_tokens,
     assert_holds_policy_budget,
     run_checking_generated_parts,
     step_until_first_token,
@@ -120,15 +121,7 @@ def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring, request)
             since = len(harness.outputs[name]) - 1
             assert_holds_policy_budget(manager, harness.internal_id(name), name, overrides,
                                        length, since, window, page, layers, heads, engine)
-        before = {name: manager.physical_lengths(harness.internal_id(name)).copy()
-                  for name in prompts}
-        generated = {name: len(harness.outputs[name]) for name in prompts}
-        harness.step()
-        harness.step()
-        for name in prompts:
-            grown = len(harness.outputs[name]) - generated[name]
-            after = manager.physical_lengths(harness.internal_id(name))
-            assert (after - before[name] == grown).all(), name
+        assert_heads_grow_by_their_new_tokens(harness, manager, prompts)
         harness.run_until_done()
         assert manager.num_available == manager.total_pages
     finally:
