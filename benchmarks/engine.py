@@ -36,6 +36,7 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        kv_cache_dtype=spec.cache_dtype,
         enforce_eager=settings.enforce_eager,
         seed=settings.seed,
         # The same for every configuration of a run: off, no reuse of repeated prompt
@@ -176,10 +177,12 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: Sequence[Any],
     on_step: Callable[[int, int], None] | None = None,
+    on_outputs: Callable[[Sequence[Any]], None] | None = None,
 ) -> tuple[list[Finished], float]:
     """Run token-id prompts to completion; returns outputs in prompt order and seconds spent.
 
-    ``on_step(finished_requests, generated_tokens)`` is called after every engine step.
+    ``on_step(finished_requests, generated_tokens)`` is called after every engine step, and
+    before it ``on_outputs(request_outputs)`` with the step's RequestOutputs.
     """
     from vllm.inputs import TokensPrompt
 
@@ -189,7 +192,10 @@ def generate(
     done: dict[int, Finished] = {}
     generated = 0
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        outputs = engine.step()
+        if on_outputs is not None:
+            on_outputs(outputs)
+        for output in outputs:
             if output.finished:
                 completion = output.outputs[0]
                 done[int(output.request_id)] = Finished(

@@ -49,11 +49,13 @@ def job_id(tokens: int, label: str) -> str:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    table = [{**row, "out_x": (row.get("vs_vanilla") or {}).get("output_tok_s")}
+    table = [{**row, "out_x": (row.get("vs_vanilla") or {}).get("output_tok_s"),
+              "gib_x": (row.get("vs_vanilla") or {}).get("tokens_per_gib_used")}
              for row in rows]
     columns = [("kv_cache_tokens", "KV tokens"), ("label", "config"),
                ("output_tok_s", "out tok/s"), ("out_x", "x van"), ("peak_running", "peak run"),
                ("mean_running", "mean run"), ("preemptions", "preempt"),
+               ("tokens_per_gib_used", "tok/GiB"), ("gib_x", "x van"),
                ("elapsed_s", "time s")]
     return format_table(table, columns)
 

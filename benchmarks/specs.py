@@ -21,6 +21,9 @@ from typing import Any
 from kvcompress.policies import METHODS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# vLLM's --kv-cache-dtype values a configuration may take (``+cache_dtype=fp8``); "auto" is
+# the model's dtype. fp8 pages hold one byte per element.
+CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -29,7 +32,8 @@ class CompressionSpec:
     """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio,
     optionally with decode-time eviction (a decode policy and the generated tokens each KV
     head keeps) and settings of its own (``options``: additional_config keys and values,
-    e.g. (("kv_pyramid_beta", 4),), over the run's --kv-option ones)."""
+    e.g. (("kv_pyramid_beta", 4),), over the run's --kv-option ones). ``cache_dtype``: vLLM's
+    --kv-cache-dtype for this configuration (vanilla too; "auto" is the model's dtype)."""
 
     method: str = "none"
     budget: int | None = None
@@ -37,8 +41,12 @@ class CompressionSpec:
     decode_policy: str | None = None
     decode_budget: int | None = None
     options: tuple[tuple[str, Any], ...] = ()
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype {self.cache_dtype!r}; allowed: "
+                             f"{', '.join(CACHE_DTYPES)}")
         # JSON round trips (worker jobs) turn the pairs into lists
         object.__setattr__(self, "options", tuple((str(k), v) for k, v in self.options))
         for key, _ in self.options:
@@ -69,10 +77,12 @@ class CompressionSpec:
 
     @property
     def label(self) -> str:
+        cache = "" if self.cache_dtype == "auto" else f"+cache_dtype={self.cache_dtype}"
         if self.is_vanilla:
-            return "vanilla"
+            return "vanilla" + cache
         decode = f"@{self.decode_policy}:{self.decode_budget}" if self.decode_policy else ""
         decode += "".join(f"+{key.removeprefix('kv_')}={value}" for key, value in self.options)
+        decode += cache
         if self.budget is not None:
             return f"{self.method}:{self.budget}{decode}"
         return f"{self.method}:r={self.ratio:g}{decode}"
@@ -83,6 +93,10 @@ class CompressionSpec:
         if self.is_vanilla:
             return 1.0
         return None if self.ratio is None else 1.0 / (1.0 - self.ratio)
+
+    def kv_element_bytes(self, dtype: str) -> int:
+        """Bytes of one K or V element in this configuration's pages (model ``dtype``)."""
+        return DTYPE_BYTES[dtype] if self.cache_dtype == "auto" else 1
 
     def additional_config(self, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """additional_config keys (``options`` are extra ``kv_*`` settings, e.g. kv_window)."""
@@ -104,14 +118,22 @@ class CompressionSpec:
         """``vanilla`` / ``none``, ``METHOD:BUDGET``, ``METHOD:r=RATIO`` or ``METHOD:budget=N``,
         optionally followed by ``@DECODE_POLICY:DECODE_BUDGET`` (``pyramidkv:256@h2o:256``)
         and by settings of its own, ``+KEY=VALUE`` each (``pyramidkv:64+pyramid_beta=4``;
-        the ``kv_`` of the additional_config key may be left out)."""
+        the ``kv_`` of the additional_config key may be left out); ``+cache_dtype=fp8``
+        (also for vanilla) sets vLLM's --kv-cache-dtype."""
         text = text.strip().lower()
         text, *settings = text.split("+")
         if settings:
             base = cls.parse(text)
-            options = tuple(parse_spec_option(item) for item in settings)
+            cache_dtype = "auto"
+            options = []
+            for item in settings:
+                key, _, value = item.strip().partition("=")
+                if key in ("cache_dtype", "kv_cache_dtype"):
+                    cache_dtype = value
+                else:
+                    options.append(parse_spec_option(item))
             return cls(base.method, base.budget, base.ratio, base.decode_policy,
-                       base.decode_budget, options)
+                       base.decode_budget, tuple(options), cache_dtype)
         if text in ("none", "vanilla", "full"):
             return cls()
         text, at, decode = text.partition("@")

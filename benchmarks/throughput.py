@@ -45,6 +45,7 @@ from benchmarks import memory_sweep
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
 from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
 from benchmarks.specs import (
+    DTYPE_BYTES,
     CompressionSpec,
     EngineSettings,
     benchmark_parser,
@@ -71,7 +72,8 @@ LONG_GENERATION = {
 }
 # The reference row of --ample-memory-reference: vanilla, with memory for every request.
 AMPLE_LABEL = "vanilla, KV for all"
-RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running")
+RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running",
+              "tokens_per_gib_used", "peak_tokens_per_gib_used", "peak_tokens_held")
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -111,11 +113,19 @@ def file_prompts(path: Path, tokenizer: Any, default_max_tokens: int,
 # ----------------------------------------------------------------------------- metrics
 def summarize(samples: list[dict[str, float]], *, elapsed: float, prompt_tokens: int,
               output_tokens: int, preemptions: int, capacity_tokens: int,
-              preempted_tokens: int | None = None) -> dict[str, Any]:
-    """Throughput and KV figures of one configuration from its per-step samples."""
+              preempted_tokens: int | None = None,
+              held: list[dict[str, float]] | None = None,
+              kv_cache_gib: float | None = None) -> dict[str, Any]:
+    """Throughput and KV figures of one configuration from its per-step samples.
+
+    ``held``: per step, the context tokens of the requests that have output tokens
+    (``tokens``, uncompressed: prompt + generated), their number (``requests``), and the
+    step's ``running`` and ``kv_cache_usage``; with ``kv_cache_gib`` they give the tokens
+    held per GiB of KV memory in use (``HELD_DERIVATION``)."""
     busy = [s for s in samples if s["running"] > 0]
     per_request = [s["kv_cache_usage"] * capacity_tokens / s["running"] for s in busy]
     return {
+        **held_figures(held or [], kv_cache_gib),
         "elapsed_s": elapsed,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
@@ -128,6 +138,20 @@ def summarize(samples: list[dict[str, float]], *, elapsed: float, prompt_tokens:
         "preempted_tokens": preempted_tokens,
         "peak_kv_usage": max((s["kv_cache_usage"] for s in samples), default=0.0),
         "mean_kv_tokens_per_running": sum(per_request) / len(per_request) if busy else 0.0,
+    }
+
+
+def held_figures(held: list[dict[str, float]], kv_cache_gib: float | None) -> dict[str, Any]:
+    """Tokens held per GiB in use, over the steps where every request that has started
+    answering is running (none preempted, none in a prefill chunk before its first token),
+    and the most context tokens held at once."""
+    per_gib = [h["tokens"] / (h["kv_cache_usage"] * kv_cache_gib) for h in held
+               if kv_cache_gib and h["requests"] == h["running"] > 0 and h["kv_cache_usage"] > 0]
+    return {
+        "peak_tokens_held": max((h["tokens"] for h in held), default=None),
+        "tokens_per_gib_used": sum(per_gib) / len(per_gib) if per_gib else None,
+        "peak_tokens_per_gib_used": max(per_gib, default=None),
+        "held_steps": len(per_gib),
     }
 
 
@@ -190,8 +214,24 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
                 last[0] = now
                 reporter.progress(sink.generated_tokens)
 
+        contexts: dict[str, int] = {}  # request -> prompt + generated tokens, until it ends
+        held: list[dict[str, float]] = []
+
+        def on_outputs(step_outputs: Any) -> None:
+            for output in step_outputs:
+                if output.finished:
+                    contexts.pop(output.request_id, None)
+                else:
+                    contexts[output.request_id] = (len(output.prompt_token_ids or ())
+                                                   + len(output.outputs[0].token_ids))
+            if sink.samples:  # the step's own sample: its logger ran inside engine.step()
+                latest = sink.samples[-1]
+                held.append({"tokens": sum(contexts.values()), "requests": len(contexts),
+                             "running": latest.running,
+                             "kv_cache_usage": latest.kv_cache_usage})
+
         outputs, elapsed = generate(engine, [p["prompt_token_ids"] for p in prompts], params,
-                                    on_step)
+                                    on_step, on_outputs)
         prefill_only = None
         if job.get("measure_cap"):  # the same prompts again, one token each: prefill alone
             firsts = [SamplingParams(max_tokens=1, temperature=0.0) for _ in prompts]
@@ -207,6 +247,8 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         preemptions=sink.preemptions,
         capacity_tokens=job["capacity_tokens"],
         preempted_tokens=sink.preempted_tokens,
+        held=held,
+        kv_cache_gib=settings.kv_cache_memory_bytes * settings.tensor_parallel_size / 2**30,
     )
     result["prefill_only_s"] = prefill_only
     result["all_outputs_full_length"] = all(
@@ -330,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                      "kv_bytes_per_token": per_token, "warmup": args.warmup},
         "workload": workload,
         "kv_tokens_per_request_derivation": KV_DERIVATION,
+        "tokens_held_derivation": HELD_DERIVATION,
     }
     print(f"command: {header['command']}")
     print(f"settings: {json.dumps(header['settings'])}")
@@ -343,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                                          longest)
         print(f"KV-cache pools (uncompressed tokens): {pools}", flush=True)
     jobs = []
+    job_pools = []  # each job's pool in uncompressed model-dtype tokens
     for tokens in pools:
         pool_settings = settings
         if args.sweep_kv_memory:
@@ -352,10 +396,13 @@ def main(argv: list[str] | None = None) -> int:
             {"id": memory_sweep.job_id(tokens, spec.label) if args.sweep_kv_memory
              else spec.label,
              "spec": vars(spec), "settings": vars(pool_settings), "isolate": True,
-             "prompts_path": str(prompts_path), "capacity_tokens": tokens,
+             "prompts_path": str(prompts_path),
+             "capacity_tokens": tokens * DTYPE_BYTES[settings.dtype]
+             // spec.kv_element_bytes(settings.dtype),
              "warmup": args.warmup, "measure_cap": args.measure_cap}
             for spec in specs
         )
+        job_pools.extend(tokens for _ in specs)
     if args.ample_memory_reference and not args.sweep_kv_memory:
         ample = sum(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
         # its cap (prefill-only pass) would be vanilla's again: not measured
@@ -365,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                          settings, kv_cache_memory_bytes=ample * per_token
                          // settings.tensor_parallel_size)),
                      "capacity_tokens": ample})
+        job_pools.append(ample)
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
         units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
@@ -374,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         show_progress=not args.no_progress,
     )
     rows = [{**config_row(CompressionSpec(**job["spec"]), results[job["id"]]),
-             "kv_cache_tokens": job["capacity_tokens"]} for job in jobs]
+             "kv_cache_tokens": tokens, "kv_cache_capacity_tokens": job["capacity_tokens"]}
+            for job, tokens in zip(jobs, job_pools)]
     if jobs[-1]["id"] == AMPLE_LABEL:
         rows[-1]["label"] = AMPLE_LABEL
     if args.sweep_kv_memory:  # ratios within each pool's configurations
@@ -402,6 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(row["ok"] for row in rows) else 1
 
 
+HELD_DERIVATION = (
+    "tokens_per_gib_used: mean over engine steps where every request that has output tokens "
+    "is running (none preempted) and no other runs (none in prefill before its first token) "
+    "of context tokens held (prompt + generated, uncompressed) / (kv_cache_usage * KV-cache "
+    "GiB); peak_tokens_per_gib_used: its maximum; peak_tokens_held: most context tokens of "
+    "requests with output tokens at once. Usage counts pages in use out of the pool, which "
+    "for kvcompress excludes its scoring reserve, so its figure is a lower bound"
+)
 KV_DERIVATION = (
     "mean over engine steps with running > 0 of kv_cache_usage * capacity_tokens / running, "
     "capacity_tokens = kv_cache_memory_bytes / kv_bytes_per_token (all layers and KV heads of "
@@ -463,6 +520,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             "total_x": ratios.get("total_tok_s"),
             "peak_x": ratios.get("peak_running"),
             "kv_x": ratios.get("mean_kv_tokens_per_running"),
+            "gib_x": ratios.get("tokens_per_gib_used"),
             "cap_x": (row.get("cap") or {}).get("x_vanilla"),
             "cap_reached": (row.get("cap") or {}).get("reached"),
         })
@@ -472,6 +530,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         ("peak_x", "x van"), ("mean_running", "mean run"), ("preemptions", "preempt"),
         ("preempted_tokens", "preempt tok"),
         ("mean_kv_tokens_per_running", "KV tok/req"), ("kv_x", "x van"),
+        ("tokens_per_gib_used", "tok/GiB"), ("gib_x", "x van"),
         ("cap_x", "cap x van"), ("cap_reached", "of cap"),
         ("of_ample_memory", "of ample mem"), ("elapsed_s", "time s"),
     ]

@@ -84,3 +84,17 @@ def test_parse_kv_options():
     for bad in ("kv_windw=16", "window=16", "kv_budget=64", "kv_window"):
         with pytest.raises(SystemExit, match="--kv-option"):
             parse_kv_options([bad])
+
+
+def test_spec_cache_dtype():
+    fp8 = CompressionSpec.parse("pyramidkv:r=0.875+scoring=window+cache_dtype=fp8")
+    assert (fp8.cache_dtype, fp8.options) == ("fp8", (("kv_scoring", "window"),))
+    assert fp8.label == "pyramidkv:r=0.875+scoring=window+cache_dtype=fp8"
+    assert CompressionSpec.parse(fp8.label) == fp8
+    assert "kv_cache_dtype" not in fp8.additional_config()  # an engine argument, not ours
+    vanilla = CompressionSpec.parse("vanilla+kv_cache_dtype=fp8_e5m2")
+    assert (vanilla.is_vanilla, vanilla.label) == (True, "vanilla+cache_dtype=fp8_e5m2")
+    assert (vanilla.kv_element_bytes("bfloat16"), CompressionSpec().kv_element_bytes("float32")
+            ) == (1, 4)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        CompressionSpec.parse("vanilla+cache_dtype=int8")

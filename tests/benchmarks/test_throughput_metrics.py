@@ -41,6 +41,22 @@ def test_summarize_empty():
     assert out["output_tok_s"] == 0.0 and out["mean_kv_tokens_per_running"] == 0.0
 
 
+def test_tokens_held_per_gib_counts_only_steps_where_every_answering_request_runs():
+    held = [
+        {"tokens": 1000, "requests": 2, "running": 2, "kv_cache_usage": 0.25},  # 4000 / GiB
+        {"tokens": 1500, "requests": 2, "running": 3, "kv_cache_usage": 0.5},  # one in prefill
+        {"tokens": 900, "requests": 3, "running": 2, "kv_cache_usage": 0.1},  # one preempted
+        {"tokens": 600, "requests": 1, "running": 1, "kv_cache_usage": 0.05},  # 12000 / GiB
+    ]
+    out = summarize([], elapsed=1.0, prompt_tokens=0, output_tokens=0, preemptions=0,
+                    capacity_tokens=10, held=held, kv_cache_gib=1.0)
+    assert out["tokens_per_gib_used"] == pytest.approx(8000.0)
+    assert out["peak_tokens_per_gib_used"] == pytest.approx(12000.0)
+    assert (out["peak_tokens_held"], out["held_steps"]) == (1500, 2)
+    assert summarize([], elapsed=1.0, prompt_tokens=0, output_tokens=0, preemptions=0,
+                     capacity_tokens=10)["tokens_per_gib_used"] is None
+
+
 def test_ratios_to_vanilla():
     rows = [
         {"label": "vanilla", "ok": True, "output_tok_s": 10.0, "total_tok_s": 50.0,
@@ -51,7 +67,9 @@ def test_ratios_to_vanilla():
     ]
     add_ratios(rows)
     assert rows[0]["vs_vanilla"] == {"output_tok_s": 1.0, "total_tok_s": 1.0,
-                                     "peak_running": 1.0, "mean_kv_tokens_per_running": 1.0}
+                                     "peak_running": 1.0, "mean_kv_tokens_per_running": 1.0,
+                                     "tokens_per_gib_used": None,  # not in these rows
+                                     "peak_tokens_per_gib_used": None, "peak_tokens_held": None}
     assert rows[1]["vs_vanilla"]["output_tok_s"] == pytest.approx(2.5)
     assert rows[1]["vs_vanilla"]["mean_kv_tokens_per_running"] == pytest.approx(0.25)
     assert rows[2]["vs_vanilla"]["output_tok_s"] is None
