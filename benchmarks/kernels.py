@@ -10,7 +10,8 @@ root (``-m`` puts it on the path, so ``kvcompress`` imports from the checkout):
 Shapes follow Llama-3-8B (32 layers, 32 query heads, 8 KV heads, head dim 128, bf16). Bandwidth is
 bytes the kernel must touch (K/V read, moves read + write) over time, against --peak-gbps
 (default 4300, an H200's measured copy bandwidth). Each section first checks the Triton kernel
-against the torch reference on a small input and reports the max error.
+against the torch reference on a small input and reports the max error. The decode section also
+checks and times fp8 pages (``--kv-cache-dtype fp8``: a uint8 pool of e4m3 codes, half the bytes).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if not ON_GPU:
 
 # imported once TRITON_INTERPRET is set: Triton may read it on import
 from kvcompress.kernels import (  # noqa: E402
+    fp8_codes,
     move_kv_ref,
     move_kv_triton,
     paged_attention_ref,
@@ -40,9 +42,13 @@ from kvcompress.kernels import (  # noqa: E402
     plan_hole_filling_moves,
     positions_to_slots,
     window_scores_triton,
+    write_kv_ref,
+    write_kv_triton,
 )
 
 NUM_LAYERS, NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 32, 8, 128
+# fp8 pages: scales of the order a checkpoint's K / V scales take for values in [-1, 1)
+FP8_SCALES = dict(k_scale=0.01, v_scale=0.005)
 
 
 @dataclass
@@ -124,9 +130,14 @@ def build_paged_batch(
 
 
 def attention_bytes(batch: PagedBatch) -> int:
-    element = batch.pool.element_size()
-    kv = int(batch.kv_lens.sum()) * 2 * batch.pool.shape[3] * element
-    return kv + 2 * batch.query.numel() * element
+    kv = int(batch.kv_lens.sum()) * 2 * batch.pool.shape[3] * batch.pool.element_size()
+    return kv + 2 * batch.query.numel() * batch.query.element_size()
+
+
+def fp8_pool(pool: torch.Tensor, kv_fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """The uint8 pool of fp8 pages holding ``pool``'s K and V at ``FP8_SCALES``."""
+    return torch.stack([fp8_codes(pool[:, 0], kv_fp8, FP8_SCALES["k_scale"]),
+                        fp8_codes(pool[:, 1], kv_fp8, FP8_SCALES["v_scale"])], dim=1)
 
 
 def bandwidth(row: Row, num_bytes: int, peak_gbps: float) -> Row:
@@ -169,8 +180,40 @@ def check_attention(device: torch.device, dtype: torch.dtype) -> Row:
                extra={"max_abs_error": errors, "ok": ok})
 
 
+def check_fp8(device: torch.device, dtype: torch.dtype) -> Row:
+    """fp8 pages (e4m3, e5m2): Triton vs the torch reference, attention (split-K too) and the
+    write (its bytes must be identical)."""
+    lens = torch.tensor([[300, 41, 77, 1000, 5, 64, 128, 260]] * 2)
+    batch = build_paged_batch(lens, query_len=1, group=4, page_size=16, dtype=dtype,
+                              device=device)
+    errors, ok = {}, True
+    for kv_fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        name = str(kv_fp8).split("_")[-1]
+        pool = fp8_pool(batch.pool, kv_fp8)
+        fp8 = dict(kv_fp8=kv_fp8, **FP8_SCALES)
+        args = (batch.query, pool, batch.page_tables, batch.kv_lens, batch.query_start_loc,
+                HEAD_SIZE**-0.5)
+        out_ref = torch.empty_like(batch.query)
+        paged_attention_ref(*args, out_ref, **fp8)
+        for splits in (1, 4):
+            out = torch.empty_like(batch.query)
+            paged_attention_triton(*args, out, num_splits=splits, **fp8)
+            errors[f"{name} splits={splits}"] = max_error(out, out_ref)
+        key = torch.randn(64, NUM_KV_HEADS, HEAD_SIZE, device=device).to(dtype) * 0.05
+        slots = torch.randperm(pool.shape[0] * 16, device=device)[: key.shape[0] * NUM_KV_HEADS]
+        slots = slots.view(key.shape[0], NUM_KV_HEADS)
+        written, expected = pool.clone(), pool.clone()
+        write_kv_triton(key, key, written, slots, **fp8)
+        write_kv_ref(key, key, expected, slots, **fp8)
+        ok = ok and torch.equal(written, expected)
+    ok = ok and max(errors.values()) < (2e-2 if dtype != torch.float32 else 1e-4)
+    return Row("check", "fp8 pages vs reference", "triton", 0.0,
+               note=("ok " if ok else "FAIL ") + str({k: f"{v:.1e}" for k, v in errors.items()}),
+               extra={"max_abs_error": errors, "ok": ok})
+
+
 def bench_decode(args, timer: Timer, device: torch.device, dtype: torch.dtype) -> list[Row]:
-    rows = [check_attention(device, dtype)]
+    rows = [check_attention(device, dtype), check_fp8(device, dtype)]
     if args.smoke:
         cases = [(2, 64, None), (3, 200, 48)]
     elif args.quick:
@@ -207,6 +250,12 @@ def bench_decode_case(
     seconds = timer(lambda: paged_attention_triton(*call_args, **hints))
     rows = [bandwidth(Row("decode", name, "triton paged", seconds * 1e6),
                       attention_bytes(batch), args.peak_gbps)]
+    batch.pool = fp8_pool(batch.pool)  # the same K/V as fp8 (e4m3) pages
+    fp8_args = (batch.query, batch.pool, *call_args[2:])
+    seconds = timer(lambda: paged_attention_triton(*fp8_args, kv_fp8=torch.float8_e4m3fn,
+                                                   **FP8_SCALES, **hints))
+    rows.append(bandwidth(Row("decode", name, "triton paged fp8", seconds * 1e6),
+                          attention_bytes(batch), args.peak_gbps))
     if ON_GPU and with_sdpa:
         rows.append(bench_dense_sdpa(timer, batch, int(lens.max()), args.peak_gbps, name))
     return rows

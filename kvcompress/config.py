@@ -214,8 +214,8 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "Tokens per page of the per-head paged KV cache (one page holds one KV head of "
         f"one layer). Power of two in [{PAGE_SIZE_RANGE[0]}, {PAGE_SIZE_RANGE[1]}]; "
         f"default {AMX_PAGE_SIZE} on a CPU with AMX tiles running bf16 (vLLM's amx attention "
-        f"kernel, which needs pages of multiples of 32) or with fp8 pages (--kv-cache-dtype "
-        f"fp8: a multiple of 32 is required there), else {DEFAULT_PAGE_SIZE}.",
+        f"kernel, which needs pages of multiples of 32) or with fp8 pages on CPU "
+        f"(--kv-cache-dtype fp8: a multiple of 32 is required there), else {DEFAULT_PAGE_SIZE}.",
     ),
     FlagSpec(
         "kv_admission_lookahead", "--kv-admission-lookahead", "admission_lookahead", int,

@@ -33,7 +33,8 @@ from kvcompress.step import KVScales, PagedAttentionMetadata, runtime_for
 class KVCompressAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # fp8 pages: one byte per element with vLLM's per-layer scales (CPU: AVX-512 or AMX).
+    # fp8 pages: one byte per element with vLLM's per-layer scales (CPU: AVX-512 or AMX;
+    # CUDA: kvcompress's Triton kernels).
     supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod

@@ -10,6 +10,10 @@ tables (``kvcompress.paging.batch_tables``) is its own launch per layer.
 Compaction moves go through :meth:`TritonPagedKernel.move`: for move lists the host proved
 disjoint, the native CUDA kernel (``csrc/``, see :mod:`kvcompress.kernels.cuda_ext`) when it is
 available, else the Triton move; otherwise the torch gather-then-scatter.
+
+fp8 pages (``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``): the pool is uint8, each
+element the fp8 code of ``x / scale`` with the layer's K or V scale (``KVScales``); the Triton
+kernels write and read the codes, the scales applied once per launch (moves copy bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvcompress.kernels import move_kv, move_kv_ref, paged_attention, window_sco
 from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
 from kvcompress.paging import PageLayout
 from kvcompress.paging.batch_tables import on_class_tokens
-from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT, PageFormat, fp8_dtype_of
 from kvcompress.step import UNSCALED, KVScales, StepBatch
 
 
@@ -74,15 +78,21 @@ class TritonPagedKernel:
         *,
         use_triton: bool | None = None,
         native_move: MoveFn | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``use_triton``: None picks Triton for CUDA tensors and the torch references
         otherwise (True forces Triton, e.g. under ``TRITON_INTERPRET=1`` in tests).
         ``native_move``: the CUDA move op; looked up (and JIT-built once) for CUDA devices
         when not given, so a build happens at start-up rather than at the first compaction.
+        ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (``auto``: pages in ``dtype``; fp8
+        ones: one byte per element).
         """
         self.layout = layout
         self.dtype = dtype
         self.use_triton = use_triton
+        self.kv_fp8 = fp8_dtype_of(kv_cache_dtype)
+        if self.kv_fp8 is not None:
+            self.page_format = PageFormat(GPU_PAGE_FORMAT.key_layout, self.kv_fp8)
         if native_move is None and device is not None and torch.device(device).type == "cuda":
             native_move = native_move_kv()
         self.native_move = native_move
@@ -113,11 +123,11 @@ class TritonPagedKernel:
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, *, kv_scales: KVScales = UNSCALED) -> None:
-        """key/value ``[T, H, D]`` to per-head ``slots [T, H]``. Pages hold the model's
-        dtype here (fp8 pages are refused on CUDA at start), so ``kv_scales`` is unused."""
+        """key/value ``[T, H, D]`` to per-head ``slots [T, H]`` (fp8 pages: the codes of
+        them divided by ``kv_scales``)."""
         shape = (slots.shape[0], self.layout.num_kv_heads, self.layout.head_size)
-        write_kv(key.reshape(shape), value.reshape(shape), pool, slots,
-                 use_triton=self.use_triton)
+        write_kv(key.reshape(shape), value.reshape(shape), pool, slots, kv_fp8=self.kv_fp8,
+                 k_scale=kv_scales.key, v_scale=kv_scales.value, use_triton=self.use_triton)
 
     def attend(self, args: TritonStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
@@ -125,7 +135,7 @@ class TritonPagedKernel:
                kv_scales: KVScales = UNSCALED) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``;
-        ``kv_scales`` unused (no fp8 pages on CUDA yet)."""
+        ``kv_scales``: the layer's fp8 scales (unused on unquantized pages)."""
         rows = self._rows(layer)
         for part in args.classes:
             on_class_tokens(part.token_index, query, output.view(query.shape),
@@ -135,7 +145,8 @@ class TritonPagedKernel:
                                 part_output, soft_cap=soft_cap, sinks=sinks,
                                 sliding_window=sliding_window,
                                 max_query_len=part.max_query_len,
-                                max_kv_len=part.max_kv_len[layer],
+                                max_kv_len=part.max_kv_len[layer], kv_fp8=self.kv_fp8,
+                                k_scale=kv_scales.key, v_scale=kv_scales.value,
                                 use_triton=self.use_triton))
 
     def accumulate_window_scores(
@@ -155,7 +166,8 @@ class TritonPagedKernel:
         :func:`kvcompress.attention.window_scores.accumulate_window_scores` does, in one
         kernel launch for all windows of the step. The kernel sums over the GQA group:
         "mean" divides by the group; windows asking for "max" (not separable that way) take
-        the torch path."""
+        the torch path. fp8 pages: ``scale`` already holds the layer's K scale (as
+        ``attend_layer`` passes it), so the kernels only decode the codes."""
         windows = args.windows
         if windows is None:
             return
@@ -176,7 +188,7 @@ class TritonPagedKernel:
             query.index_select(0, windows.rows), pool, windows.page_tables[:, rows],
             windows.kv_lens[:, rows], windows.query_start_loc, windows.window_start, scale,
             scores, soft_cap=soft_cap, sinks=sinks, max_window_len=windows.max_window_len,
-            max_kv_len=max(num_keys), use_triton=self.use_triton,
+            max_kv_len=max(num_keys), kv_fp8=self.kv_fp8, use_triton=self.use_triton,
         )
         group = query.shape[1] // self.layout.num_kv_heads
         for index, window in enumerate(step.window_queries):

@@ -100,9 +100,10 @@ def _refuse_unsupported(engine_args: Any) -> None:
 
 
 def _kv_cache_dtype_problems(engine_args: Any) -> list[str]:
-    """fp8 pages (fp8, fp8_e4m3, fp8_e5m2) run on CPUs where vLLM's CPU attention reads them
-    (x86 with AVX-512 or AMX, pages of multiples of 32); other quantized caches, and fp8 on
-    CUDA (its Triton kernels read no fp8 pages yet), are refused with the reason."""
+    """fp8 pages (fp8, fp8_e4m3, fp8_e5m2) run on CUDA (kvcompress's Triton kernels, any page
+    size) and on CPUs where vLLM's CPU attention reads them (x86 with AVX-512 or AMX, pages of
+    multiples of 32); other quantized caches, and fp8 on other platforms, are refused with the
+    reason."""
     cache_dtype = engine_args.kv_cache_dtype
     if cache_dtype in ("auto", None):
         return []
@@ -111,9 +112,11 @@ def _kv_cache_dtype_problems(engine_args: Any) -> list[str]:
         return [f"--kv-cache-dtype {cache_dtype} (allowed: {allowed})"]
     from vllm.platforms import current_platform
 
+    if current_platform.is_cuda():
+        return []
     if not current_platform.is_cpu():
         return [f"--kv-cache-dtype {cache_dtype} on {current_platform.device_name} (fp8 pages "
-                "run on CPU only so far)"]
+                "run on CUDA and CPU only)"]
     from kvcompress.attention.cpu_kernel import cpu_supports_fp8_pages
 
     if not cpu_supports_fp8_pages():

@@ -40,10 +40,7 @@ class KVCompressGPUModelRunner(PagedKVRunnerMixin, GPUModelRunner):
         from kvcompress.attention.gpu_kernel import TritonPagedKernel
         from kvcompress.kernels.cuda_ext import ENV_SWITCH, jit_unavailable_reason
 
-        if kv_cache_dtype != "auto":  # prepare_engine_args refuses it first
-            raise NotImplementedError(f"--kv-cache-dtype {kv_cache_dtype} with --kv-compression "
-                                      "is not yet supported on CUDA")
-        kernel = TritonPagedKernel(layout, dtype, self.device)
+        kernel = TritonPagedKernel(layout, dtype, self.device, kv_cache_dtype=kv_cache_dtype)
         if kernel.native_move is not None:
             logger.info("kvcompress: compaction moves K/V with the native CUDA kernel")
         else:

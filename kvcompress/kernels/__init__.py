@@ -13,12 +13,13 @@ from .logits import attention_lse, attention_probs, soft_cap_logits
 from .move_kv import move_kv, move_kv_ref, move_kv_triton
 from .paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
 from .window_scores import window_scores, window_scores_ref, window_scores_triton
-from .write_kv import write_kv, write_kv_ref, write_kv_triton
+from .write_kv import fp8_codes, write_kv, write_kv_ref, write_kv_triton
 
 __all__ = [
     "HoleFillingPlan",
     "attention_lse",
     "attention_probs",
+    "fp8_codes",
     "has_triton",
     "has_triton_gpu",
     "move_kv",

@@ -21,6 +21,7 @@ _helpers = load_kernel_module("_triton_helpers")
 row_sum = _helpers.row_sum
 row_max = _helpers.row_max
 soft_cap = _helpers.soft_cap
+fp8_decode = _helpers.fp8_decode
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)  # must be a constexpr instance, not an annotation
@@ -91,6 +92,8 @@ def paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    v_scale,
+    KV_FP8: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,6 +167,11 @@ def paged_attention_kernel(
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            # uint8 codes -> the query dtype (exact); the scales: K's is in scale_log2, V's
+            # applied after the loop.
+            k_t = fp8_decode(k_t, KV_FP8).to(q.dtype)
+            v = fp8_decode(v, KV_FP8).to(q.dtype)
         if DOT_FP32:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
@@ -184,6 +192,8 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale  # once per output element, not per key
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]

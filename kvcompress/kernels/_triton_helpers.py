@@ -48,3 +48,51 @@ def soft_cap(scores, cap):
                                                           + z2 * -0.05396825396825397)))
     tanh = tl.where(tl.abs(z) < TANH_SERIES_BELOW, series, tl.where(z < 0, -magnitude, magnitude))
     return tanh * cap
+
+
+# fp8 pages: the pool is uint8; KV_FP8 (constexpr) names the format of its bytes:
+# 0 none, 1 e4m3fn ("fp8", "fp8_e4m3"), 2 e5m2. See _triton_support.fp8_kind.
+@triton.jit
+def fp8_decode(codes, KV_FP8: tl.constexpr):
+    """uint8 fp8 codes -> fp16, exactly, by moving bits (no fp8 hardware conversion: runs on
+    any GPU, sm_80 included, and the interpreter agrees bit for bit). e5m2 is the top byte of
+    an fp16; e4m3 placed in an fp16's low exponent bits reads as its value times 2^-8, which
+    the launchers fold into the scales (``_triton_support.FP8_DECODE_FACTOR``). e4m3's NaN
+    code reads as a finite value: the writes never store it (they saturate) but for NaN
+    inputs."""
+    wide = codes.to(tl.uint16)
+    bits = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7) if KV_FP8 == 1 else wide << 8
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp8_encode(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
+                SUBNORMAL_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """fp32 -> fp8 code by integer arithmetic: round to nearest even, saturated to +-MAX (as
+    the GPUs' cvt.rn.satfinite), NaN -> 0x7F. Not ``x.to(fp8)``: the Triton interpreter rounds
+    that differently from the hardware, so the tests could not check the GPU's bytes."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = tl.where(x == x, tl.minimum(tl.abs(x), MAX), 0.0)  # NaN: coded below
+    mbits = magnitude.to(tl.int32, bitcast=True)
+    # Normal: drop 23 - MANTISSA bits, ties to even (the carry may bump the exponent).
+    lsb = (mbits >> (23 - MANTISSA)) & 1
+    half = (1 << (22 - MANTISSA)) - 1
+    normal = ((mbits + half + lsb) >> (23 - MANTISSA)) - ((127 - BIAS) << MANTISSA)
+    # Subnormal: the code is the magnitude in units of the smallest subnormal, rounded to
+    # nearest even by the fp32 add (exact: the scaled value is below 2^MANTISSA).
+    scaled = tl.minimum(magnitude, MIN_NORMAL) * SUBNORMAL_SCALE  # normals: unused, in range
+    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(magnitude < MIN_NORMAL, subnormal, normal)
+    code = tl.where(x != x, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def fp8_encode(x, KV_FP8: tl.constexpr):
+    """fp32 values (already divided by the scale) -> uint8 fp8 codes of format KV_FP8."""
+    if KV_FP8 == 1:
+        codes = _fp8_encode(x, 3, 7, 448.0, 512.0, 0.015625)
+    else:
+        codes = _fp8_encode(x, 2, 15, 57344.0, 65536.0, 6.103515625e-05)
+    return codes

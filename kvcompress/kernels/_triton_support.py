@@ -120,6 +120,25 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+# fp8 page formats -> the kernels' KV_FP8 constexpr (0: pages in the model's dtype).
+_FP8_KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# What the kernels' fp8_decode value is multiplied by to give the code's value, by KV_FP8:
+# launchers fold it into the K and V scales (once per launch, not per element).
+FP8_DECODE_FACTOR = {0: 1.0, 1: 256.0, 2: 1.0}
+
+
+def fp8_kind(kv_fp8: torch.dtype | None, pool: torch.Tensor) -> int:
+    """The ``KV_FP8`` constexpr of the kernels for pages of ``kv_fp8`` (None: the model's
+    dtype); fp8 pages must be a uint8 pool (their bytes, as vLLM allocates them)."""
+    if kv_fp8 is None:
+        return 0
+    if kv_fp8 not in _FP8_KINDS:
+        raise ValueError(f"kv_fp8 must be torch.float8_e4m3fn or torch.float8_e5m2, got {kv_fp8}")
+    if pool.dtype != torch.uint8:
+        raise TypeError(f"fp8 pages need a uint8 pool (their bytes), got {pool.dtype}")
+    return _FP8_KINDS[kv_fp8]
+
+
 def triton_softmax_args(soft_cap: float | None, sinks: torch.Tensor | None,
                         like: torch.Tensor) -> tuple[tuple[torch.Tensor, float], dict[str, bool]]:
     """The model-softmax launch arguments shared by the attention and window-score kernels:

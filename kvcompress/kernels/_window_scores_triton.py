@@ -20,6 +20,7 @@ _helpers = load_kernel_module("_triton_helpers")
 row_sum = _helpers.row_sum
 row_max = _helpers.row_max
 soft_cap = _helpers.soft_cap
+fp8_decode = _helpers.fp8_decode
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)  # must be a constexpr instance, not an annotation
@@ -59,6 +60,7 @@ def window_lse_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,6 +107,8 @@ def window_lse_kernel(
             mask=key_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
+        if KV_FP8:  # uint8 codes -> the query dtype; K's scale is in scale_log2
+            k_t = fp8_decode(k_t, KV_FP8).to(q.dtype)
         if DOT_FP32:
             k_t = k_t.to(tl.float32)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
@@ -156,6 +160,7 @@ def window_scores_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -182,6 +187,8 @@ def window_scores_kernel(
         mask=key_valid[None, :] & dim_valid[:, None],
         other=0.0,
     )
+    if KV_FP8:  # uint8 codes -> the query dtype; K's scale is in scale_log2
+        k_t = fp8_decode(k_t, KV_FP8).to(query_ptr.dtype.element_ty)
     if DOT_FP32:
         k_t = k_t.to(tl.float32)
 

@@ -3,6 +3,10 @@
 import triton
 import triton.language as tl
 
+from ._triton_support import load_kernel_module
+
+fp8_encode = load_kernel_module("_triton_helpers").fp8_encode
+
 
 @triton.jit
 def write_kv_kernel(
@@ -24,6 +28,9 @@ def write_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    k_scale,
+    v_scale,
+    KV_FP8: tl.constexpr,
 ):
     """One program: one token, BLOCK_H of its KV heads (each head has its own slot)."""
     token = tl.program_id(0).to(tl.int64)
@@ -42,6 +49,14 @@ def write_kv_kernel(
     value = tl.load(
         value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask
     )
-    element = pool_ptr.dtype.element_ty
-    tl.store(pool_ptr + dst[:, None] + dims[None, :], key.to(element), mask=mask)
-    tl.store(pool_ptr + stride_pool_kv + dst[:, None] + dims[None, :], value.to(element), mask=mask)
+    if KV_FP8:
+        # fp8 pages (uint8 pool): the codes of x / scale; an IEEE division (``/`` is an
+        # approximate one on GPUs) so the bytes are those of the reference.
+        key = fp8_encode(tl.math.div_rn(key.to(tl.float32), k_scale), KV_FP8)
+        value = fp8_encode(tl.math.div_rn(value.to(tl.float32), v_scale), KV_FP8)
+    else:
+        element = pool_ptr.dtype.element_ty
+        key = key.to(element)
+        value = value.to(element)
+    tl.store(pool_ptr + dst[:, None] + dims[None, :], key, mask=mask)
+    tl.store(pool_ptr + stride_pool_kv + dst[:, None] + dims[None, :], value, mask=mask)

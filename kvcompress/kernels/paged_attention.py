@@ -20,6 +20,10 @@ Semantics shared by the torch reference and the Triton kernel:
   ``j >= kv_lens[r, h] - query_len + i - (W - 1)``, i.e. the W positions ``[q - W + 1, q]`` of its
   own row position q (vLLM's convention). Positions count within each head's row, so a row whose
   leading tokens were dropped (shorter ``kv_lens``, shifted page table) sees the same keys.
+* fp8 pages (``kv_fp8`` = ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, ``pool`` uint8 as
+  :func:`kvcompress.kernels.write_kv` fills it): K and V are the decoded codes times ``k_scale``
+  / ``v_scale``. The scales are applied once: K's folded into the logit scale, V's to the
+  output; the queries keep their dtype.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import torch
 
 from ._common import check_paged_inputs, check_sinks, gather_head_tokens, sinks_per_row
 from ._triton_support import (
+    FP8_DECODE_FACTOR,
     can_run_triton,
     check_triton_device,
     device_compute_units,
     dot_in_fp32,
     dot_precision,
+    fp8_kind,
     load_kernel_module,
     next_power_of_2,
     triton_softmax_args,
@@ -65,6 +71,9 @@ def paged_attention(
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
     num_splits: int | None = None,
+    kv_fp8: torch.dtype | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Dispatch: Triton on GPU tensors (or under ``TRITON_INTERPRET=1``), torch otherwise.
@@ -78,10 +87,12 @@ def paged_attention(
             query, pool, page_tables, kv_lens, query_start_loc, scale, out,
             lse_out=lse_out, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window,
             max_query_len=max_query_len, max_kv_len=max_kv_len, num_splits=num_splits,
+            kv_fp8=kv_fp8, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_ref(
         query, pool, page_tables, kv_lens, query_start_loc, scale, out, lse_out=lse_out,
-        soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window,
+        soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, kv_fp8=kv_fp8,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -113,6 +124,9 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_kv_len: int | None = None,
+    kv_fp8: torch.dtype | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference (any device, GPU page format).
 
@@ -125,8 +139,12 @@ def paged_attention_ref(
         query, pool, page_tables, kv_lens, query_start_loc
     )
     check_sinks(sinks, query.shape[1])
+    fp8_kind(kv_fp8, pool)  # validates the fp8 arguments
     softmax = dict(soft_cap=soft_cap, sinks=sinks,
                    window_left=window_left_extent(sliding_window))
+    if kv_fp8 is not None:
+        scale = scale * k_scale  # K's scale folded into the logit scale, V's in _attend_rows
+    fp8 = dict(kv_fp8=kv_fp8, v_scale=v_scale)
     starts = query_start_loc.tolist()
     lens_cpu = kv_lens.to("cpu", torch.long)
     head_size = pool.shape[3]
@@ -142,7 +160,7 @@ def paged_attention_ref(
             _attend_rows(
                 query, pool, page_tables, lens_cpu, scale, out, lse_out, chunk, tokens,
                 query_positions=torch.zeros_like(tokens), query_lens=torch.ones(len(chunk)),
-                **softmax,
+                **softmax, **fp8,
             )
 
     for r in range(num_requests):
@@ -156,7 +174,7 @@ def paged_attention_ref(
             _attend_rows(
                 query, pool, page_tables, lens_cpu, scale, out, lse_out, [r],
                 starts[r] + positions, query_positions=positions,
-                query_lens=torch.tensor([query_len]), **softmax,
+                query_lens=torch.tensor([query_len]), **softmax, **fp8,
             )
     return out
 
@@ -176,9 +194,12 @@ def _attend_rows(
     soft_cap: float | None,
     sinks: torch.Tensor | None,
     window_left: int,
+    kv_fp8: torch.dtype | None,
+    v_scale: float,
 ) -> None:
     """Attention for ``tokens: [B, n]`` (global query rows) of ``requests`` (B of them);
-    ``window_left``: positions before its own a query sees (-1: all)."""
+    ``window_left``: positions before its own a query sees (-1: all). fp8 pages: K/V decoded
+    unscaled (``scale`` holds K's scale), V's scale applied to the result."""
     num_requests = len(requests)
     num_tokens = tokens.shape[1]
     num_kv_heads = page_tables.shape[1]
@@ -191,8 +212,10 @@ def _attend_rows(
 
     page_rows = page_tables[request_index.to(page_tables.device)].flatten(0, 1)
     keys, values, _ = gather_head_tokens(pool, page_rows, lens.flatten(), max_len)
-    keys = keys.view(num_requests, num_kv_heads, max_len, head_size).float()
-    values = values.view(num_requests, num_kv_heads, max_len, head_size).float()
+    if kv_fp8 is not None:
+        keys, values = keys.view(kv_fp8), values.view(kv_fp8)
+    keys = keys.reshape(num_requests, num_kv_heads, max_len, head_size).float()
+    values = values.reshape(num_requests, num_kv_heads, max_len, head_size).float()
 
     flat_tokens = tokens.flatten().to(query.device)
     q = query[flat_tokens].float().view(num_requests, num_tokens, num_kv_heads, group, head_size)
@@ -215,6 +238,8 @@ def _attend_rows(
     row_sinks = sinks_per_row(sinks, num_kv_heads, num_tokens)
     probs = attention_probs(scores, soft_cap, row_sinks).nan_to_num_(0.0)  # no key seen: 0
     result = torch.matmul(probs, values)  # [B, H_kv, G * n, D]
+    if kv_fp8 is not None:
+        result = result * v_scale
 
     result = result.view(num_requests, num_kv_heads, group, num_tokens, head_size)
     result = result.permute(0, 3, 1, 2, 4).reshape(-1, num_query_heads, head_size)
@@ -247,6 +272,9 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_fp8: torch.dtype | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton launch of the same computation.
 
@@ -256,6 +284,7 @@ def paged_attention_triton(
     considered). ``num_splits`` (power of two), ``block_n``, ``num_warps``, ``num_stages`` override
     the heuristics (benchmark sweeps). With a ``sliding_window`` each program scans only the
     keys its queries can see (from the first one's window start, floored to ``block_n``).
+    fp8 pages: the scales are host floats (no device read); K's joins the logit scale.
     """
     num_requests, num_kv_heads, group = check_paged_inputs(
         query, pool, page_tables, kv_lens, query_start_loc
@@ -263,8 +292,12 @@ def paged_attention_triton(
     check_triton_device(query, pool, page_tables, kv_lens, query_start_loc, out)
     check_sinks(sinks, query.shape[1])
     window_left = window_left_extent(sliding_window)
-    if query.dtype != pool.dtype:
+    kind = fp8_kind(kv_fp8, pool)
+    if not kind and query.dtype != pool.dtype:
         raise TypeError(f"query dtype {query.dtype} != pool dtype {pool.dtype}")
+    if kind:  # the scales, with what the kernel's decode leaves out, applied once each
+        scale = float(scale) * float(k_scale) * FP8_DECODE_FACTOR[kind]
+        v_scale = float(v_scale) * FP8_DECODE_FACTOR[kind]
     if query.stride(-1) != 1 or out.stride(-1) != 1 or page_tables.stride(-1) != 1:
         raise ValueError("query, out and page_tables need a unit stride in their last dimension")
     if out.shape != query.shape:
@@ -345,6 +378,8 @@ def paged_attention_triton(
         HAS_WINDOW=window_left >= 0,
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
+        v_scale=float(v_scale),
+        KV_FP8=kind,
         num_warps=num_warps or (4 if block_m <= 64 else 8),
         num_stages=num_stages or 2,
     )

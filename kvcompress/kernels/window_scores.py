@@ -22,6 +22,8 @@ K/V *after* the new tokens were written, typically on the last prefill chunk) an
   (:mod:`kvcompress.kernels.logits`): probabilities of soft-capped scores, and with sinks each
   row's probabilities over real keys sum to less than 1 (the sink takes the rest). A given
   ``softmax_lse`` must come from the same softmax.
+* fp8 pages (``kv_fp8``, ``pool`` uint8, as in :func:`paged_attention`): keys are the decoded
+  codes times ``k_scale``, folded into the logit scale once (V is not read).
 
 H2O-style decode accumulation: call it on a decode batch with ``window_start = 0`` (the window is
 the decode token itself), ideally with the attention's ``lse_out``.
@@ -35,10 +37,12 @@ import torch
 
 from ._common import check_paged_inputs, check_sinks, gather_head_tokens, sinks_per_row
 from ._triton_support import (
+    FP8_DECODE_FACTOR,
     can_run_triton,
     check_triton_device,
     dot_in_fp32,
     dot_precision,
+    fp8_kind,
     load_kernel_module,
     next_power_of_2,
     triton_softmax_args,
@@ -63,6 +67,8 @@ def window_scores(
     sinks: torch.Tensor | None = None,
     max_window_len: int | None = None,
     max_kv_len: int | None = None,
+    kv_fp8: torch.dtype | None = None,
+    k_scale: float = 1.0,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Dispatch: Triton on GPU tensors (or under ``TRITON_INTERPRET=1``), torch otherwise."""
@@ -72,11 +78,12 @@ def window_scores(
         return window_scores_triton(
             query, pool, page_tables, kv_lens, query_start_loc, window_start, scale, scores_out,
             softmax_lse=softmax_lse, soft_cap=soft_cap, sinks=sinks,
-            max_window_len=max_window_len, max_kv_len=max_kv_len,
+            max_window_len=max_window_len, max_kv_len=max_kv_len, kv_fp8=kv_fp8,
+            k_scale=k_scale,
         )
     return window_scores_ref(
         query, pool, page_tables, kv_lens, query_start_loc, window_start, scale, scores_out,
-        soft_cap=soft_cap, sinks=sinks,
+        soft_cap=soft_cap, sinks=sinks, kv_fp8=kv_fp8, k_scale=k_scale,
     )
 
 
@@ -122,6 +129,8 @@ def window_scores_ref(
     sinks: torch.Tensor | None = None,
     max_window_len: int | None = None,
     max_kv_len: int | None = None,
+    kv_fp8: torch.dtype | None = None,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Torch reference (any device, GPU page format), one request at a time.
 
@@ -132,6 +141,8 @@ def window_scores_ref(
         query, pool, page_tables, kv_lens, query_start_loc, window_start, scores_out
     )
     check_sinks(sinks, query.shape[1])
+    if fp8_kind(kv_fp8, pool):
+        scale = scale * k_scale  # K's scale folded into the logit scale
     starts = query_start_loc.tolist()
     windows = window_start.tolist()
     lens_cpu = kv_lens.to("cpu", torch.long)
@@ -145,6 +156,8 @@ def window_scores_ref(
         if max_len > scores_out.shape[2]:
             raise ValueError(f"scores_out holds {scores_out.shape[2]} positions, need {max_len}")
         keys, _, _ = gather_head_tokens(pool, page_tables[r], lens, max_len)
+        if kv_fp8 is not None:
+            keys = keys.view(kv_fp8)
         keys = keys.float()  # [H_kv, L, D]
         rows_per_chunk = max(1, _REF_BLOCK_ELEMENTS // (query.shape[1] * max(1, max_len)))
         for first in range(windows[r], query_len, rows_per_chunk):
@@ -180,6 +193,8 @@ def window_scores_triton(
     max_window_len: int | None = None,
     max_kv_len: int | None = None,
     block_n: int | None = None,
+    kv_fp8: torch.dtype | None = None,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton launch.
 
@@ -191,8 +206,11 @@ def window_scores_triton(
     )
     check_triton_device(query, pool, page_tables, kv_lens, query_start_loc, window_start)
     check_sinks(sinks, query.shape[1])
-    if query.dtype != pool.dtype:
+    kind = fp8_kind(kv_fp8, pool)
+    if not kind and query.dtype != pool.dtype:
         raise TypeError(f"query dtype {query.dtype} != pool dtype {pool.dtype}")
+    if kind:  # host floats (no device read), with what the kernel's decode leaves out
+        scale = float(scale) * float(k_scale) * FP8_DECODE_FACTOR[kind]
     num_tokens, num_query_heads, head_size = query.shape
     if num_requests == 0 or num_tokens == 0:
         return scores_out
@@ -219,6 +237,7 @@ def window_scores_triton(
         DOT_FP32=dot_in_fp32(query.dtype),
         DOT_PRECISION=dot_precision(query.dtype),
         HAS_SOFT_CAP=softmax_flags["HAS_SOFT_CAP"],
+        KV_FP8=kind,
         num_warps=4,
     )
     kernels = load_kernel_module("_window_scores_triton")

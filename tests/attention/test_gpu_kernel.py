@@ -14,11 +14,27 @@ import pytest
 import torch
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
+from kvcompress.attention.layer import attend_layer
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.worker_compaction import compact_completed_prompts
-from kvcompress.paging.page_format import GPU_PAGE_FORMAT
-from tests.paged_cases import MODEL_SOFTMAXES, build_case, dense_attention, model_softmax
+from kvcompress.paging.page_format import FP8_KV_CACHE_DTYPES, GPU_PAGE_FORMAT, PageFormat
+from kvcompress.policies import aggregate_window_probs
+from kvcompress.step import KVScales, PagedAttentionMetadata
+from tests.attention.test_decode_scores import (
+    SCORED,
+    decode_case,
+    dense_decode_scores,
+    run_layers,
+)
+from tests.paged_cases import (
+    MODEL_SOFTMAXES,
+    build_case,
+    dense_attention,
+    dense_window_probs,
+    model_softmax,
+    run_kernel,
+)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -222,3 +238,111 @@ def test_compaction_moves_through_the_kernel_hook():
     assert result.keys() == expected.keys()
     for request_id, compaction in result.items():
         assert (compaction.physical_lengths == expected[request_id].physical_lengths).all()
+
+
+# fp8 pages: K/V representable at power-of-two scales (``build_case``), so the dense reference
+# is exact and the tolerances are those of unquantized pages.
+FP8_CACHE_DTYPES = ["fp8", "fp8_e5m2"]
+FP8_SCALES = KVScales(0.5, 0.25)
+
+
+def _fp8_format(cache_dtype: str) -> PageFormat:
+    return PageFormat(GPU_PAGE_FORMAT.key_layout, FP8_KV_CACHE_DTYPES[cache_dtype])
+
+
+def test_fp8_kernel_takes_the_page_format_of_its_cache_dtype():
+    layout = _case([[4] * 4], [1]).layout
+    assert TritonPagedKernel(layout, torch.float32).page_format == GPU_PAGE_FORMAT
+    kernel = TritonPagedKernel(layout, torch.float32, kv_cache_dtype="fp8_e4m3")
+    assert kernel.page_format == PageFormat("row", torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8"):
+        TritonPagedKernel(layout, torch.float32, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype, use_triton", [(torch.float32, True), (torch.bfloat16, True),
+                                               (torch.float32, False)],
+                         ids=["triton-fp32", "triton-bf16", "torch-fp32"])
+def test_fp8_pages_write_and_attend_match_dense_reference(cache_dtype, dtype, use_triton):
+    case = build_case(_fp8_format(cache_dtype), *MIXED, num_layers=LAYERS, num_kv_heads=HEADS,
+                      group=2, head_size=HEAD_SIZE, page_size=PAGE_SIZE, dtype=dtype,
+                      kv_scales=FP8_SCALES)
+    assert case.pool.dtype == torch.uint8
+    kernel = TritonPagedKernel(case.layout, dtype, use_triton=use_triton,
+                               kv_cache_dtype=cache_dtype)
+    outputs = run_kernel(kernel, case, None, kv_scales=FP8_SCALES)
+    for layer, output in enumerate(outputs):
+        torch.testing.assert_close(output.double(), dense_attention(case, layer, HEAD_SIZE**-0.5),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # what the write stored is what the CPU path's page format reads: the values over scales
+    rows = case.step.layer_rows(1)
+    keys, values = kernel.page_format.read_tokens(case.pool,
+                                                  case.step.slot_mapping[:, rows].reshape(-1))
+    torch.testing.assert_close(kernel.page_format.decode(keys) * FP8_SCALES.key,
+                               case.new_keys[:, rows].reshape(-1, HEAD_SIZE).float(),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(kernel.page_format.decode(values) * FP8_SCALES.value,
+                               case.new_values[:, rows].reshape(-1, HEAD_SIZE).float(),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHE_DTYPES)
+def test_fp8_pages_attend_with_the_model_softmax_and_window(cache_dtype):
+    case = build_case(_fp8_format(cache_dtype), *MIXED, num_layers=LAYERS, num_kv_heads=HEADS,
+                      group=2, head_size=HEAD_SIZE, page_size=PAGE_SIZE, dtype=torch.float32,
+                      kv_scales=FP8_SCALES)
+    softmax = model_softmax("both", case.query.shape[1])
+    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True,
+                               kv_cache_dtype=cache_dtype)
+    for layer, output in enumerate(run_kernel(kernel, case, 16, kv_scales=FP8_SCALES,
+                                              **softmax)):
+        expected = dense_attention(case, layer, HEAD_SIZE**-0.5, window=16, **softmax)
+        torch.testing.assert_close(output.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHE_DTYPES)
+@pytest.mark.parametrize("group_reduce", ["mean", "max"])
+def test_fp8_window_scores_read_the_stored_keys_through_the_layer(cache_dtype, group_reduce):
+    """attend_layer on fp8 pages (as on CPU): the window scores are those of the stored keys,
+    the K scale folded into the logit scale once; "mean" runs the Triton window kernel, "max"
+    the torch path over the same page format."""
+    prompt, window = 40, 5
+    case = build_case(_fp8_format(cache_dtype), [[0] * 4], [prompt], num_layers=LAYERS,
+                      num_kv_heads=HEADS, group=3, head_size=HEAD_SIZE, page_size=PAGE_SIZE,
+                      dtype=torch.float32, prompt_lens=[prompt], window=window,
+                      wants_compression=[True], kv_scales=FP8_SCALES)
+    _set_group_reduce(case.step, group_reduce)
+    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True,
+                               kv_cache_dtype=cache_dtype)
+    metadata = PagedAttentionMetadata(case.step, prompt, kernel, kernel.prepare(case.step), {})
+    # keys fp8 does not represent: the pages hold them rounded, the step's tensor not
+    step_keys = case.new_keys + 0.01 * torch.randn(case.new_keys.shape,
+                                                   generator=torch.Generator().manual_seed(9))
+    for layer in range(LAYERS):
+        rows = case.step.layer_rows(layer)
+        attend_layer(metadata, layer, case.query, step_keys[:, rows],
+                     case.new_values[:, rows], case.pool, torch.empty_like(case.query),
+                     HEAD_SIZE**-0.5, kv_scales=FP8_SCALES)
+    page_format = kernel.page_format
+    for row in range(LAYERS * HEADS):  # the reference reads what the pages hold
+        stored, _ = page_format.read_tokens(case.pool, case.step.slot_mapping[:, row])
+        case.new_keys[:, row] = page_format.decode(stored) * FP8_SCALES.key
+    assert not torch.equal(case.new_keys, step_keys)
+    for layer in range(LAYERS):
+        probs = dense_window_probs(case, layer, HEAD_SIZE**-0.5)
+        torch.testing.assert_close(case.step.window_queries[0].scores[layer],
+                                   aggregate_window_probs(probs, group_reduce).float(),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHE_DTYPES)
+def test_fp8_decode_scores_read_fp8_pages_through_the_layer(cache_dtype):
+    case = decode_case(_fp8_format(cache_dtype), seed=3, kv_scales=FP8_SCALES)
+    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True,
+                               kv_cache_dtype=cache_dtype)
+    run_layers(case, kernel, kv_scales=FP8_SCALES)
+    assert not case.step.failures
+    for index in SCORED:
+        torch.testing.assert_close(case.state.requests[f"req{index}"].decode_scores.double(),
+                                   dense_decode_scores(case, index, "mean"),
+                                   atol=1e-5, rtol=1e-5)

@@ -13,8 +13,8 @@ from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.kernels import has_triton_gpu, move_kv_ref
 from kvcompress.kernels.cuda_ext import jit_unavailable_reason, native_move_kv
-from kvcompress.paging.page_format import GPU_PAGE_FORMAT
-from kvcompress.step import StepBatch
+from kvcompress.paging.page_format import FP8_KV_CACHE_DTYPES, GPU_PAGE_FORMAT, PageFormat
+from kvcompress.step import KVScales, StepBatch
 from tests.paged_cases import build_case, dense_attention
 
 pytestmark = pytest.mark.skipif(
@@ -43,7 +43,8 @@ def _moves(num_slots: int, count: int, skips: int, dtype: torch.dtype, seed: int
     return src.to(dtype), dst.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+# uint8: fp8 pages' bytes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
 @pytest.mark.parametrize("head_size", [128, 80, 20, 3])  # 16/8/4/2-byte word paths
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_native_move_matches_the_reference(native_move, dtype, head_size, slot_dtype):
@@ -139,3 +140,36 @@ def test_window_scores_on_gpu_match_the_torch_path_on_cpu():
     for window, expected in zip(gpu_step.window_queries, case.step.window_queries):
         assert expected.scores.abs().sum() > 0
         torch.testing.assert_close(window.scores.cpu(), expected.scores, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_triton_kernel_on_fp8_pages_matches_dense_and_cpu_numbers(cache_dtype):
+    """fp8 pages on the GPU: the write stores the same bytes as the torch path (values
+    representable at power-of-two scales), attention matches the dense reference."""
+    scales = KVScales(0.5, 0.25)
+    page_format = PageFormat(GPU_PAGE_FORMAT.key_layout, FP8_KV_CACHE_DTYPES[cache_dtype])
+    cpu = build_case(page_format, *MIXED, num_layers=2, num_kv_heads=2, group=4,
+                     head_size=128, page_size=16, dtype=torch.bfloat16, kv_scales=scales)
+    gpu_kernel = TritonPagedKernel(cpu.layout, torch.bfloat16, kv_cache_dtype=cache_dtype)
+    reference = TritonPagedKernel(cpu.layout, torch.bfloat16, use_triton=False,
+                                  kv_cache_dtype=cache_dtype)
+    step, gpu_step = cpu.step, _to_cuda(cpu.step)
+    gpu_pool = cpu.pool.cuda()
+    gpu_args, cpu_args = gpu_kernel.prepare(gpu_step), reference.prepare(step)
+    scale = 128**-0.5
+    for layer in range(2):
+        rows = step.layer_rows(layer)
+        keys, values = cpu.new_keys[:, rows], cpu.new_values[:, rows]
+        gpu_kernel.write(gpu_pool, keys.cuda(), values.cuda(), gpu_step.slot_mapping[:, rows],
+                         kv_scales=scales)
+        reference.write(cpu.pool, keys, values, step.slot_mapping[:, rows], kv_scales=scales)
+        gpu_out = torch.empty_like(cpu.query, device="cuda")
+        cpu_out = torch.empty_like(cpu.query)
+        gpu_kernel.attend(gpu_args, layer, cpu.query.cuda(), gpu_pool, gpu_out, scale,
+                          kv_scales=scales)
+        reference.attend(cpu_args, layer, cpu.query, cpu.pool, cpu_out, scale, kv_scales=scales)
+        torch.testing.assert_close(gpu_out.cpu().double(), dense_attention(cpu, layer, scale),
+                                   atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(gpu_out.cpu(), cpu_out, atol=3e-2, rtol=3e-2)
+    assert gpu_pool.dtype == torch.uint8
+    assert torch.equal(gpu_pool.cpu(), cpu.pool)

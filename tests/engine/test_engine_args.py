@@ -132,6 +132,10 @@ def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_ru
     runner = SimpleNamespace(device=torch.device("cpu"))
     kernel = gpu.KVCompressGPUModelRunner.make_kernel(runner, layout, torch.float32)
     assert isinstance(kernel, TritonPagedKernel) and kernel.native_move is None
+    # fp8 pages: the kernel writes and reads them (its page format says which fp8)
+    fp8_kernel = gpu.KVCompressGPUModelRunner.make_kernel(runner, layout, torch.float32,
+                                                          "fp8_e5m2")
+    assert fp8_kernel.page_format.fp8_dtype == torch.float8_e5m2
 
     from kvcompress.engine.worker_runner import PagedKVRunnerMixin
 
@@ -187,12 +191,26 @@ def test_fp8_pages_are_taken_on_a_cpu_with_avx512_or_amx(monkeypatch, cache_dtyp
     assert engine_args.kv_cache_dtype == cache_dtype
 
 
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pages_are_taken_on_cuda_at_any_page_size(monkeypatch, on_cuda, cache_dtype):
+    """kvcompress's Triton kernels read and write fp8 pages of any page size (no AVX check)."""
+    from kvcompress.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "cpu_supports_fp8_pages", lambda: False)
+    engine_args = EngineArgs(model="unused", kv_cache_dtype=cache_dtype,
+                             additional_config={"kv_compression": "pyramidkv",
+                                                "kv_page_size": 16})
+    setup.prepare_engine_args(engine_args)
+    assert engine_args.worker_cls == setup.GPU_WORKER_CLS
+    assert engine_args.kv_cache_dtype == cache_dtype
+
+
 @pytest.mark.parametrize("platform, avx512, cache_dtype, page_size, reason", [
     ("cpu", False, "fp8", None, "fp8 on this CPU.*AVX-512 or AMX"),
     ("cpu", True, "fp8_e4m3", 16, "fp8_e4m3 with --kv-page-size 16.*multiple of 32"),
     ("cpu", True, "int8_per_token_head", None,
      r"int8_per_token_head \(allowed: auto, fp8, fp8_e4m3, fp8_e5m2\)"),
-    ("cuda", True, "fp8", None, "fp8 on cuda.*CPU only"),
+    ("rocm", True, "fp8", None, "fp8 on rocm.*CUDA and CPU only"),
 ])
 def test_fp8_pages_are_refused_at_start_with_the_reason(monkeypatch, platform, avx512,
                                                          cache_dtype, page_size, reason):

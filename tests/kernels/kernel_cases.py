@@ -194,3 +194,26 @@ def run_attention(case: PagedCase, kernel, **kwargs) -> tuple[torch.Tensor, torc
         out, lse_out=lse, **kwargs,
     )
     return out, lse
+
+
+# fp8 pages under test: both formats, K and V at different scales that are not powers of two
+# (a kernel that swaps or skips a scale is off by far more than the tolerances).
+FP8_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_SCALES = dict(k_scale=0.37, v_scale=1.9)
+
+
+def fp8_case(case: PagedCase, kv_fp8: torch.dtype, k_scale: float, v_scale: float
+             ) -> tuple[PagedCase, PagedCase]:
+    """``case`` with fp8 pages: (the case over a uint8 pool of K / V codes at these scales,
+    the same case over those codes decoded and scaled in fp32). NaN poison stays NaN."""
+    from kvcompress.kernels.write_kv import fp8_codes
+
+    pool = case.pool.cpu().float()
+    codes = torch.stack([fp8_codes(pool[:, 0], kv_fp8, k_scale),
+                         fp8_codes(pool[:, 1], kv_fp8, v_scale)], dim=1)
+    decoded = codes.view(kv_fp8).float() * torch.tensor([k_scale, v_scale]).view(1, 2, 1, 1)
+    device = case.query.device
+    return (PagedCase(case.query, codes.to(device), case.page_tables, case.kv_lens,
+                      case.query_start_loc, case.scale),
+            PagedCase(case.query.float(), decoded.to(device), case.page_tables, case.kv_lens,
+                      case.query_start_loc, case.scale))

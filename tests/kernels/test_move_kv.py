@@ -84,13 +84,17 @@ def test_positions_to_slots():
 
 def make_pool(num_pages: int, page_size: int, head_size: int, dtype: torch.dtype, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(num_pages, 2, page_size, head_size, generator=generator).to(dtype)
+    shape = (num_pages, 2, page_size, head_size)
+    if dtype == torch.uint8:  # fp8 pages: any byte (NaN codes included) moves unchanged
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    return torch.randn(*shape, generator=generator).to(dtype)
 
 
 @pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize(
     "page_size, head_size, dtype",
-    [(8, 64, torch.float32), (16, 128, torch.bfloat16), (32, 96, torch.float16)],
+    [(8, 64, torch.float32), (16, 128, torch.bfloat16), (32, 96, torch.float16),
+     (32, 64, torch.uint8)],  # fp8 pages: the pool holds their bytes
 )
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_triton_move_matches_reference(device, page_size, head_size, dtype, slot_dtype):
@@ -120,7 +124,8 @@ def test_reference_is_gather_then_scatter():
 @pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize(
     "page_size, dtype, use_triton",
-    list(itertools.product([8, 16, 32], [torch.float32, torch.bfloat16], [False, True])),
+    [*itertools.product([8, 16, 32], [torch.float32, torch.bfloat16], [False, True]),
+     (32, torch.uint8, True)],
 )
 def test_end_to_end_compaction(device, page_size, dtype, use_triton):
     """Plan + slots + one move launch over several layers/heads leave each head's survivors in

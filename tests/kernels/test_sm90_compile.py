@@ -123,3 +123,31 @@ def test_cache_kernels_compile(monkeypatch):
         slots = torch.arange(10, dtype=torch.int64)
         move_kv_triton(pool, slots, slots + 10)
     compile_all(launches)
+
+
+@pytest.mark.parametrize(
+    "kv_fp8, query_lens, num_splits, dtype",
+    [(torch.float8_e4m3fn, [1, 1], 4, torch.bfloat16),  # split-K decode + combine
+     (torch.float8_e5m2, [9, 1], 1, torch.float16)],  # prefill tile
+)
+def test_fp8_pages_compile(monkeypatch, kv_fp8, query_lens, num_splits, dtype):
+    """fp8 pages: the attention and window-score kernels decode uint8 codes (hardware fp8
+    conversions: sm_89 and later), the write encodes them."""
+    case = make_case(query_lens, [[30, 20]] * len(query_lens), group=4, head_size=128,
+                     page_size=16, dtype=dtype, poison=False)
+    pool = torch.zeros(case.pool.shape, dtype=torch.uint8)
+    fp8 = dict(kv_fp8=kv_fp8, k_scale=0.5)
+    with capture_launches(monkeypatch) as launches:
+        paged_attention_triton(
+            case.query, pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            case.scale, torch.empty_like(case.query), lse_out=torch.empty(case.query.shape[:2]),
+            soft_cap=50.0, sinks=torch.zeros(8), num_splits=num_splits, v_scale=2.0, **fp8,
+        )
+        window_scores_triton(
+            case.query, pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            torch.zeros(len(query_lens), dtype=torch.int32), case.scale,
+            torch.zeros(len(query_lens), 2, 64), **fp8,
+        )
+        key = torch.zeros(5, 8, 128, dtype=dtype)
+        write_kv_triton(key, key, pool, torch.zeros(5, 8, dtype=torch.int64), v_scale=2.0, **fp8)
+    compile_all(launches)
