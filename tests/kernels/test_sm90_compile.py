@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcompress.kernels import (
+    DecodeScoreTarget,
     move_kv_triton,
     paged_attention_triton,
     window_scores_triton,
@@ -122,4 +123,31 @@ def test_cache_kernels_compile(monkeypatch):
         write_kv_triton(key, key, pool, torch.zeros(5, 8, dtype=torch.int64))
         slots = torch.arange(10, dtype=torch.int64)
         move_kv_triton(pool, slots, slots + 10)
+    compile_all(launches)
+
+
+@pytest.mark.parametrize(
+    "query_lens, group, num_splits, softmax",
+    [([1, 1], 4, 1, False), ([1, 1], 4, 8, True),  # decode, split-K + combine
+     ([9, 1], 3, 1, True), ([1], 8, 2, False)],  # prefill tile, odd group; one request
+)
+def test_paged_attention_with_decode_scores_compiles(monkeypatch, query_lens, group, num_splits,
+                                                     softmax):
+    case = make_case(query_lens, [[30, 20]] * len(query_lens), group=group, head_size=128,
+                     page_size=16, dtype=torch.bfloat16, poison=False)
+    count = len(query_lens)
+    target = DecodeScoreTarget(
+        slots=torch.arange(count, dtype=torch.int32),
+        begin=torch.zeros(count, 2, dtype=torch.int64),
+        reduce_codes=torch.zeros(count, dtype=torch.int64),
+        mass=torch.zeros(count, 3, 2, 40)[:, 1],  # a strided layer view, as the engine passes
+    )
+    extra = dict(soft_cap=50.0, sinks=torch.zeros(2 * group)) if softmax else {}
+    with capture_launches(monkeypatch) as launches:
+        paged_attention_triton(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            case.scale, torch.empty_like(case.query), num_splits=num_splits,
+            decode_scores=target, **extra,
+        )
+    assert any(launch.kernel.__name__ == "decode_mass_kernel" for launch in launches)
     compile_all(launches)
