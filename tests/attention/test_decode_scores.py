@@ -16,6 +16,7 @@ from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
+from kvcompress.kernels import has_triton, has_triton_gpu
 from kvcompress.kernels.decode_mass import REDUCE_MAX, REDUCE_MEAN, REDUCE_SUM
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.step import GQA_REDUCE_CODES, UNSCALED, PagedAttentionMetadata
@@ -370,3 +371,43 @@ def test_the_torch_references_keep_the_torch_pass():
     case = decode_case(GPU_PAGE_FORMAT)
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=False)
     assert not kernel.fuses_decode_scores(kernel.prepare(case.step), case.step.decode_scoring)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fused_decode_scores_on_the_step_device_match_the_torch_pass(monkeypatch, device):
+    """The adapter's own dispatch on CUDA tensors (Triton compiled for the GPU), against the
+    torch pass on CPU; "cpu" runs the same test under the interpreter (Triton forced)."""
+    if device == "cuda" and not (torch.cuda.is_available() and has_triton_gpu()):
+        pytest.skip("no CUDA device with a GPU-enabled Triton")
+    if device == "cpu":
+        if not has_triton():
+            pytest.skip("triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = decode_case(GPU_PAGE_FORMAT, seed=12, group_reduces=["max", "mean"])
+    softmax = model_softmax("both", HEADS * GROUP)
+    kernel = TritonPagedKernel(case.layout, torch.float32,
+                               use_triton=True if device == "cpu" else None)
+    step = case.step
+    plan = replace(step.decode_scoring, **{
+        name: getattr(step.decode_scoring, name).to(device)
+        for name in ("tokens", "page_ids", "lengths", "key_positions", "prompt_kept", "offsets",
+                     "mass")})
+    moved = replace(step, num_new_tokens=step.num_new_tokens.to(device),
+                    lengths_before=step.lengths_before.to(device),
+                    slot_mapping=step.slot_mapping.to(device),
+                    tables=step.tables.to(torch.device(device)), decode_scoring=plan)
+    args = kernel.prepare(moved)
+    assert kernel.fuses_decode_scores(args, plan)
+    pool, query = case.pool.to(device), case.query.to(device)
+    sinks = softmax["sinks"].to(device)
+    for layer in range(LAYERS):
+        rows = step.layer_rows(layer)
+        kernel.write(pool, case.new_keys[:, rows].to(device), case.new_values[:, rows].to(device),
+                     moved.slot_mapping[:, rows])
+        write_layer(case, GPU_PAGE_FORMAT, layer)
+        kernel.attend(args, layer, query, pool, torch.empty_like(query), SCALE,
+                      soft_cap=softmax["soft_cap"], sinks=sinks, decode_scoring=plan)
+        score_decode_layer(case.query, case.pool, GPU_PAGE_FORMAT, step.decode_scoring, layer,
+                           SCALE, **softmax)
+    assert step.decode_scoring.mass.abs().sum() > 0
+    torch.testing.assert_close(plan.mass.cpu(), step.decode_scoring.mass, atol=1e-5, rtol=1e-4)

@@ -127,12 +127,13 @@ def test_cache_kernels_compile(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "query_lens, group, num_splits, softmax",
-    [([1, 1], 4, 1, False), ([1, 1], 4, 8, True),  # decode, split-K + combine
-     ([9, 1], 3, 1, True), ([1], 8, 2, False)],  # prefill tile, odd group; one request
+    "query_lens, group, num_splits, softmax, width",
+    [([1, 1], 4, 1, False, 40), ([1, 1], 4, 8, True, 40),  # decode, split-K + combine
+     ([9, 1], 3, 1, True, 40), ([1], 8, 2, False, 40),  # prefill tile, odd group; one request
+     ([1, 1], 4, 1, False, 1)],  # a first generated token: W == 1 becomes a constexpr
 )
 def test_paged_attention_with_decode_scores_compiles(monkeypatch, query_lens, group, num_splits,
-                                                     softmax):
+                                                     softmax, width):
     case = make_case(query_lens, [[30, 20]] * len(query_lens), group=group, head_size=128,
                      page_size=16, dtype=torch.bfloat16, poison=False)
     count = len(query_lens)
@@ -140,7 +141,7 @@ def test_paged_attention_with_decode_scores_compiles(monkeypatch, query_lens, gr
         slots=torch.arange(count, dtype=torch.int32),
         begin=torch.zeros(count, 2, dtype=torch.int64),
         reduce_codes=torch.zeros(count, dtype=torch.int64),
-        mass=torch.zeros(count, 3, 2, 40)[:, 1],  # a strided layer view, as the engine passes
+        mass=torch.zeros(count, 3, 2, width)[:, 1],  # a strided layer view, as the engine passes
     )
     extra = dict(soft_cap=50.0, sinks=torch.zeros(2 * group)) if softmax else {}
     with capture_launches(monkeypatch) as launches:
