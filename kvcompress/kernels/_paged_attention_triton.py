@@ -199,11 +199,15 @@ def paged_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (keys[None, :] >= row_limit[:, None] - window_left)
         s = tl.where(visible, s, float("-inf"))
-        if STORE_SCORES:
-            score_offsets = keys - score_begin
-            score_keys = key_valid & (score_offsets >= 0) & (score_offsets < score_limit)
-            tl.store(score_logits_ptr + score_base[:, None] + score_offsets[None, :], s,
-                     mask=score_rows[:, None] & score_keys[None, :])
+        # Nested: the constexpr test prunes the names the runtime one reads.
+        if STORE_SCORES:  # noqa: SIM102
+            # Only tiles overlapping the scored range store (prompt tiles, unscored requests:
+            # none), so the masked stores cost nothing where nothing is kept.
+            if (start + BLOCK_N > score_begin) & (start < score_begin + score_limit):
+                score_offsets = keys - score_begin
+                score_keys = key_valid & (score_offsets >= 0) & (score_offsets < score_limit)
+                tl.store(score_logits_ptr + score_base[:, None] + score_offsets[None, :], s,
+                         mask=score_rows[:, None] & score_keys[None, :])
         m_new = tl.maximum(m_i, row_max(s, 1))
         # Rows that have seen no key yet keep -inf; subtract 0 there to avoid (-inf) - (-inf).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

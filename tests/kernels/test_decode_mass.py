@@ -126,6 +126,17 @@ def test_triton_matches_dense_and_leaves_attention_unchanged(device, kind, reduc
     check_buffer(buffer, dense_mass(case, target, **softmax), dict(atol=1e-6, rtol=1e-5))
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_narrow_tiles_skip_the_prompt_and_keep_the_scored_range(device, num_splits):
+    """16-key tiles: most lie wholly before a row's first scored position or past its last
+    kept offset (skipped), others straddle either end."""
+    case = make_case(*CASE, group=2, head_size=32, page_size=8).to(device)
+    _, _, buffer = scored_run(case, paged_attention_triton, "mixed", num_splits=num_splits,
+                              block_n=16)
+    target, _ = target_for(torch.device("cpu"), "mixed")
+    check_buffer(buffer, dense_mass(case, target), dict(atol=1e-6, rtol=1e-5))
+
+
 def test_triton_matches_reference_in_bfloat16(device):
     case = make_case(*CASE, group=2, head_size=64, page_size=16, dtype=torch.bfloat16)
     softmax = model_softmax("both", 4)
