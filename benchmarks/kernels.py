@@ -1,4 +1,5 @@
-"""Kernel microbenchmarks: paged decode attention, cache moves and the compression step.
+"""Kernel microbenchmarks: paged decode attention (also with fused decode scores), cache moves and
+the compression step.
 
 Runs on a bare machine with torch + triton only (no vLLM, no install), from the repository
 root (``-m`` puts it on the path, so ``kvcompress`` imports from the checkout):
@@ -34,6 +35,7 @@ if not ON_GPU:
 
 # imported once TRITON_INTERPRET is set: Triton may read it on import
 from kvcompress.kernels import (  # noqa: E402
+    DecodeScoreTarget,
     fp8_codes,
     move_kv_ref,
     move_kv_triton,
@@ -309,6 +311,106 @@ def time_attention(timer: Timer, batch: PagedBatch) -> float:
         HEAD_SIZE**-0.5, out, max_query_len=batch.max_query_len, max_kv_len=batch.max_kv_len))
 
 
+def score_target(batch: PagedBatch, width: int) -> DecodeScoreTarget:
+    """Every request scored, mean over the group, the last ``width`` positions of each row."""
+    device = batch.pool.device
+    batch_size = batch.kv_lens.shape[0]
+    begin = (batch.kv_lens.long() - width).clamp(min=0)
+    return DecodeScoreTarget(
+        slots=torch.arange(batch_size, dtype=torch.int32, device=device),
+        begin=begin,
+        reduce_codes=torch.zeros(batch_size, dtype=torch.int64, device=device),
+        mass=torch.zeros(batch_size, NUM_KV_HEADS, width, device=device),
+    )
+
+
+def check_decode_scores(device: torch.device, dtype: torch.dtype) -> Row:
+    """Fused scores (Triton, with and without split-K) vs the torch reference."""
+    lens = torch.tensor([[300, 41, 77, 200, 5, 64, 128, 260]] * 3)
+    batch = build_paged_batch(lens, query_len=1, group=4, page_size=16, dtype=dtype,
+                              device=device)
+    args = (batch.query, batch.pool, batch.page_tables, batch.kv_lens, batch.query_start_loc,
+            HEAD_SIZE**-0.5)
+    want = score_target(batch, 96)
+    paged_attention_ref(*args, torch.empty_like(batch.query), decode_scores=want)
+    errors = {}
+    for splits in (1, 4):
+        got = score_target(batch, 96)
+        paged_attention_triton(*args, torch.empty_like(batch.query), num_splits=splits,
+                               decode_scores=got)
+        errors[f"splits={splits}"] = max_error(got.mass, want.mass)
+    ok = max(errors.values()) < 1e-4  # probabilities from fp32 logits of the same inputs
+    return Row("check", "fused decode scores vs reference", "triton", 0.0,
+               note=("ok " if ok else "FAIL ") + str({k: f"{v:.1e}" for k, v in errors.items()}),
+               extra={"max_abs_error": errors, "ok": ok})
+
+
+def bench_decode_scores(args, timer: Timer, device: torch.device,
+                        dtype: torch.dtype) -> list[Row]:
+    """One layer's decode attention without and with fused decode scores (every request scored
+    over its last W positions), and the torch second pass it replaces where it fits."""
+    rows = [check_decode_scores(device, dtype)]
+    group = NUM_QUERY_HEADS // NUM_KV_HEADS
+    cases = [(2, 64, 16)] if args.smoke else [(16, 8192, 512), (64, 8192, 512),
+                                              (64, 32768, 1024)]
+    for batch_size, context, width in cases:
+        lens = torch.full((batch_size, NUM_KV_HEADS), context)
+        batch = build_paged_batch(lens, 1, group, 16, dtype, device)
+        rows.extend(bench_decode_scores_case(args, timer, batch, width,
+                                             f"B={batch_size} ctx={context} W={width}"))
+        del batch
+        release_memory()
+    return rows
+
+
+def bench_decode_scores_case(args, timer: Timer, batch: PagedBatch, width: int,
+                             name: str) -> list[Row]:
+    out = torch.empty_like(batch.query)
+    call_args = (batch.query, batch.pool, batch.page_tables, batch.kv_lens,
+                 batch.query_start_loc, HEAD_SIZE**-0.5, out)
+    hints = dict(max_query_len=1, max_kv_len=batch.max_kv_len)
+    target = score_target(batch, width)
+    plain = timer(lambda: paged_attention_triton(*call_args, **hints))
+    fused = timer(lambda: paged_attention_triton(*call_args, decode_scores=target, **hints))
+    rows = [
+        bandwidth(Row("decode_scores", name, "attention", plain * 1e6),
+                  attention_bytes(batch), args.peak_gbps),
+        bandwidth(Row("decode_scores", name, "attention + fused scores", fused * 1e6,
+                      note=f"+{100 * (fused / plain - 1):.0f}%"),
+                  attention_bytes(batch), args.peak_gbps),
+    ]
+    batch_size, context = batch.kv_lens.shape[0], batch.max_kv_len
+    if ON_GPU and batch_size * context <= 2**19:
+        second = time_torch_decode_scores(timer, batch, width)
+        rows.append(Row("decode_scores", name, "torch second pass (replaced)", second * 1e6,
+                        note=f"{100 * second / plain:.0f}% of attention"))
+    return rows
+
+
+def time_torch_decode_scores(timer: Timer, batch: PagedBatch, width: int) -> float:
+    """``attention.decode_scores.score_decode_layer`` over the same batch, as one layer."""
+    from kvcompress.attention.decode_scores import score_decode_layer
+    from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+    from kvcompress.step import DecodeScoring
+
+    device = batch.pool.device
+    batch_size, num_kv_heads, num_pages = batch.page_tables.shape
+    lengths = batch.kv_lens.long()
+    plan = DecodeScoring(
+        tokens=torch.arange(batch_size, device=device),
+        page_ids=batch.page_tables.long()[None].contiguous(),
+        lengths=lengths[None],
+        key_positions=torch.arange(num_pages * batch.pool.shape[2], device=device),
+        prompt_kept=(lengths - width).clamp(min=0)[None],
+        offsets=torch.arange(width, device=device),
+        group_reduce="mean",
+        reduce_codes=None,
+        mass=torch.zeros(batch_size, 1, num_kv_heads, width, device=device),
+    )
+    return timer(lambda: score_decode_layer(batch.query, batch.pool, GPU_PAGE_FORMAT, plan, 0,
+                                            HEAD_SIZE**-0.5))
+
+
 def bench_window_scores(args, timer: Timer, device: torch.device, dtype: torch.dtype) -> list[Row]:
     """Observation-window scores of one layer (window 32) at the end of a prompt."""
     group = NUM_QUERY_HEADS // NUM_KV_HEADS
@@ -486,8 +588,9 @@ def main() -> int:
     parser.add_argument("--peak-gbps", type=float, default=4300.0)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (GPU)")
-    parser.add_argument("--sections", default="decode,prefill,window,compression",
-                        help="comma list of: decode, prefill, window, compression")
+    parser.add_argument("--sections", default="decode,decode_scores,prefill,window,compression",
+                        help="comma list of: decode, decode_scores, prefill, window, "
+                             "compression")
     parser.add_argument("--json", dest="json_path", default=None, help="write rows as JSON here")
     args = parser.parse_args()
     if not ON_GPU and not args.smoke:
@@ -501,6 +604,7 @@ def main() -> int:
 
     sections = {
         "decode": bench_decode,
+        "decode_scores": bench_decode_scores,
         "prefill": bench_prefill,
         "window": bench_window_scores,
         "compression": bench_compression,

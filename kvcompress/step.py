@@ -229,10 +229,14 @@ class PlatformKernel(KVMover, Protocol):
     def attend(self, args: Any, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
                sinks: torch.Tensor | None = None, sliding_window: int | None = None,
-               kv_scales: KVScales = UNSCALED) -> None:
+               kv_scales: KVScales = UNSCALED,
+               decode_scoring: DecodeScoring | None = None) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``:
         logit soft-capping, attention-sink logits in the denominator); None: plain softmax.
         ``kv_scales``: the layer's fp8 scales, applied to fp8 pages' K and V.
+        ``decode_scoring``: passed only where ``fuses_decode_scores`` said yes; then this
+        layer's decode scores go into ``decode_scoring.mass[:, layer]`` from the attention's
+        own softmax (as ``attention.decode_scores.score_decode_layer`` computes them).
 
         ``sliding_window``: the layer's window W (vLLM's ``sliding_window``), None or 0 for
         full attention. Per (request, KV head) row, with the row's own length: its query i
@@ -240,6 +244,11 @@ class PlatformKernel(KVMover, Protocol):
         and sees the positions ``q - W + 1 <= k <= q`` (causal, W keys including itself).
         Positions count within the row, so a row whose leading pages were dropped sees the
         same keys (the mask is shift-invariant)."""
+        ...
+
+    def fuses_decode_scores(self, args: Any, plan: DecodeScoring) -> bool:
+        """True when ``attend`` writes ``plan``'s scores of a full-attention layer itself
+        (no second pass over the keys)."""
         ...
 
     def accumulate_window_scores(self, args: Any, layer: int, query: torch.Tensor,

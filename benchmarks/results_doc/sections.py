@@ -95,6 +95,15 @@ def _shared_context(report: Report) -> str:
                        for mode in report["workload"]["modes"])
 
 
+def _fp8_pages(report: Report) -> str:
+    """The fp8 section's results: a throughput run, a memory sweep or a quality run."""
+    if report.get("benchmark") == "quality":
+        return _quality(report)
+    if "--sweep-kv-memory" in report.get("command", ""):
+        return _memory_sweep(report)
+    return _throughput(report)
+
+
 def _shared_prefix(report: Report) -> str:
     return shared_prefix.render(report["configs"])
 
@@ -133,6 +142,9 @@ SECTIONS: tuple[Section, ...] = (
             kvpress_reference.render),
     Section("fp8_selection", "Scores from fp8 keys", ("fp8_selection.json",),
             _fp8_selection),
+    Section("fp8_pages", "fp8 pages with compression",
+            ("throughput_fp8.json", "throughput_memory_sweep_fp8.json", "quality_fp8.json"),
+            _fp8_pages),
     Section("attention_analysis", "Attention analysis", ("attention_analysis.json",),
             attention_analysis.render),
     Section("compression_cost", "Compression cost", ("compression_cost.json",),

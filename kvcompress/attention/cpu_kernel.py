@@ -39,7 +39,7 @@ from kvcompress.paging.page_format import (
     PageFormat,
     fp8_dtype_of,
 )
-from kvcompress.step import UNSCALED, KVScales, StepBatch
+from kvcompress.step import UNSCALED, DecodeScoring, KVScales, StepBatch
 
 
 def cpu_supports_fp8_pages() -> bool:
@@ -157,16 +157,22 @@ class CpuPagedKernel:
     def attend(self, args: CpuStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
                sinks: torch.Tensor | None = None, sliding_window: int | None = None,
-               kv_scales: KVScales = UNSCALED) -> None:
+               kv_scales: KVScales = UNSCALED,
+               decode_scoring: DecodeScoring | None = None) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``;
-        ``kv_scales``: the layer's fp8 scales (unused on unquantized pages)."""
+        ``kv_scales``: the layer's fp8 scales (unused on unquantized pages).
+        ``decode_scoring``: never given (``fuses_decode_scores`` is False here)."""
         window = _window_for_cpu_kernel(sliding_window)
         for part in args.classes:
             on_class_tokens(part.token_index, query, output,
                             lambda part_query, part_output, part=part: self._attend_class(
                                 part, layer, part_query, pool, part_output, scale, soft_cap,
                                 sinks, window, kv_scales))
+
+    def fuses_decode_scores(self, args: CpuStepArgs, plan: DecodeScoring) -> bool:
+        """vLLM's CPU kernel returns no probabilities: decode scores take the torch pass."""
+        return False
 
     def _attend_class(self, args: CpuClassArgs, layer: int, query: torch.Tensor,
                       pool: torch.Tensor, output: torch.Tensor, scale: float,

@@ -1,5 +1,6 @@
 """Decode-time scores for h2o / snapkv decode eviction, collected where attention runs
-(pure torch, on every platform: there is no fused kernel for it yet).
+(pure torch: the CPU path, and the reference of the fused GPU path, where the Triton attention
+writes them itself, ``kvcompress.kernels.decode_mass``).
 
 For a request decoding one token, its query's fp32 softmax probabilities over every key of
 each (layer, KV head) row (rows have their own lengths; the new token, already written, is at

@@ -7,6 +7,11 @@ casts the step's lengths to int32 once per step and reads the host-side maxima e
 launch needs, so no layer waits on a device->host copy. Each width class of the step's page
 tables (``kvcompress.paging.batch_tables``) is its own launch per layer.
 
+Decode scores (``kvcompress.step.DecodeScoring``) are fused into attention: a class holding
+scored requests passes a :class:`kvcompress.kernels.DecodeScoreTarget` (built once per step in
+``prepare``), and the layer's scores come out of the same kernel launches as its output (see
+:mod:`kvcompress.kernels.decode_mass`), with no second pass over the keys.
+
 Compaction moves go through :meth:`TritonPagedKernel.move`: for move lists the host proved
 disjoint, the native CUDA kernel (``csrc/``, see :mod:`kvcompress.kernels.cuda_ext`) when it is
 available, else the Triton move; otherwise the torch gather-then-scatter.
@@ -20,15 +25,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.kernels import move_kv, move_kv_ref, paged_attention, window_scores, write_kv
+from kvcompress.kernels import (
+    DecodeScoreTarget,
+    has_triton_gpu,
+    move_kv,
+    move_kv_ref,
+    paged_attention,
+    window_scores,
+    write_kv,
+)
 from kvcompress.kernels.cuda_ext import MoveFn, native_move_kv
 from kvcompress.paging import PageLayout
 from kvcompress.paging.batch_tables import on_class_tokens
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT, PageFormat, fp8_dtype_of
-from kvcompress.step import UNSCALED, KVScales, StepBatch
+from kvcompress.step import GQA_REDUCE_CODES, UNSCALED, DecodeScoring, KVScales, StepBatch
 
 
 @dataclass
@@ -62,9 +76,19 @@ class TritonClassArgs:
 
 
 @dataclass
+class DecodeSlots:
+    """Where each width class's scored requests sit in the step's decode scoring plan."""
+
+    plan: DecodeScoring  # the plan these were built for (a subset of it is another plan)
+    slots: list[torch.Tensor | None]  # per class: int32 [n], -1 unscored; None: none scored
+    reduce_codes: torch.Tensor  # int64 [plan's requests]: index in GQA_REDUCE_CODES
+
+
+@dataclass
 class TritonStepArgs:
     classes: list[TritonClassArgs]
     windows: WindowBatch | None = None
+    decode: DecodeSlots | None = None
 
 
 class TritonPagedKernel:
@@ -119,7 +143,17 @@ class TritonPagedKernel:
                 max_query_len=max(query_lens, default=0),
                 max_kv_len=[int(value) for value in per_layer.amax(dim=(0, 2)).tolist()],
             ))
-        return TritonStepArgs(classes, windows=self._window_batch(step))
+        return TritonStepArgs(classes, windows=self._window_batch(step),
+                              decode=self._decode_slots(step))
+
+    def fuses_decode_scores(self, args: TritonStepArgs, plan: DecodeScoring) -> bool:
+        """True when attention runs in Triton (GPU, or forced) and ``plan`` is the one
+        ``prepare`` saw; the torch references take the torch pass."""
+        if args.decode is None or args.decode.plan is not plan:
+            return False
+        if self.use_triton is None:
+            return plan.mass.is_cuda and has_triton_gpu()
+        return self.use_triton
 
     def write(self, pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, *, kv_scales: KVScales = UNSCALED) -> None:
@@ -132,14 +166,28 @@ class TritonPagedKernel:
     def attend(self, args: TritonStepArgs, layer: int, query: torch.Tensor, pool: torch.Tensor,
                output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
                sinks: torch.Tensor | None = None, sliding_window: int | None = None,
-               kv_scales: KVScales = UNSCALED) -> None:
+               kv_scales: KVScales = UNSCALED,
+               decode_scoring: DecodeScoring | None = None) -> None:
         """``soft_cap`` / ``sinks [Hq]``: the layer's softmax (``kvcompress.kernels.logits``);
         ``sliding_window``: the layer's window W (None or 0: full), see ``PlatformKernel``;
-        ``kv_scales``: the layer's fp8 scales (unused on unquantized pages)."""
+        ``kv_scales``: the layer's fp8 scales (unused on unquantized pages).
+        ``decode_scoring`` (only where ``fuses_decode_scores``): the scored requests'
+        layer scores into ``decode_scoring.mass[:, layer]``, from the classes' own
+        launches."""
         rows = self._rows(layer)
-        for part in args.classes:
+        for number, part in enumerate(args.classes):
+            target = None
+            if decode_scoring is not None and args.decode.slots[number] is not None:
+                # Views of the step's plan: nothing is copied or synced per layer.
+                target = DecodeScoreTarget(
+                    slots=args.decode.slots[number],
+                    begin=decode_scoring.prompt_kept[layer],
+                    reduce_codes=args.decode.reduce_codes,
+                    mass=decode_scoring.mass[:, layer],
+                )
             on_class_tokens(part.token_index, query, output.view(query.shape),
-                            lambda part_query, part_output, part=part: paged_attention(
+                            lambda part_query, part_output, part=part, target=target:
+                            paged_attention(
                                 part_query, pool, part.page_tables[:, rows],
                                 part.kv_lens[:, rows], part.query_start_loc, scale,
                                 part_output, soft_cap=soft_cap, sinks=sinks,
@@ -147,7 +195,7 @@ class TritonPagedKernel:
                                 max_query_len=part.max_query_len,
                                 max_kv_len=part.max_kv_len[layer], kv_fp8=self.kv_fp8,
                                 k_scale=kv_scales.key, v_scale=kv_scales.value,
-                                use_triton=self.use_triton))
+                                use_triton=self.use_triton, decode_scores=target))
 
     def accumulate_window_scores(
         self,
@@ -220,6 +268,26 @@ class TritonPagedKernel:
     def _rows(self, layer: int) -> slice:
         heads = self.layout.num_kv_heads
         return slice(layer * heads, (layer + 1) * heads)
+
+    def _decode_slots(self, step: StepBatch) -> DecodeSlots | None:
+        """Each class's requests' slots in the step's decode plan, copied once per step."""
+        plan = step.decode_scoring
+        if plan is None:
+            return None
+        device = plan.mass.device
+        tables = step.tables
+        per_class = [np.full(table.num_reqs, -1, dtype=np.int32) for table in tables.classes]
+        for number, decode in enumerate(step.decode_queries):
+            index = decode.batch_index
+            per_class[int(tables.class_of[index])][int(tables.position[index])] = number
+        slots = [torch.from_numpy(found).to(device) if (found >= 0).any() else None
+                 for found in per_class]
+        if plan.reduce_codes is not None:
+            codes = plan.reduce_codes
+        else:
+            codes = torch.full((plan.mass.shape[0],), GQA_REDUCE_CODES.index(plan.group_reduce),
+                               dtype=torch.int64, device=device)
+        return DecodeSlots(plan, slots, codes)
 
     def _window_batch(self, step: StepBatch) -> WindowBatch | None:
         if not step.window_queries:

@@ -13,7 +13,7 @@ import torch
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.faults import maybe_fail
+from kvcompress.faults import InjectedFault, maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.step import UNSCALED, KVScales, PagedAttentionMetadata
 
@@ -30,13 +30,14 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
     ``[T, H, D]`` into every head's row, attend (``query [T, Hq, D]`` into ``output``), add
     the observation-window probabilities of requests finishing their prompt and the decode
     scores of decoding requests whose decode policy scores this step (if that fails, those
-    requests are marked failed and the layer goes on). Tensors may be padded beyond
-    ``metadata.num_actual_tokens``; returns ``output``. ``soft_cap`` / ``sinks [Hq]``: the
-    layer's softmax, used by attention and every score alike. ``sliding_window``: the
-    layer's window W (None: full attention); such a layer is never compressed by a policy,
-    so it is not scored. ``kv_scales``: the layer's fp8 scales. On fp8 pages every score reads
-    the stored keys (what attention sees), decoded unscaled, with the K scale folded into the
-    logit scale once."""
+    requests are marked failed and the layer goes on). Where the kernel fuses decode scores
+    (``fuses_decode_scores``: Triton) attention writes them itself, with no second pass.
+    Tensors may be padded beyond ``metadata.num_actual_tokens``; returns ``output``.
+    ``soft_cap`` / ``sinks [Hq]``: the layer's softmax, used by attention and every score
+    alike. ``sliding_window``: the layer's window W (None: full attention); such a layer is
+    never compressed by a policy, so it is not scored. ``kv_scales``: the layer's fp8
+    scales. On fp8 pages every score reads the stored keys (what attention sees), decoded
+    unscaled, with the K scale folded into the logit scale once."""
     step, kernel = metadata.step, metadata.kernel
     num_tokens = metadata.num_actual_tokens
     query, output = query[:num_tokens], output[:num_tokens]
@@ -44,8 +45,10 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
     kernel.write(pool, key, value, step.slot_mapping[:, step.layer_rows(layer_index)],
                  kv_scales=kv_scales)
     softmax = {"soft_cap": soft_cap, "sinks": sinks}
+    fused = _fuses_decode_scores(metadata, sliding_window)
     kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale,
-                  sliding_window=sliding_window, kv_scales=kv_scales, **softmax)
+                  sliding_window=sliding_window, kv_scales=kv_scales,
+                  decode_scoring=step.decode_scoring if fused else None, **softmax)
     if kernel.page_format.fp8_dtype is not None:
         scale, key = scale * kv_scales.key, None
     if sliding_window:
@@ -64,11 +67,29 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
                              "scoring them one by one")
             _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
         step.score_seconds += time.perf_counter() - started
-    if step.decode_scoring is not None:
+    if step.decode_scoring is not None and not fused:
         started = time.perf_counter()
         _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
         step.score_seconds += time.perf_counter() - started
     return output
+
+
+def _fuses_decode_scores(metadata: PagedAttentionMetadata, sliding_window: int | None) -> bool:
+    """Whether this layer's attention also writes its decode scores (the Triton kernel does,
+    from its own softmax). Sliding-window layers are never scored, and a reconstruction pass
+    scores no decodes. An injected scoring fault takes the torch pass, whose fallback fails
+    only the requests it names."""
+    step = metadata.step
+    plan = step.decode_scoring
+    if plan is None or sliding_window or step.reconstruction:
+        return False
+    if not metadata.kernel.fuses_decode_scores(metadata.kernel_args, plan):
+        return False
+    try:
+        maybe_fail("score", [decode.prompt_len for decode in step.decode_queries])
+    except InjectedFault:
+        return False
+    return True
 
 
 def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,

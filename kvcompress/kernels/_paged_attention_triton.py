@@ -10,6 +10,12 @@ running max and sum of split 0, so it joins the denominator once and adds nothin
 With a sliding window (HAS_WINDOW, ``window_left`` = W - 1) a query at row position q sees only
 ``[q - window_left, q]``, and a program scans from its first query's window start (floored to
 BLOCK_N), so its work is O(W + BLOCK_Q) whatever the row's length.
+
+With STORE_SCORES (fused decode scores, ``decode_mass.py``) the newest query row of each scored
+request (``score_slots[req] >= 0``) also stores its final base-2 logits (capped, masked) of
+the positions ``[begin, begin + score_width)`` into ``score_logits [n, H_kv, GROUP, W]``: each
+split stores the tiles it scans, and ``decode_mass_kernel`` normalizes them with the LSE once
+the splits are merged, so no key is read twice.
 """
 
 import triton
@@ -94,6 +100,13 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     v_scale,
     KV_FP8: tl.constexpr,
+    score_slots_ptr,
+    score_begin_ptr,
+    score_logits_ptr,
+    score_width,
+    stride_begin_slot,
+    stride_begin_head,
+    STORE_SCORES: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -151,6 +164,17 @@ def paged_attention_kernel(
         sink = tl.load(sinks_ptr + q_head, mask=row_valid, other=0.0) * LOG2E
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
+    if STORE_SCORES:
+        score_slot = tl.load(score_slots_ptr + req)
+        safe_slot = tl.maximum(score_slot, 0).to(tl.int64)  # unscored: a valid address, masked
+        score_begin = tl.load(
+            score_begin_ptr + safe_slot * stride_begin_slot + kv_head * stride_begin_head
+        )
+        # An unscored request stores nothing: no offset is below a width of 0.
+        score_limit = tl.where(score_slot >= 0, score_width, 0)
+        score_rows = row_valid & (q_pos == query_len - 1)
+        score_head = (safe_slot * tl.num_programs(1) + kv_head) * GROUP
+        score_base = (score_head + rows % GROUP) * score_width
 
     for start in range(scan_begin, scan_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
@@ -183,6 +207,15 @@ def paged_attention_kernel(
         if HAS_WINDOW:
             visible = visible & (keys[None, :] >= row_limit[:, None] - window_left)
         s = tl.where(visible, s, float("-inf"))
+        # Nested: the constexpr test prunes the names the runtime one reads.
+        if STORE_SCORES:  # noqa: SIM102
+            # Only tiles overlapping the scored range store (prompt tiles, unscored requests:
+            # none), so the masked stores cost nothing where nothing is kept.
+            if (start + BLOCK_N > score_begin) & (start < score_begin + score_limit):
+                score_offsets = keys - score_begin
+                score_keys = key_valid & (score_offsets >= 0) & (score_offsets < score_limit)
+                tl.store(score_logits_ptr + score_base[:, None] + score_offsets[None, :], s,
+                         mask=score_rows[:, None] & score_keys[None, :])
         m_new = tl.maximum(m_i, row_max(s, 1))
         # Rows that have seen no key yet keep -inf; subtract 0 there to avoid (-inf) - (-inf).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -24,6 +24,9 @@ Semantics shared by the torch reference and the Triton kernel:
   :func:`kvcompress.kernels.write_kv` fills it): K and V are the decoded codes times ``k_scale``
   / ``v_scale``. The scales are applied once: K's folded into the logit scale, V's to the
   output; the queries keep their dtype.
+* ``decode_scores`` (:class:`kvcompress.kernels.decode_mass.DecodeScoreTarget`, full attention
+  only): the newest query's probabilities of chosen requests, combined over each GQA group,
+  are written too; in Triton from the same logits and LSE as the output (no second K pass).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ._triton_support import (
     next_power_of_2,
     triton_softmax_args,
 )
+from .decode_mass import DecodeScoreTarget, decode_mass_triton, decode_scores_ref
 from .logits import attention_lse, attention_probs
 
 # Split-K: aim for this many programs per SM, never give a split fewer tokens than this.
@@ -75,6 +79,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     use_triton: bool | None = None,
+    decode_scores: DecodeScoreTarget | None = None,
 ) -> torch.Tensor:
     """Dispatch: Triton on GPU tensors (or under ``TRITON_INTERPRET=1``), torch otherwise.
 
@@ -88,11 +93,12 @@ def paged_attention(
             lse_out=lse_out, soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window,
             max_query_len=max_query_len, max_kv_len=max_kv_len, num_splits=num_splits,
             kv_fp8=kv_fp8, k_scale=k_scale, v_scale=v_scale,
+            decode_scores=decode_scores,
         )
     return paged_attention_ref(
         query, pool, page_tables, kv_lens, query_start_loc, scale, out, lse_out=lse_out,
         soft_cap=soft_cap, sinks=sinks, sliding_window=sliding_window, kv_fp8=kv_fp8,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, decode_scores=decode_scores,
     )
 
 
@@ -104,6 +110,16 @@ def window_left_extent(sliding_window: int | None) -> int:
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be None, 0 (full) or positive, got {sliding_window}")
     return int(sliding_window) - 1
+
+
+def _check_decode_scores(target: DecodeScoreTarget | None, num_requests: int,
+                         num_kv_heads: int, sliding_window: int | None) -> None:
+    if target is None:
+        return
+    target.check(num_requests, num_kv_heads)
+    if window_left_extent(sliding_window) >= 0:
+        # Sliding-window layers are never compressed by a policy, so never scored.
+        raise ValueError("decode_scores are not taken on sliding-window layers")
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -127,6 +143,7 @@ def paged_attention_ref(
     kv_fp8: torch.dtype | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    decode_scores: DecodeScoreTarget | None = None,
 ) -> torch.Tensor:
     """Torch reference (any device, GPU page format).
 
@@ -140,6 +157,11 @@ def paged_attention_ref(
     )
     check_sinks(sinks, query.shape[1])
     fp8_kind(kv_fp8, pool)  # validates the fp8 arguments
+    _check_decode_scores(decode_scores, num_requests, num_kv_heads, sliding_window)
+    if decode_scores is not None:
+        decode_scores_ref(query, pool, page_tables, kv_lens, query_start_loc, scale,
+                          decode_scores, soft_cap=soft_cap, sinks=sinks, kv_fp8=kv_fp8,
+                          k_scale=k_scale)
     softmax = dict(soft_cap=soft_cap, sinks=sinks,
                    window_left=window_left_extent(sliding_window))
     if kv_fp8 is not None:
@@ -275,6 +297,7 @@ def paged_attention_triton(
     kv_fp8: torch.dtype | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    decode_scores: DecodeScoreTarget | None = None,
 ) -> torch.Tensor:
     """Triton launch of the same computation.
 
@@ -308,6 +331,13 @@ def paged_attention_triton(
     if lse_out is not None and (lse_out.shape != (num_tokens, num_query_heads)
                                 or lse_out.dtype != torch.float32):
         raise ValueError("lse_out must be float32 [T, H_q]")
+    _check_decode_scores(decode_scores, num_requests, num_kv_heads, sliding_window)
+    store_scores = decode_scores is not None and decode_scores.mass.shape[0] > 0 \
+        and decode_scores.width > 0
+    if store_scores and lse_out is None:
+        # The finishing kernel needs every scored row's final LSE.
+        lse_out = torch.empty((num_tokens, num_query_heads), dtype=torch.float32,
+                              device=query.device)
 
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -351,6 +381,17 @@ def paged_attention_triton(
     else:
         partial_acc = partial_max = partial_sum = out  # unused
 
+    if store_scores:
+        # Written only where the finishing kernel reads (scored rows, inside each row).
+        score_logits = torch.empty(
+            (decode_scores.mass.shape[0], num_kv_heads, group, decode_scores.width),
+            dtype=torch.float32, device=query.device,
+        )
+        score_args = (decode_scores.slots, decode_scores.begin, score_logits,
+                      decode_scores.width, *decode_scores.begin.stride())
+    else:
+        score_args = (kv_lens, kv_lens, out, 0, 0, 0)  # dummies, never read
+
     softmax_args, softmax_flags = triton_softmax_args(soft_cap, sinks, query)
     kernels = load_kernel_module("_paged_attention_triton")
     kernels.paged_attention_kernel[(grid_q_blocks, num_kv_heads, num_splits)](
@@ -380,6 +421,13 @@ def paged_attention_triton(
         DOT_PRECISION=dot_precision(query.dtype),
         v_scale=float(v_scale),
         KV_FP8=kind,
+        score_slots_ptr=score_args[0],
+        score_begin_ptr=score_args[1],
+        score_logits_ptr=score_args[2],
+        score_width=score_args[3],
+        stride_begin_slot=score_args[4],
+        stride_begin_head=score_args[5],
+        STORE_SCORES=store_scores,
         num_warps=num_warps or (4 if block_m <= 64 else 8),
         num_stages=num_stages or 2,
     )
@@ -395,4 +443,6 @@ def paged_attention_triton(
             STORE_LSE=store_lse,
             num_warps=4,
         )
+    if store_scores:
+        decode_mass_triton(score_logits, lse_out, query_start_loc, kv_lens, decode_scores)
     return out

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from kvcompress.attention import decode_scores
+from kvcompress.attention import layer as layer_module
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
+from kvcompress.kernels import has_triton, has_triton_gpu
+from kvcompress.kernels.decode_mass import REDUCE_MAX, REDUCE_MEAN, REDUCE_SUM
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
-from kvcompress.step import UNSCALED, PagedAttentionMetadata
+from kvcompress.step import GQA_REDUCE_CODES, UNSCALED, PagedAttentionMetadata
 from tests.paged_cases import build_case, model_softmax
 
 LAYERS, HEADS, GROUP, HEAD_SIZE = 2, 2, 2, 32
@@ -292,3 +295,119 @@ def test_sampled_mass_keeps_nearly_what_the_summed_mass_keeps(every, min_overlap
     overlap = [len(set(a.tolist()) & set(b.tolist())) / (budget - recent)
                for a, b in zip(*chosen)]
     assert min(overlap) >= min_overlap, (every, min(overlap))
+
+
+# ----------------------------------------------------------------- fused into Triton attention
+
+
+def no_torch_pass(monkeypatch):
+    """Fail any decode scoring through the torch second pass."""
+    def second_pass(*args, **kwargs):
+        raise AssertionError("decode scores took the torch pass")
+    monkeypatch.setattr(layer_module, "score_decode_layer", second_pass)
+
+
+def test_gqa_reduce_codes_are_the_kernels_codes():
+    assert [GQA_REDUCE_CODES.index(name) for name in ("mean", "max", "sum")] == \
+        [REDUCE_MEAN, REDUCE_MAX, REDUCE_SUM]
+
+
+@pytest.mark.parametrize("kind", [None, "both"])
+@pytest.mark.parametrize("group_reduces", [["sum"], ["mean", "max", "sum"]],
+                         ids=["sum", "mixed"])
+def test_triton_attention_writes_the_decode_scores_itself(interpreter, monkeypatch, kind,
+                                                          group_reduces):
+    """The Triton adapter's attention launches give the dense probabilities (and the torch
+    pass's scores) with no second pass; the scored requests sit in different width classes
+    next to a prefill chunk and unscored decodes."""
+    fused, torch_pass = (decode_case(GPU_PAGE_FORMAT, seed=9, group_reduces=group_reduces)
+                         for _ in range(2))
+    tables = fused.step.tables
+    assert len({int(tables.class_of[index]) for index in SCORED}) > 1
+    softmax = model_softmax(kind, HEADS * GROUP) if kind else {}
+    run_layers(torch_pass, **softmax)
+    no_torch_pass(monkeypatch)
+    run_layers(fused, TritonPagedKernel(fused.layout, torch.float32, use_triton=True),
+               **softmax)
+    assert not fused.step.failures
+    for number, index in enumerate(SCORED):
+        got = fused.state.requests[f"req{index}"].decode_scores
+        want = dense_decode_scores(fused, index, group_reduces[number % len(group_reduces)],
+                                   **softmax)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, torch_pass.state.requests[f"req{index}"].decode_scores,
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_sliding_window_layers_stay_unscored_with_the_fused_kernel(interpreter, monkeypatch):
+    case = decode_case(GPU_PAGE_FORMAT, seed=10)
+    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True)
+    no_torch_pass(monkeypatch)
+    metadata = PagedAttentionMetadata(case.step, case.query.shape[0], kernel,
+                                      kernel.prepare(case.step), {})
+    plan = case.step.decode_scoring
+    for layer, window in ((0, 8), (1, None)):  # layer 0 slides: never compressed
+        rows = case.step.layer_rows(layer)
+        attend_layer(metadata, layer, case.query, case.new_keys[:, rows],
+                     case.new_values[:, rows], case.pool, torch.empty_like(case.query), SCALE,
+                     sliding_window=window)
+    assert not plan.mass[:, 0].any()
+    for number, index in enumerate(SCORED):
+        want = dense_decode_scores(case, index, "mean")[1, :, :plan.mass.shape[-1]]
+        torch.testing.assert_close(plan.mass[number, 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_injected_scoring_fault_takes_the_torch_pass_and_fails_its_request(interpreter,
+                                                                               monkeypatch):
+    case = decode_case(GPU_PAGE_FORMAT, seed=4)
+    monkeypatch.setenv("KVCOMPRESS_FAULT_INJECTION", f"score:{PROMPT_LENS[3]}")
+    run_layers(case, TritonPagedKernel(case.layout, torch.float32, use_triton=True))
+    assert set(case.step.failures) == {"req3"}
+    torch.testing.assert_close(case.state.requests["req0"].decode_scores.double(),
+                               dense_decode_scores(case, 0, "mean"), atol=1e-5, rtol=1e-5)
+
+
+def test_the_torch_references_keep_the_torch_pass():
+    case = decode_case(GPU_PAGE_FORMAT)
+    kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=False)
+    assert not kernel.fuses_decode_scores(kernel.prepare(case.step), case.step.decode_scoring)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fused_decode_scores_on_the_step_device_match_the_torch_pass(monkeypatch, device):
+    """The adapter's own dispatch on CUDA tensors (Triton compiled for the GPU), against the
+    torch pass on CPU; "cpu" runs the same test under the interpreter (Triton forced)."""
+    if device == "cuda" and not (torch.cuda.is_available() and has_triton_gpu()):
+        pytest.skip("no CUDA device with a GPU-enabled Triton")
+    if device == "cpu":
+        if not has_triton():
+            pytest.skip("triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = decode_case(GPU_PAGE_FORMAT, seed=12, group_reduces=["max", "mean"])
+    softmax = model_softmax("both", HEADS * GROUP)
+    kernel = TritonPagedKernel(case.layout, torch.float32,
+                               use_triton=True if device == "cpu" else None)
+    step = case.step
+    plan = replace(step.decode_scoring, **{
+        name: getattr(step.decode_scoring, name).to(device)
+        for name in ("tokens", "page_ids", "lengths", "key_positions", "prompt_kept", "offsets",
+                     "mass")})
+    moved = replace(step, num_new_tokens=step.num_new_tokens.to(device),
+                    lengths_before=step.lengths_before.to(device),
+                    slot_mapping=step.slot_mapping.to(device),
+                    tables=step.tables.to(torch.device(device)), decode_scoring=plan)
+    args = kernel.prepare(moved)
+    assert kernel.fuses_decode_scores(args, plan)
+    pool, query = case.pool.to(device), case.query.to(device)
+    sinks = softmax["sinks"].to(device)
+    for layer in range(LAYERS):
+        rows = step.layer_rows(layer)
+        kernel.write(pool, case.new_keys[:, rows].to(device), case.new_values[:, rows].to(device),
+                     moved.slot_mapping[:, rows])
+        write_layer(case, GPU_PAGE_FORMAT, layer)
+        kernel.attend(args, layer, query, pool, torch.empty_like(query), SCALE,
+                      soft_cap=softmax["soft_cap"], sinks=sinks, decode_scoring=plan)
+        score_decode_layer(case.query, case.pool, GPU_PAGE_FORMAT, step.decode_scoring, layer,
+                           SCALE, **softmax)
+    assert step.decode_scoring.mass.abs().sum() > 0
+    torch.testing.assert_close(plan.mass.cpu(), step.decode_scoring.mass, atol=1e-5, rtol=1e-4)

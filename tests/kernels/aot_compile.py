@@ -80,7 +80,7 @@ def capture_launches(monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # the current default, minus its warning
     launches: list[CapturedLaunch] = []
     real_loader = _triton_support.load_kernel_module
-    for module_name in ("paged_attention", "window_scores", "write_kv", "move_kv"):
+    for module_name in ("paged_attention", "decode_mass", "window_scores", "write_kv", "move_kv"):
         module = __import__(f"kvcompress.kernels.{module_name}", fromlist=["_"])
         monkeypatch.setattr(module, "check_triton_device", lambda *tensors: None)
         monkeypatch.setattr(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcompress.kernels import (
+    DecodeScoreTarget,
     move_kv_triton,
     paged_attention_triton,
     window_scores_triton,
@@ -150,4 +151,32 @@ def test_fp8_pages_compile(monkeypatch, kv_fp8, query_lens, num_splits, dtype):
         )
         key = torch.zeros(5, 8, 128, dtype=dtype)
         write_kv_triton(key, key, pool, torch.zeros(5, 8, dtype=torch.int64), v_scale=2.0, **fp8)
+    compile_all(launches)
+
+
+@pytest.mark.parametrize(
+    "query_lens, group, num_splits, softmax, width",
+    [([1, 1], 4, 1, False, 40), ([1, 1], 4, 8, True, 40),  # decode, split-K + combine
+     ([9, 1], 3, 1, True, 40), ([1], 8, 2, False, 40),  # prefill tile, odd group; one request
+     ([1, 1], 4, 1, False, 1)],  # a first generated token: W == 1 becomes a constexpr
+)
+def test_paged_attention_with_decode_scores_compiles(monkeypatch, query_lens, group, num_splits,
+                                                     softmax, width):
+    case = make_case(query_lens, [[30, 20]] * len(query_lens), group=group, head_size=128,
+                     page_size=16, dtype=torch.bfloat16, poison=False)
+    count = len(query_lens)
+    target = DecodeScoreTarget(
+        slots=torch.arange(count, dtype=torch.int32),
+        begin=torch.zeros(count, 2, dtype=torch.int64),
+        reduce_codes=torch.zeros(count, dtype=torch.int64),
+        mass=torch.zeros(count, 3, 2, width)[:, 1],  # a strided layer view, as the engine passes
+    )
+    extra = dict(soft_cap=50.0, sinks=torch.zeros(2 * group)) if softmax else {}
+    with capture_launches(monkeypatch) as launches:
+        paged_attention_triton(
+            case.query, case.pool, case.page_tables, case.kv_lens, case.query_start_loc,
+            case.scale, torch.empty_like(case.query), num_splits=num_splits,
+            decode_scores=target, **extra,
+        )
+    assert any(launch.kernel.__name__ == "decode_mass_kernel" for launch in launches)
     compile_all(launches)
