@@ -4,7 +4,6 @@ layer, kept free of vLLM so the worker pipeline runs (and is tested) with torch 
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -54,20 +53,18 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
         _score_reconstruction(metadata, layer_index, query, pool, scale, softmax)
         return output
     if step.window_queries:
-        started = time.perf_counter()
-        try:
-            maybe_fail("score", [window.prompt_len for window in step.window_queries])
-            kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
-                                            pool, step, scale, **softmax)
-        except Exception:
-            logger.exception("kvcompress: scoring the observation windows failed; "
-                             "scoring them one by one")
-            _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
-        step.score_seconds += time.perf_counter() - started
+        with step.score_timer.measure():
+            try:
+                maybe_fail("score", [window.prompt_len for window in step.window_queries])
+                kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
+                                                pool, step, scale, **softmax)
+            except Exception:
+                logger.exception("kvcompress: scoring the observation windows failed; "
+                                 "scoring them one by one")
+                _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
     if step.decode_scoring is not None:
-        started = time.perf_counter()
-        _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
-        step.score_seconds += time.perf_counter() - started
+        with step.score_timer.measure():
+            _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
     return output
 
 
@@ -78,20 +75,19 @@ def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,
     the forward: every tensor-parallel rank runs the pass's layers to the end, so their
     collectives match."""
     step = metadata.step
-    started = time.perf_counter()
-    for window in step.window_queries:
-        request_id = step.req_ids[window.batch_index]
-        if request_id in step.failures:
-            continue  # failed in an earlier layer: its scores are not used
-        try:
-            maybe_fail("reconstruct", [window.prompt_len])
-            accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format, step,
-                                             window, layer_index, scale, **softmax)
-        except Exception as error:
-            logger.exception("kvcompress: reconstruction scoring failed for request %s",
-                             request_id)
-            step.fail([request_id], f"reconstruction scoring failed: {error!r}")
-    step.score_seconds += time.perf_counter() - started
+    with step.score_timer.measure():
+        for window in step.window_queries:
+            request_id = step.req_ids[window.batch_index]
+            if request_id in step.failures:
+                continue  # failed in an earlier layer: its scores are not used
+            try:
+                maybe_fail("reconstruct", [window.prompt_len])
+                accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format,
+                                                 step, window, layer_index, scale, **softmax)
+            except Exception as error:
+                logger.exception("kvcompress: reconstruction scoring failed for request %s",
+                                 request_id)
+                step.fail([request_id], f"reconstruction scoring failed: {error!r}")
 
 
 def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
