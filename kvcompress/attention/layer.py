@@ -12,6 +12,7 @@ import torch
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
+from kvcompress.device_faults import raise_if_fatal
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.step import UNSCALED, KVScales, PagedAttentionMetadata
@@ -58,7 +59,8 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
                 maybe_fail("score", [window.prompt_len for window in step.window_queries])
                 kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
                                                 pool, step, scale, **softmax)
-            except Exception:
+            except Exception as error:
+                raise_if_fatal(error, pool.device, "scoring the observation windows")
                 logger.exception("kvcompress: scoring the observation windows failed; "
                                  "scoring them one by one")
                 _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
@@ -85,6 +87,7 @@ def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,
                 accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format,
                                                  step, window, layer_index, scale, **softmax)
             except Exception as error:
+                raise_if_fatal(error, pool.device, "reconstruction scoring")
                 logger.exception("kvcompress: reconstruction scoring failed for request %s",
                                  request_id)
                 step.fail([request_id], f"reconstruction scoring failed: {error!r}")
@@ -102,7 +105,8 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
         maybe_fail("score", [decode.prompt_len for decode in step.decode_queries])
         score_decode_layer(query, pool, page_format, plan, layer_index, scale, **softmax)
         return
-    except Exception:
+    except Exception as error:
+        raise_if_fatal(error, pool.device, "decode scoring")
         logger.exception("kvcompress: decode scoring failed; scoring requests one by one")
     healthy = []
     for number, decode in enumerate(step.decode_queries):
@@ -112,6 +116,7 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
                                requests=slice(number, number + 1), **softmax)
             healthy.append(number)
         except Exception as error:
+            raise_if_fatal(error, pool.device, "decode scoring")
             request_id = step.req_ids[decode.batch_index]
             logger.exception("kvcompress: decode scoring failed for request %s", request_id)
             step.fail([request_id], f"decode scoring failed: {error!r}")
@@ -140,5 +145,6 @@ def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query:
                                      scale, key=key, **softmax)
             healthy.append(window)
         except Exception as error:
+            raise_if_fatal(error, pool.device, "scoring an observation window")
             step.fail([request_id], f"window scoring failed: {error!r}")
     step.window_queries = healthy

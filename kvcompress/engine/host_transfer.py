@@ -15,28 +15,27 @@ import torch
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` (integer dtypes, any devices) as host tensors of the same shapes and
-    dtypes, in order, brought over in at most one device->host copy. Host tensors come back
-    as they are; without any device tensor nothing is copied."""
+    dtypes, in order, brought over in one copy per device: one device->host transfer on a
+    worker's device, none for tensors already on the host."""
     tensors = list(tensors)
-    if not tensors:
-        return []
     if any(tensor.is_floating_point() or tensor.is_complex() for tensor in tensors):
         raise TypeError("to_host carries integer tensors (indices, counts) only")
-    device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), None)
-    if device is not None:
-        # Host tensors join the device ones (a small host->device copy, no wait) so that one
-        # copy brings everything back.
-        tensors = [tensor if tensor.device == device else tensor.to(device)
-                   for tensor in tensors]
-    # One flat int64 tensor (.to(dtype) alone: no device argument, no copy when it already is).
-    flat = torch.cat([tensor.reshape(-1).to(torch.int64) for tensor in tensors])
-    host = _copy_to_host(flat)
-    parts, offset = [], 0
-    for tensor in tensors:
-        count = tensor.numel()
-        parts.append(host[offset:offset + count].view(tensor.shape).to(tensor.dtype))
-        offset += count
-    return parts
+    parts: list[torch.Tensor | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for number, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(number)
+    # Host tensors are concatenated too (free): joining them to the device's would be a
+    # host->device copy from pageable memory, itself a synchronisation.
+    for numbers in by_device.values():
+        # One flat int64 tensor (.to(dtype) alone: no copy when it already is one).
+        flat = torch.cat([tensors[number].reshape(-1).to(torch.int64) for number in numbers])
+        host, offset = _copy_to_host(flat), 0
+        for number in numbers:
+            tensor = tensors[number]
+            count = tensor.numel()
+            parts[number] = host[offset:offset + count].view(tensor.shape).to(tensor.dtype)
+            offset += count
+    return parts  # type: ignore[return-value]  # every entry set above
 
 
 def _copy_to_host(flat: torch.Tensor) -> torch.Tensor:

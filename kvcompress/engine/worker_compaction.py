@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.device_faults import raise_if_fatal
+from kvcompress.device_faults import raise_if_fatal
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.messages import Compaction, merge_compactions
 from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_prompt_moves

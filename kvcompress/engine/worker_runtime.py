@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine.device_faults import raise_if_fatal
 from kvcompress.engine.messages import WorkerReport, page_deltas
 from kvcompress.engine.worker_compaction import CompactionStats, compress_step
 from kvcompress.engine.worker_expected import ExpectedScorer

@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 
+from kvcompress import device_faults
 from kvcompress.attention.layer import attend_layer
+from kvcompress.device_faults import is_device_fault, may_retry, raise_if_fatal
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine import device_faults
-from kvcompress.engine.device_faults import is_device_fault, may_retry, raise_if_fatal
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.faults import InjectedFault
 from tests import sync_debug
