@@ -56,7 +56,7 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
 
 def worker_stats(engine: Any) -> dict:
     (stats,) = engine.collective_rpc(
-        lambda worker: asdict(worker.model_runner.paged_runtime.stats)
+        lambda worker: asdict(worker.model_runner.paged_runtime.collect_stats())
     )
     return stats
 

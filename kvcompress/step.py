@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from kvcompress.device_timing import StageTimer
 from kvcompress.paging import PageLayout
 from kvcompress.paging.batch_tables import BatchPageTables
 from kvcompress.paging.page_format import PageFormat
@@ -160,8 +161,10 @@ class StepBatch:
     decode_scoring: DecodeScoring | None = None  # their index tensors, None without any
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
-    # Time the attention backend spent scoring (observation windows, decode queries).
-    score_seconds: float = 0.0
+    # Times the attention backend's scoring (observation windows, decode queries,
+    # reconstruction passes): the worker's one timer, kept across steps (on CUDA its events
+    # are read once the device finished them).
+    score_timer: StageTimer = field(default_factory=StageTimer)
     # A reconstruction pass (``engine.worker_reconstruction``): one request, its window entry
     # covering every query, scored by ``attention.reconstruction_scores``; nothing compacts.
     reconstruction: bool = False

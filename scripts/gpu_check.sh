@@ -11,7 +11,10 @@
 #
 # vLLM is made unimportable in the test process, so a pass also shows that the worker pipeline
 # (page tables, K/V write, attention, window and reconstruction scores, policies, compaction)
-# needs none of it.
+# needs none of it. KVCOMPRESS_SYNC_DEBUG=error (tests/sync_debug.py): on CUDA each layer's write,
+# attention and scores in the worker-pipeline tests run under
+# torch.cuda.set_sync_debug_mode("error"), so a hidden device sync there fails the test; the
+# compaction after the forward keeps its one transfer. In --cpu mode the region is a no-op.
 # Writes OUTDIR/gpu_check.log, OUTDIR/tests.xml (JUnit) and OUTDIR/kernels.json; exits non-zero
 # if any test or the benchmark's reference checks fail.
 set -uo pipefail
@@ -59,12 +62,13 @@ tests=(
   tests/engine/test_expected_scoring.py
   tests/attention/test_expected_scores.py
   tests/engine/test_host_device_boundary.py
+  tests/engine/test_device_sync.py
   tests/paging
   tests/policies
 )
 started=$(date +%s)
 say "pytest ${tests[*]}"
-PYTHONPATH=. $python - "$out/tests.xml" "${tests[@]}" >>"$log" 2>&1 <<'EOF'
+KVCOMPRESS_SYNC_DEBUG=error PYTHONPATH=. $python - "$out/tests.xml" "${tests[@]}" >>"$log" 2>&1 <<'EOF'
 import sys
 
 sys.modules["vllm"] = None  # any `import vllm...` now fails: the pipeline must not need it

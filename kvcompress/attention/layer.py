@@ -4,7 +4,6 @@ layer, kept free of vLLM so the worker pipeline runs (and is tested) with torch 
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
+from kvcompress.device_faults import raise_if_fatal
 from kvcompress.faults import InjectedFault, maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.step import UNSCALED, KVScales, PagedAttentionMetadata
@@ -57,20 +57,19 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
         _score_reconstruction(metadata, layer_index, query, pool, scale, softmax)
         return output
     if step.window_queries:
-        started = time.perf_counter()
-        try:
-            maybe_fail("score", [window.prompt_len for window in step.window_queries])
-            kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
-                                            pool, step, scale, **softmax)
-        except Exception:
-            logger.exception("kvcompress: scoring the observation windows failed; "
-                             "scoring them one by one")
-            _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
-        step.score_seconds += time.perf_counter() - started
+        with step.score_timer.measure():
+            try:
+                maybe_fail("score", [window.prompt_len for window in step.window_queries])
+                kernel.accumulate_window_scores(metadata.kernel_args, layer_index, query, key,
+                                                pool, step, scale, **softmax)
+            except Exception as error:
+                raise_if_fatal(error, pool.device, "scoring the observation windows")
+                logger.exception("kvcompress: scoring the observation windows failed; "
+                                 "scoring them one by one")
+                _score_one_by_one(metadata, layer_index, query, key, pool, scale, softmax)
     if step.decode_scoring is not None and not fused:
-        started = time.perf_counter()
-        _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
-        step.score_seconds += time.perf_counter() - started
+        with step.score_timer.measure():
+            _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
     return output
 
 
@@ -99,20 +98,20 @@ def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,
     the forward: every tensor-parallel rank runs the pass's layers to the end, so their
     collectives match."""
     step = metadata.step
-    started = time.perf_counter()
-    for window in step.window_queries:
-        request_id = step.req_ids[window.batch_index]
-        if request_id in step.failures:
-            continue  # failed in an earlier layer: its scores are not used
-        try:
-            maybe_fail("reconstruct", [window.prompt_len])
-            accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format, step,
-                                             window, layer_index, scale, **softmax)
-        except Exception as error:
-            logger.exception("kvcompress: reconstruction scoring failed for request %s",
-                             request_id)
-            step.fail([request_id], f"reconstruction scoring failed: {error!r}")
-    step.score_seconds += time.perf_counter() - started
+    with step.score_timer.measure():
+        for window in step.window_queries:
+            request_id = step.req_ids[window.batch_index]
+            if request_id in step.failures:
+                continue  # failed in an earlier layer: its scores are not used
+            try:
+                maybe_fail("reconstruct", [window.prompt_len])
+                accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format,
+                                                 step, window, layer_index, scale, **softmax)
+            except Exception as error:
+                raise_if_fatal(error, pool.device, "reconstruction scoring")
+                logger.exception("kvcompress: reconstruction scoring failed for request %s",
+                                 request_id)
+                step.fail([request_id], f"reconstruction scoring failed: {error!r}")
 
 
 def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
@@ -127,7 +126,8 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
         maybe_fail("score", [decode.prompt_len for decode in step.decode_queries])
         score_decode_layer(query, pool, page_format, plan, layer_index, scale, **softmax)
         return
-    except Exception:
+    except Exception as error:
+        raise_if_fatal(error, pool.device, "decode scoring")
         logger.exception("kvcompress: decode scoring failed; scoring requests one by one")
     healthy = []
     for number, decode in enumerate(step.decode_queries):
@@ -137,6 +137,7 @@ def _score_decode_queries(metadata: PagedAttentionMetadata, layer_index: int,
                                requests=slice(number, number + 1), **softmax)
             healthy.append(number)
         except Exception as error:
+            raise_if_fatal(error, pool.device, "decode scoring")
             request_id = step.req_ids[decode.batch_index]
             logger.exception("kvcompress: decode scoring failed for request %s", request_id)
             step.fail([request_id], f"decode scoring failed: {error!r}")
@@ -165,5 +166,6 @@ def _score_one_by_one(metadata: PagedAttentionMetadata, layer_index: int, query:
                                      scale, key=key, **softmax)
             healthy.append(window)
         except Exception as error:
+            raise_if_fatal(error, pool.device, "scoring an observation window")
             step.fail([request_id], f"window scoring failed: {error!r}")
     step.window_queries = healthy

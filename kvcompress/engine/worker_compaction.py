@@ -8,20 +8,25 @@ that context as it is and has only its new prompt tokens planned (the policy's b
 that many tokens, no attention sinks: those are in the adopted part), so each turn of a
 conversation adds at most a budget's worth per head. For every request whose generated
 part reached its decode budget plus interval, its decode policy picks the generated tokens
-each head keeps and they shift down in order. The new per-row lengths are reported to the scheduler,
-which frees the trailing pages before the next step.
+each head keeps and they shift down in order. The plans and choices are made on the scores'
+device and come to the host, where the moves are planned, in one transfer per step
+(``compress_step``). The new per-row lengths are reported to the scheduler, which frees the
+trailing pages before the next step.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import Compaction
+from kvcompress.device_faults import raise_if_fatal
+from kvcompress.engine.host_transfer import to_host
+from kvcompress.engine.messages import Compaction, merge_compactions
 from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_prompt_moves
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
@@ -46,12 +51,53 @@ class CompactionStats:
     score_seconds: float = 0.0  # window and reconstruction scoring inside attention
 
 
+@dataclass
+class ChosenEviction:
+    """A decode eviction chosen on the device: the generated offsets each compressed row of
+    the request keeps (``kept``, on the scores' device; ``kept_host`` once brought over) and
+    whether scores chose them (False: the newest were kept)."""
+
+    index: int  # in the step's batch
+    request_id: str
+    kept: torch.Tensor
+    scored: bool
+    kept_host: torch.Tensor | None = None
+
+
+def compress_step(
+    state: WorkerKVState,
+    step: StepBatch,
+    pool: torch.Tensor,
+    mover: KVMover,
+    stats: CompactionStats | None = None,
+    page_format: PageFormat | None = None,
+) -> dict[str, Compaction]:
+    """The step's compression after its forward: completed prompts compacted
+    (``compact_completed_prompts``), then generated parts over their decode budget evicted
+    (``evict_generated_tokens``), with one device->host transfer for all of it.
+
+    The decode evictions of the requests whose prompt did not complete in this step are
+    chosen first and come over with the prompts' plans. A request whose prompt completed
+    and that already holds more generated tokens than its decode budget allows (resumed
+    after preemption) is chosen for after its compaction; it has no decode scores, its
+    newest tokens are kept, chosen on the host.
+    """
+    completing = {step.req_ids[index] for index in step.completing_prompt}
+    chosen = _choose_evictions(state, step, pool, mover, page_format, skip=completing)
+    compactions = compact_completed_prompts(state, step, pool, mover, stats, along=chosen)
+    # Its lengths are final: the prompt's eviction must reach the scheduler too.
+    merge_compactions(compactions, evict_generated_tokens(state, step, pool, mover, stats,
+                                                          page_format, chosen=chosen))
+    return compactions
+
+
 def compact_completed_prompts(
     state: WorkerKVState,
     step: StepBatch,
     pool: torch.Tensor,
     mover: KVMover,
     stats: CompactionStats | None = None,
+    along: Sequence[ChosenEviction] = (),
 ) -> dict[str, Compaction]:
     """Compact every request of ``step.completing_prompt``; requests sharing a config
     are planned together (one policy call per distinct config).
@@ -59,7 +105,9 @@ def compact_completed_prompts(
     ``mover`` copies tokens between slots: the platform kernel (native CUDA / Triton on
     GPU) or a bare PageFormat (torch indexing). A request whose planning fails, or that
     already failed in this step, is left as it is and recorded in ``step.failures``; if the
-    moves themselves fail, every request they were for is.
+    moves themselves fail, every request they were for is. The plans are made on the
+    scores' device and come to the host in one transfer, together with the choices of the
+    decode evictions ``along`` (``compress_step``).
     """
     # Adopters plan their new segment (other lengths, no sinks): a group of their own; so do
     # prompts a reconstruction scored (``auto`` budget sharing differs for them, see _plan).
@@ -72,16 +120,27 @@ def compact_completed_prompts(
         assert request.config is not None, "configs are resolved when the step is prepared"
         groups[request.config, request.adopted_rows is not None,
                request.reconstructed].append(request_id)
+    planned = [(config, adopters, batch, plan)
+               for (config, adopters, _reconstructed), req_ids in groups.items()
+               for batch, plan in _plan_isolated(state, config, req_ids, step, adopters)]
+    # The step's one device->host transfer: every group's plan, every chosen eviction. On
+    # CUDA its wait is where an asynchronous fault of the step's kernels surfaces: raised.
+    host = iter(to_host([*(tensor for *_, plan in planned for tensor in plan),
+                         *(eviction.kept for eviction in along)]))
+    planned = [(config, adopters, batch, (next(host), next(host)))
+               for config, adopters, batch, _plan_tensors in planned]
+    for eviction in along:
+        eviction.kept_host = next(host)
     compactions: dict[str, Compaction] = {}
     moves = MoveBatch(state.layout.page_size)
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     # Only full-attention rows are planned; sliding-window rows stay as they are.
     rows = state.layout.compressed_rows
-    for (config, adopters, _reconstructed), req_ids in groups.items():
-        for request_id, counts, indices in _plan_isolated(state, config, req_ids, step,
-                                                          adopters):
+    for _config, adopters, batch, (all_counts, all_indices) in planned:
+        for number, request_id in enumerate(batch):
             request = state.requests[request_id]
-            counts, indices = counts.reshape(len(rows)), indices.reshape(len(rows), -1)
+            counts = all_counts[number].reshape(len(rows))
+            indices = all_indices[number].reshape(len(rows), -1)
             try:
                 if adopters:
                     counts, indices = _after_adopted(counts, indices,
@@ -118,6 +177,7 @@ def evict_generated_tokens(
     mover: KVMover,
     stats: CompactionStats | None = None,
     page_format: PageFormat | None = None,
+    chosen: Sequence[ChosenEviction] = (),
 ) -> dict[str, Compaction]:
     """--kv-decode-budget: keep each head's prompt part plus ``budget`` of its generated
     tokens once it holds ``budget + interval`` of them (amortized: at most every
@@ -132,32 +192,29 @@ def evict_generated_tokens(
     starts afresh). A request
     without usable scores (resumed after preemption: its recomputed outputs were never
     scored) keeps its newest tokens. Failures are recorded in ``step.failures`` as for prompt
-    compaction.
+    compaction. ``chosen``: evictions already chosen and brought to the host
+    (``compress_step``); the other requests' are chosen here and come over in one transfer.
     """
+    done = {eviction.request_id for eviction in chosen}
+    fresh = _choose_evictions(state, step, pool, mover, page_format, skip=done)
+    for eviction, kept_host in zip(fresh, to_host([eviction.kept for eviction in fresh])):
+        eviction.kept_host = kept_host
     compactions: dict[str, Compaction] = {}
     # Kept offsets on the scores' device, for requests whose scores follow their tokens.
     carried: dict[str, torch.Tensor] = {}
     moves = MoveBatch(state.layout.page_size)
-    for index, request_id in enumerate(step.req_ids):
+    # Sliding-window rows bound themselves; the decode budget is for the others.
+    rows = state.layout.compressed_rows
+    for eviction in [*chosen, *fresh]:
+        request_id = eviction.request_id
         request = state.requests[request_id]
-        eviction = request.config.decode_eviction if request.config is not None else None
-        if eviction is None or request.prompt_kept is None or request_id in step.failures:
+        if request_id in step.failures:
             continue
-        # Sliding-window rows bound themselves; the decode budget is for the others.
-        rows = state.layout.compressed_rows
-        generated = request.lengths[rows] - request.prompt_kept[rows]
-        if not len(rows) or not eviction.due(int(generated.max())):
-            continue
+        assert eviction.kept_host is not None
         try:
-            maybe_fail("plan", [request.prompt_len])
-            keys = (_generated_keys(state, request, rows, int(generated.max()), pool,
-                                    page_format or _page_format_of(mover))
-                    if eviction.method.needs_keys and request.decode_scores is not None
-                    else None)
-            kept, scored = _select_generated(eviction, request, generated, rows, keys)
-            # Planned on the host, next to the page tables: one transfer per request.
+            # Planned on the host, next to the page tables.
             row_moves, kept_lengths = plan_generated_keep(
-                request.lengths[rows], request.prompt_kept[rows], kept.to("cpu").numpy()
+                request.lengths[rows], request.prompt_kept[rows], eviction.kept_host.numpy()
             )
         except Exception as error:
             _record_failure(step, [request_id], "planning the decode eviction", error)
@@ -166,10 +223,10 @@ def evict_generated_tokens(
         new_lengths = request.lengths.copy()
         new_lengths[rows] = kept_lengths
         moves.add(request_id, request.table.pages, row_moves)
-        compactions[request_id] = Compaction(int(step.logical_after[index]), new_lengths,
-                                             kind="decode")
-        if scored and eviction.method.carries_scores:
-            carried[request_id] = kept
+        compactions[request_id] = Compaction(int(step.logical_after[eviction.index]),
+                                             new_lengths, kind="decode")
+        if eviction.scored and request.config.decode_eviction.method.carries_scores:
+            carried[request_id] = eviction.kept
         if stats is not None:
             stats.tokens_moved += len(row_moves)
             stats.tokens_evicted += int((request.lengths - new_lengths).sum())
@@ -183,6 +240,38 @@ def evict_generated_tokens(
             for scores in (request.decode_scores, request.anchor_scores)
         )
     return compactions
+
+
+def _choose_evictions(state: WorkerKVState, step: StepBatch, pool: torch.Tensor,
+                      mover: KVMover, page_format: PageFormat | None,
+                      skip: set[str]) -> list[ChosenEviction]:
+    """The decode evictions due in this step, except those of ``skip``, chosen on the
+    scores' device (nothing is read back); a request whose choice fails is recorded in
+    ``step.failures``."""
+    chosen: list[ChosenEviction] = []
+    rows = state.layout.compressed_rows
+    for index, request_id in enumerate(step.req_ids):
+        request = state.requests[request_id]
+        eviction = request.config.decode_eviction if request.config is not None else None
+        if (eviction is None or request.prompt_kept is None or request_id in step.failures
+                or request_id in skip):
+            continue
+        generated = request.lengths[rows] - request.prompt_kept[rows]  # host lengths
+        if not len(rows) or not eviction.due(int(generated.max())):
+            continue
+        try:
+            maybe_fail("plan", [request.prompt_len])
+            keys = (_generated_keys(state, request, rows, int(generated.max()), pool,
+                                    page_format or _page_format_of(mover))
+                    if eviction.method.needs_keys and request.decode_scores is not None
+                    else None)
+            kept, scored = _select_generated(eviction, request, generated, rows, keys)
+        except Exception as error:
+            raise_if_fatal(error, state.device, "choosing the decode eviction")
+            _record_failure(step, [request_id], "planning the decode eviction", error)
+            continue
+        chosen.append(ChosenEviction(index, request_id, kept, scored))
+    return chosen
 
 
 def _select_generated(eviction: DecodeEviction, request: RequestKV, generated: np.ndarray,
@@ -249,15 +338,17 @@ def _carry_scores(scores: torch.Tensor, kept: torch.Tensor, rows: np.ndarray) ->
 def _apply(state: WorkerKVState, step: StepBatch, compactions: dict[str, Compaction],
            moves: MoveBatch, pool: torch.Tensor, mover: KVMover) -> None:
     """Run the moves, then shrink the tables; the scheduler frees the pages only after
-    this step. If the batched moves fail, each request's run alone and only those that
-    fail again fail (re-running a partly done disjoint list is harmless: no source was
-    overwritten; an overlapping list is gathered whole before anything is written)."""
+    this step. If the batched moves fail (and may be retried: ``raise_if_fatal``), each
+    request's run alone and only those that fail again fail (re-running a partly done
+    disjoint list is harmless: no source was overwritten; an overlapping list is gathered
+    whole before anything is written)."""
     if not compactions:
         return
     try:
         maybe_fail("moves", [state.requests[request_id].prompt_len for request_id in compactions])
         moves.run(pool, mover)
-    except Exception:
+    except Exception as error:
+        raise_if_fatal(error, state.device, "moving the kept tokens")
         logger.exception("kvcompress: moving the kept tokens failed; retrying request by "
                          "request")
         for request_id in list(compactions):
@@ -265,6 +356,7 @@ def _apply(state: WorkerKVState, step: StepBatch, compactions: dict[str, Compact
                 maybe_fail("moves", [state.requests[request_id].prompt_len])
                 moves.run(pool, mover, [request_id])
             except Exception as error:
+                raise_if_fatal(error, state.device, "moving the kept tokens")
                 _record_failure(step, [request_id], "moving the kept tokens", error)
                 del compactions[request_id]
     for request_id, compaction in compactions.items():
@@ -327,34 +419,36 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
 def _plan_isolated(
     state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str], step: StepBatch,
     adopters: bool = False,
-) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(request id, counts, indices) on the host for every request whose planning worked:
-    the group in one policy call or, if that fails, each request alone, so that only the
-    culprits fail. ``adopters``: the requests adopted cached contexts, their new prompt
-    tokens are planned (positions within that segment)."""
+) -> list[tuple[list[str], tuple[torch.Tensor, torch.Tensor]]]:
+    """(request ids, (counts, indices)) of every batch of requests whose planning worked,
+    on the scores' device: the group in one policy call or, if that fails, each request
+    alone, so that only the culprits fail (``raise_if_fatal``: not after a CUDA fault).
+    ``adopters``: the requests adopted cached contexts, their new prompt tokens are planned
+    (positions within that segment)."""
     layout = state.layout
 
-    def plan_for(batch: list[str]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    def plan_for(batch: list[str]) -> tuple[list[str], tuple[torch.Tensor, torch.Tensor]]:
         requests = [state.requests[request_id] for request_id in batch]
         maybe_fail("plan", [request.prompt_len for request in requests])
-        # The plan is made where the window scores live (the runner's device); moves are
-        # planned on the host, next to the page tables: one transfer per plan.
+        # The plan is made where the window scores live (the runner's device); the caller
+        # brings it to the host with the step's other plans.
         plan = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
-                     adopters).to("cpu")
-        return [(request_id, plan.counts[number], plan.indices[number])
-                for number, request_id in enumerate(batch)]
+                     adopters)
+        return batch, (plan.counts, plan.indices)
 
     try:
-        return plan_for(req_ids)
+        return [plan_for(req_ids)]
     except Exception as error:
+        raise_if_fatal(error, state.device, "planning the compression")
         if len(req_ids) == 1:
             _record_failure(step, req_ids, "planning the compression", error)
             return []
     planned = []
     for request_id in req_ids:
         try:
-            planned += plan_for([request_id])
+            planned.append(plan_for([request_id]))
         except Exception as error:
+            raise_if_fatal(error, state.device, "planning the compression")
             _record_failure(step, [request_id], "planning the compression", error)
     return planned
 

@@ -166,6 +166,7 @@ class Reconstructor:
             host_lengths_after=lengths_before + num_new[:, None],
             window_queries=windows,
             reconstruction=True,
+            score_timer=self.state.score_timer,
         )
         return ReconstructionPass(ids, to_device(torch.tensor(input_ids, dtype=torch.long)),
                                   to_device(torch.tensor(positions, dtype=torch.long)), step)

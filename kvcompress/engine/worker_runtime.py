@@ -11,7 +11,6 @@ metadata builder finds it through ``kvcompress.step.runtime_for``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +18,10 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.messages import WorkerReport, merge_compactions, page_deltas
-from kvcompress.engine.worker_compaction import (
-    CompactionStats,
-    compact_completed_prompts,
-    evict_generated_tokens,
-)
+from kvcompress.device_faults import raise_if_fatal
+from kvcompress.device_timing import StageTimer
+from kvcompress.engine.messages import WorkerReport, page_deltas
+from kvcompress.engine.worker_compaction import CompactionStats, compress_step
 from kvcompress.engine.worker_expected import ExpectedScorer
 from kvcompress.engine.worker_moves import copy_pages
 from kvcompress.engine.worker_reconstruction import ReconstructionPass, Reconstructor
@@ -66,6 +63,9 @@ class PagedKVRuntime:
         # several); every group of a step shares this one.
         self._metadata: PagedAttentionMetadata | None = None
         self.stats = CompactionStats()
+        # Device time of the compaction after the forward (CUDA events, read lazily); the
+        # scoring's timer is the state's, which every step's attention layers share.
+        self.compaction_timer = StageTimer(device)
         # Requests whose own kv_* settings the worker rejected (id -> reason), until reported.
         self.rejected_settings: dict[str, str] = {}
         self._runner: Any = None
@@ -122,11 +122,12 @@ class PagedKVRuntime:
         self._copy_adopted_pages()
 
     def _copy_adopted_pages(self) -> None:
-        """Every adoption's page copies in one index copy on the pool; if that fails, each
-        request's alone, and those that fail again fail their request (reported with the
-        step, ``WorkerKVState.adoption_failures``). Re-running a copy is harmless: its
-        sources are a cached entry's pages, which no copy of the step writes (the scheduler
-        pins the entries its copies read until the step's deltas are taken)."""
+        """Every adoption's page copies in one index copy on the pool; if that fails (and
+        may be retried: ``raise_if_fatal``), each request's alone, and those that fail again
+        fail their request (reported with the step, ``WorkerKVState.adoption_failures``).
+        Re-running a copy is harmless: its sources are a cached entry's pages, which no copy
+        of the step writes (the scheduler pins the entries its copies read until the step's
+        deltas are taken)."""
         copies = self.state.take_copies()
         if not copies:
             return
@@ -134,13 +135,15 @@ class PagedKVRuntime:
             copy_pages(self.pool, np.concatenate([src for src, _ in copies.values()]),
                        np.concatenate([dst for _, dst in copies.values()]))
             return
-        except Exception:
+        except Exception as error:
+            raise_if_fatal(error, self.pool.device, "copying adopted pages")
             logger.exception("kvcompress: copying adopted pages failed; retrying request by "
                              "request")
         for request_id, (src, dst) in copies.items():
             try:
                 copy_pages(self.pool, src, dst)
             except Exception as error:
+                raise_if_fatal(error, self.pool.device, "copying adopted pages")
                 logger.exception("kvcompress: copying the adopted pages of request %s failed",
                                  request_id)
                 self.state.adoption_failures[request_id] = (
@@ -225,16 +228,15 @@ class PagedKVRuntime:
                     or not self._scores_expected(config)
                     or not config.policy.compression_method.needs_scores):
                 continue
-            started = time.perf_counter()
             try:
                 maybe_fail("score", [request.prompt_len])
                 request.window_scores = self.expected_scorer.score(
                     request, self.pool, self.kernel.page_format)
             except Exception as error:
+                raise_if_fatal(error, self.pool.device, "expected-attention scoring")
                 logger.exception("kvcompress: expected-attention scoring failed for request %s",
                                  request_id)
                 step.fail([request_id], f"expected-attention scoring failed: {error!r}")
-            step.score_seconds += time.perf_counter() - started
         self.state.note_scores_held()
 
     def reconstruct(self, forward: Callable[[ReconstructionPass, PagedAttentionMetadata],
@@ -262,7 +264,6 @@ class PagedKVRuntime:
             forward(reconstruction, metadata)
             for request_id, reason in reconstruction.step.failures.items():  # its requests
                 step.fail([request_id], reason)
-            step.score_seconds += reconstruction.step.score_seconds
 
     def _ends_this_step(self, request_id: str) -> bool:
         """Whether the request samples its last token (``max_tokens``) in this step: its
@@ -283,16 +284,24 @@ class PagedKVRuntime:
             return WorkerReport()
         self.state.finish_step(step)
         if self.expected_scorer is not None:
-            self._score_expected(step)
-        self.stats.score_seconds += step.score_seconds
-        started = time.perf_counter()
-        compactions = compact_completed_prompts(
-            self.state, step, self.pool, self.kernel, self.stats
-        )
-        # A request resumed after preemption may have both in one step: the decode
-        # eviction's lengths are final, the prompt's eviction must reach the scheduler too.
-        merge_compactions(compactions, evict_generated_tokens(
-            self.state, step, self.pool, self.kernel, self.stats, self.kernel.page_format))
-        seconds = time.perf_counter() - started if compactions else 0.0
+            with step.score_timer.measure():
+                self._score_expected(step)
+        with self.compaction_timer.measure() as measurement:
+            compactions = compress_step(self.state, step, self.pool, self.kernel, self.stats,
+                                        self.kernel.page_format)
+            if not compactions:
+                measurement.discard()  # a step with nothing to compact reports no time
+        # On CUDA these are the seconds of stages the device finished by now (this step's or
+        # earlier ones'): reading the events does not wait for it.
+        score_seconds = self.state.score_timer.take()
+        seconds = self.compaction_timer.take()
+        self.stats.score_seconds += score_seconds
         self.stats.seconds += seconds
-        return WorkerReport(compactions, step.failures, step.score_seconds, seconds)
+        return WorkerReport(compactions, step.failures, score_seconds, seconds)
+
+    def collect_stats(self) -> CompactionStats:
+        """``stats`` with every measured stage counted (waits for the device's pending
+        ones: for benchmarks, between runs)."""
+        self.stats.score_seconds += self.state.score_timer.take(wait=True)
+        self.stats.seconds += self.compaction_timer.take(wait=True)
+        return self.stats

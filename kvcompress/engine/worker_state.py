@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.device_timing import StageTimer
 from kvcompress.engine.decode_plan import plan_decode_scoring
 from kvcompress.engine.scoring_memory import scores_prompt
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
@@ -98,6 +99,9 @@ class WorkerKVState:
         # Adopters whose adoption failed (id -> reason) until the runtime reports them: they
         # run uncompressed from an empty context and the scheduler ends them.
         self.adoption_failures: dict[str, str] = {}
+        # The scoring time of every step it prepares (the attention layers' and the
+        # reconstruction passes'), kept across steps: on CUDA it is read once done.
+        self.score_timer = StageTimer(device)
         # Adopters' page copies (src, dst page ids, int64) not yet run on the pool.
         self._copies: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.tables = PageTableCache(layout.num_rows, layout.page_size,
@@ -249,6 +253,7 @@ class WorkerKVState:
             host_lengths_after=lengths_after_np,
             window_queries=window_queries,
             completing_prompt=completing,
+            score_timer=self.score_timer,
         )
 
     def note_scores_held(self) -> None:

@@ -6,6 +6,8 @@ device."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,11 @@ from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_compaction
-from kvcompress.engine.worker_compaction import compact_completed_prompts, evict_generated_tokens
+from kvcompress.engine.worker_compaction import (
+    compact_completed_prompts,
+    compress_step,
+    evict_generated_tokens,
+)
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import KeepPlan, plan_keep
@@ -142,3 +148,121 @@ def test_a_decode_eviction_chooses_on_the_device_and_brings_the_choice_over_once
     assert not is_on_device(torch.as_tensor(request.lengths))
     if policy == "h2o":
         assert is_on_device(request.decode_scores)  # carried on the device
+
+
+def step_of_many(monkeypatch):
+    """A step with three prompts completing under two configs (snapkv 24, pyramidkv 16
+    model-wide: two plan groups) and three decodes over their decode budget (two h2o with
+    scores on the device, one window: nothing to bring over). Plans are made on the
+    emulated device; returns the case, the host scores and the plan groups seen."""
+    groups = []
+
+    def plan_on_device(policy, prompt_lens, scores, **kwargs):
+        # The policy's own device work is the policies' (the emulation cannot tell its
+        # .to(scores' device) from a copy to the host): it runs on host copies here.
+        groups.append(list(prompt_lens))
+        scores = None if scores is None else [score.as_subclass(torch.Tensor)
+                                              for score in scores]
+        plan = plan_keep(policy, prompt_lens, scores, **kwargs)
+        return KeepPlan(*(on_device(tensor) for tensor in
+                          (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
+
+    monkeypatch.setattr(worker_compaction, "plan_keep", plan_on_device)
+    prompts = [100, 80, 90]
+    case = build_case(CPU_PAGE_FORMAT, [[n - 1] * 4 for n in prompts] + [[134] * 4] * 3,
+                      [1] * 6, num_layers=2, num_kv_heads=2, group=1, head_size=32,
+                      page_size=16, dtype=torch.float32, prompt_lens=prompts + [120] * 3,
+                      wants_compression=[True] * 3 + [False] * 3)
+    case.state.finish_step(case.step)
+    snapkv = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24})
+    pyramid = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_budget": 16,
+                                                "kv_budget_sharing": "model"})
+    decode = {policy: KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 200, "kv_decode_policy": policy,
+         "kv_decode_budget": 10, "kv_decode_interval": 5}) for policy in ("h2o", "window")}
+    configs = [snapkv, pyramid, snapkv, decode["h2o"], decode["h2o"], decode["window"]]
+    generator = torch.Generator().manual_seed(3)
+    host_scores = {}
+    for number, (request_id, config) in enumerate(zip(case.step.req_ids, configs)):
+        request = case.state.requests[request_id]
+        request.config = config
+        if number < 3:
+            host_scores[request_id] = torch.rand(2, 2, prompts[number], generator=generator)
+            request.window_scores = on_device(host_scores[request_id])
+        elif number < 5:
+            request.decode_scores = on_device(torch.rand(2, 2, 15, generator=generator))
+    case.step.completing_prompt = [0, 1, 2]
+    return case, host_scores, groups
+
+
+def test_a_step_brings_every_plan_and_eviction_over_in_one_transfer(emulated_device,
+                                                                    monkeypatch):
+    case, host_scores, groups = step_of_many(monkeypatch)
+    syncs_before = DeviceTensor.syncs
+    compactions = compress_step(case.state, case.step, case.pool, CPU_PAGE_FORMAT)
+    assert DeviceTensor.syncs - syncs_before == 1
+    assert sorted(map(sorted, groups)) == [[80], [90, 100]]  # two config groups
+    assert case.step.failures == {}
+    assert sorted(compactions) == sorted(case.step.req_ids)
+    for request_id, prompt in zip(case.step.req_ids[:3], (100, 80, 90)):
+        config = case.state.requests[request_id].config
+        policy = config.policy
+        if config.budget_sharing == "auto":  # a window scored it: shared per layer
+            policy = replace(policy, budget_sharing="layer")
+        plan = plan_keep(policy, [prompt], [host_scores[request_id]], num_layers=2,
+                         num_kv_heads=2)
+        assert compactions[request_id].physical_lengths.tolist() == plan.counts[0].reshape(
+            4).tolist()
+    for request_id in case.step.req_ids[3:]:
+        assert compactions[request_id].physical_lengths.tolist() == [130] * 4
+        assert compactions[request_id].kind == "decode"
+    assert is_on_device(case.state.requests[case.step.req_ids[3]].decode_scores)  # carried
+
+
+def test_on_cuda_the_retry_policy_and_a_sound_step_add_no_sync(emulated_device, monkeypatch):
+    """With the worker's device reported as CUDA, a step without errors never probes the
+    context (the probe is a synchronisation): still one transfer. A step whose planning
+    raises on the host probes once, then retries request by request as on CPU."""
+    probes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: probes.append(device))
+    case, _, _ = step_of_many(monkeypatch)
+    case.state.device = torch.device("cuda")
+    syncs_before = DeviceTensor.syncs
+    compress_step(case.state, case.step, case.pool, CPU_PAGE_FORMAT)
+    assert (DeviceTensor.syncs - syncs_before, probes) == (1, [])
+
+    case, _, _ = step_of_many(monkeypatch)
+    case.state.device = torch.device("cuda")
+    monkeypatch.setenv("KVCOMPRESS_FAULT_INJECTION", "plan:90")  # with 100: a group of two
+    compactions = compress_step(case.state, case.step, case.pool, CPU_PAGE_FORMAT)
+    assert list(case.step.failures) == [case.step.req_ids[2]]
+    assert len(compactions) == 5 and len(probes) == 2  # the group's call, then req2's alone
+
+
+def test_on_cuda_a_device_fault_in_the_moves_stops_the_worker(emulated_device, monkeypatch):
+    """A CUDA fault is not retried request by request nor blamed on a request: it is raised
+    again (the worker fails, vLLM fails the engine). A host error in the moves is retried."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    class FailingMover:
+        def __init__(self, error: Exception) -> None:
+            self.error, self.calls = error, 0
+
+        def move(self, pool, src, dst, disjoint=False):
+            self.calls += 1
+            raise self.error
+
+    case, _, _ = step_of_many(monkeypatch)
+    case.state.device = torch.device("cuda")
+    mover = FailingMover(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(RuntimeError) as raised:
+        compress_step(case.state, case.step, case.pool, mover)
+    assert raised.value is mover.error and mover.calls == 1
+    assert case.step.failures == {}  # no request blamed for it
+
+    case, _, _ = step_of_many(monkeypatch)
+    case.state.device = torch.device("cuda")
+    mover = FailingMover(ValueError("a bad slot list, refused on the host"))
+    assert compress_step(case.state, case.step, case.pool, mover) == {}
+    assert sorted(case.step.failures) == sorted(case.step.req_ids)
+    assert mover.calls == 2 + 6  # each batch, then each request alone

@@ -17,13 +17,15 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
-from kvcompress.engine.worker_compaction import compact_completed_prompts
+from kvcompress.engine.worker_compaction import compact_completed_prompts, compress_step
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout, PageManager
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
 from kvcompress.policies import METHODS, get_method, observation_window_scores, plan_keep
 from kvcompress.step import PagedAttentionMetadata
+from tests import sync_debug
+from tests.sync_debug import no_sync_region
 
 LAYERS, KV_HEADS, GROUP, HEAD_SIZE, PAGE_SIZE = 2, 2, 2, 32, 16
 PROMPTS = [50, 23, 77, 12]  # three compress at budget 16, the last keeps everything
@@ -123,8 +125,11 @@ class Pipeline:
                     self.keys[r, row] = torch.cat([old_k, key[start:stop, head]])
                     self.values[r, row] = torch.cat([old_v, value[start:stop, head]])
             output = torch.empty_like(query)
-            attend_layer(metadata, layer, query, key, value, self.pool, output, SCALE,
-                         sliding_window=self.layout.window_of(layer) or None)
+            # A layer's write, attention and scores never wait for the device (checked on
+            # CUDA by scripts/gpu_check.sh: KVCOMPRESS_SYNC_DEBUG=error).
+            with no_sync_region(self.device):
+                attend_layer(metadata, layer, query, key, value, self.pool, output, SCALE,
+                             sliding_window=self.layout.window_of(layer) or None)
             queries.append(query)
             outputs.append(output)
         self.state.finish_step(step)
@@ -190,8 +195,8 @@ def test_prefill_compact_decode(monkeypatch, device, use_triton, mover, method):
     # Compact: exactly the policy's tokens stay, the scheduler frees the rest.
     step.completing_prompt = [r for r in range(len(PROMPTS)) if PROMPTS[r] > BUDGET]
     free_before = pipeline.manager.num_free
-    compactions = compact_completed_prompts(pipeline.state, step, pipeline.pool,
-                                            pipeline.mover)
+    # The runtime's step-level entry (one device->host transfer for the step).
+    compactions = compress_step(pipeline.state, step, pipeline.pool, pipeline.mover)
     for request_id, compaction in compactions.items():
         pipeline.manager.release_after_compression(request_id, compaction.logical_len,
                                                    compaction.physical_lengths)
@@ -274,3 +279,13 @@ def test_sliding_window_layer_drops_pages_and_is_never_compacted(monkeypatch, de
     for request_id in pipeline.req_ids:
         pipeline.manager.free(request_id)
     assert pipeline.manager.num_free == pipeline.layout.total_pages
+
+
+def test_the_layers_run_in_the_no_sync_region(monkeypatch):
+    """What scripts/gpu_check.sh checks on CUDA (KVCOMPRESS_SYNC_DEBUG=error: a sync in a
+    layer raises) is wrapped around every layer; on CPU the region is entered, nothing else."""
+    monkeypatch.setenv(sync_debug.ENV, "error")
+    pipeline = Pipeline("cpu", False, "torch", "snapkv")
+    entered = sync_debug.counter.entered
+    pipeline.step(PROMPTS, [0] * len(PROMPTS))
+    assert sync_debug.counter.entered - entered == LAYERS
