@@ -206,6 +206,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         sink.samples.clear()
         sink.preemptions = sink.generated_tokens = sink.prompt_tokens = 0
         sink.preempted_tokens = None
+        sink.score_seconds = sink.compaction_seconds = 0.0
         last = [0.0]
 
         def on_step(_finished: int, _generated: int) -> None:
@@ -232,6 +233,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
 
         outputs, elapsed = generate(engine, [p["prompt_token_ids"] for p in prompts], params,
                                     on_step, on_outputs)
+        spent = sink.score_seconds, sink.compaction_seconds  # before the cap pass adds more
         prefill_only = None
         if job.get("measure_cap"):  # the same prompts again, one token each: prefill alone
             firsts = [SamplingParams(max_tokens=1, temperature=0.0) for _ in prompts]
@@ -250,6 +252,9 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         held=held,
         kv_cache_gib=settings.kv_cache_memory_bytes * settings.tensor_parallel_size / 2**30,
     )
+    # what the workers report spending on scores and compaction, as a share of the run
+    result["score_s"], result["compaction_s"] = spent
+    result["score_share"] = spent[0] / elapsed if elapsed > 0 else None
     result["prefill_only_s"] = prefill_only
     result["all_outputs_full_length"] = all(
         len(o.token_ids) == p["max_tokens"] for o, p in zip(outputs, prompts)
@@ -531,6 +536,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         ("preempted_tokens", "preempt tok"),
         ("mean_kv_tokens_per_running", "KV tok/req"), ("kv_x", "x van"),
         ("tokens_per_gib_used", "tok/GiB"), ("gib_x", "x van"),
+        ("score_share", "scoring"),
         ("cap_x", "cap x van"), ("cap_reached", "of cap"),
         ("of_ample_memory", "of ample mem"), ("elapsed_s", "time s"),
     ]

@@ -35,6 +35,10 @@ class EngineStats:
     # engine without compression, whose scheduler does not report them).
     preempted_tokens: int | None = None
     window_freed_pages: int = 0  # sliding-window pages freed (kvcompress only)
+    # Seconds the workers report spending on scores (window, decode, reconstruction) and on
+    # compaction (kvcompress only; rank 0's, as its scheduler stats carry them).
+    score_seconds: float = 0.0
+    compaction_seconds: float = 0.0
 
 
 class StepStatsRecorder(StatLoggerBase):
@@ -64,6 +68,8 @@ class StepStatsRecorder(StatLoggerBase):
                 self.stats.preempted_tokens = ((self.stats.preempted_tokens or 0)
                                                + figures["preempted_tokens"])
                 self.stats.window_freed_pages += figures.get("window_freed_pages", 0)
+                self.stats.score_seconds += sum(figures.get("score_seconds", ()))
+                self.stats.compaction_seconds += sum(figures.get("compaction_seconds", ()))
         if iteration_stats is not None:
             self.stats.preemptions += iteration_stats.num_preempted_reqs
             self.stats.generated_tokens += iteration_stats.num_generation_tokens

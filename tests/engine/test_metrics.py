@@ -62,3 +62,20 @@ def test_the_dashboard_only_queries_exported_metrics():
     exported = {sample.name for family in REGISTRY.collect() for sample in family.samples
                 if sample.name.startswith("kvcompress:")}
     assert names and names <= exported, names - exported
+
+
+def test_step_stats_recorder_sums_the_seconds_the_workers_report():
+    from kvcompress.engine.stats import EngineStats, StepStatsRecorder
+
+    sink = EngineStats()
+    recorder = StepStatsRecorder.factory(sink)(None)
+    for seconds in ([0.25, 0.5], [], [1.0]):
+        figures = {"preempted_tokens": 0, "score_seconds": seconds, "compaction_seconds": [0.1]}
+        stats = SimpleNamespace(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5,
+                                **{STATS_FIELD: figures})
+        recorder.record(stats, None)
+    assert sink.score_seconds == 1.75
+    assert abs(sink.compaction_seconds - 0.3) < 1e-9
+    recorder.record(SimpleNamespace(num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0,
+                                    **{STATS_FIELD: None}), None)  # vanilla vLLM: no figures
+    assert len(sink.samples) == 4 and sink.score_seconds == 1.75
