@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(samples, prompt_lens)
 
-    specs = [s for s in explicit if not s.is_vanilla] if explicit else make_specs(
+    # the full cache always runs first; vanilla with another cache dtype is a config
+    specs = [s for s in explicit if s != CompressionSpec()] if explicit else make_specs(
         methods, budgets, ratios, scorings)
     check_settings(specs, parse_kv_options(args.kv_option))
     to_run = [CompressionSpec()] + [s for s in specs if not evicts_nothing(s, prompt_lens)]
