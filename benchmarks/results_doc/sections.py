@@ -98,7 +98,7 @@ def _shared_context(report: Report) -> str:
 def _fp8_pages(report: Report) -> str:
     """The fp8 section's results: a throughput run, a memory sweep or a quality run."""
     if report.get("benchmark") == "quality":
-        return _quality(report)
+        return quality_report.render_report(report["configs"], report["workload"]["tasks"])
     if "--sweep-kv-memory" in report.get("command", ""):
         return _memory_sweep(report)
     return _throughput(report)
@@ -115,14 +115,16 @@ SECTIONS: tuple[Section, ...] = (
              "throughput_2threads_avx2_float32.json"), _throughput),
     Section("tensor_parallel", "Tensor parallelism", ("throughput_tp2.json",), _throughput),
     Section("memory_sweep", "KV memory sweep",
-            ("throughput_memory_sweep.json", "throughput_memory_sweep_avx2_float32.json"),
+            ("throughput_memory_sweep.json", "throughput_memory_sweep_avx2_float32.json",
+             "throughput_memory_sweep_decode_policies.json"),
             _memory_sweep),
     Section("step_overhead", "Host work per step", ("step_overhead.json",), _step_overhead),
     Section("long_generation", "Long generations",
             ("throughput_long_generation.json", "throughput_long_generation_intel_amx.json",
              "throughput_long_generation_window.json",
              "throughput_long_generation_decode_cost_before.json",
-             "throughput_long_generation_decode_cost.json"), _throughput),
+             "throughput_long_generation_decode_cost.json",
+             "throughput_long_generation_policies.json"), _throughput),
     Section("decode_fidelity", "Decode-time fidelity",
             ("decode_fidelity.json", "decode_fidelity_policies.json"), _decode_fidelity),
     Section("decode_recall", "Decode-time recall",
