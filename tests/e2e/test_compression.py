@@ -350,6 +350,13 @@ def run_checking_generated_parts(harness, names, num_tokens):
     return history
 
 
+def held_under_decode_budget(in_cache: int, budget: int, interval: int) -> int:
+    """Generated tokens a head holds with ``in_cache`` of them generated so far: up to
+    budget + interval - 1; the step that brings a head to budget + interval cuts it back to
+    the budget."""
+    return in_cache if in_cache < budget + interval else budget + (in_cache - budget) % interval
+
+
 @pytest.mark.parametrize("policy", ["window", "h2o", "snapkv", "rkv", "anchors"])
 def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
     budget, interval, window, tokens = 24, 8, 8, 120
@@ -367,10 +374,7 @@ def test_decode_budget_bounds_the_cache_of_long_generations(tiny_llama, policy):
         history = run_checking_generated_parts(harness, ["long", "short"], tokens)
         for name, steps in history.items():
             for held, in_cache, scores in steps:
-                # up to budget + interval - 1 generated tokens; the step that brings a head to
-                # budget + interval cuts it back to the budget
-                want = in_cache if in_cache < budget + interval else (
-                    budget + (in_cache - budget) % interval)
+                want = held_under_decode_budget(in_cache, budget, interval)
                 assert held == want, (name, held, in_cache)
                 if policy in ("h2o", "anchors"):  # scored from the first decode step on,
                     # carried over

@@ -19,6 +19,7 @@ from .test_compression import (
     TINY,
     assert_heads_grow_by_their_new_tokens,
     assert_holds_policy_budget,
+    held_under_decode_budget,
     run_checking_generated_parts,
     step_until_first_token,
 )
@@ -147,8 +148,7 @@ def test_fp8_decode_budget_bounds_the_cache(tiny_llama, policy):
         history = run_checking_generated_parts(harness, ["long", "short"], tokens)
         for name, steps in history.items():
             for held, in_cache, _ in steps:
-                want = in_cache if in_cache < budget + interval else (
-                    budget + (in_cache - budget) % interval)
+                want = held_under_decode_budget(in_cache, budget, interval)
                 assert held == want, (name, held, in_cache)
             assert max(held for held, _, _ in steps) == budget + interval - 1
     finally:
