@@ -28,7 +28,7 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,8 +181,11 @@ class Recorder:
             self.later_rows.setdefault(layer, []).append(rows[:, 0, : self.prompt_len].clone())
 
 
-def install_attention() -> None:
-    """Register eager attention that also reports its weights (the official extension point)."""
+def register_observed_attention(name: str,
+                                observe: Callable[[Any, Any, Any, Any, float], None]) -> None:
+    """Register eager attention under ``name`` (transformers' ``AttentionInterface``, the
+    official extension point) that calls ``observe(module, query, key, weights, scaling)``
+    after each layer attends (post-RoPE query and key, the softmax weights)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -192,13 +195,22 @@ def install_attention() -> None:
         output, weights = eager_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+        observe(module, query, key, weights, scaling)
+        return output, None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+
+
+def install_attention() -> None:
+    """Register eager attention that also reports its weights to the active recorder."""
+
+    def observe(module: Any, query: Any, key: Any, weights: Any, scaling: float) -> None:
         recorder = _ACTIVE["recorder"]
         if recorder is not None:
             recorder.observe(module.layer_idx, weights)
-        return output, None
 
-    AttentionInterface.register(ATTENTION_NAME, attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+    register_observed_attention(ATTENTION_NAME, observe)
 
 
 def analyze_input(model: Any, input_ids: Any, *, new_tokens: int, window: int,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.attention_analysis import register_observed_attention
 from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
 from benchmarks.specs import (
     benchmark_parser,
@@ -110,21 +111,13 @@ def build_parser():
 def record_keys_and_queries(model: Any, input_ids: Any) -> dict[int, tuple[Any, Any, float]]:
     """Per layer: (queries [Hq, S, D], keys [H, S, D], scaling) of one prefill, post-RoPE."""
     import torch
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     recorded: dict[int, tuple[Any, Any, float]] = {}
 
-    def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
-                  scaling: float, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
+    def observe(module: Any, query: Any, key: Any, weights: Any, scaling: float) -> None:
         recorded[module.layer_idx] = (query[0].clone(), key[0].clone(), scaling)
-        output, _ = eager_attention_forward(module, query, key, value, attention_mask,
-                                            scaling=scaling, dropout=dropout, **kwargs)
-        return output, None
 
-    AttentionInterface.register("kvcompress_fp8_selection", attention)
-    AttentionMaskInterface.register("kvcompress_fp8_selection", eager_mask)
+    register_observed_attention("kvcompress_fp8_selection", observe)
     model.set_attn_implementation("kvcompress_fp8_selection")
     with torch.no_grad():
         model(input_ids=input_ids)
