@@ -142,6 +142,13 @@ def fp8_pool(pool: torch.Tensor, kv_fp8: torch.dtype = torch.float8_e4m3fn) -> t
                         fp8_codes(pool[:, 1], kv_fp8, FP8_SCALES["v_scale"])], dim=1)
 
 
+def check_row(name: str, errors: dict[str, float], ok: bool) -> Row:
+    """A reference check's row: ok or FAIL, with the max error of each case."""
+    return Row("check", name, "triton", 0.0,
+               note=("ok " if ok else "FAIL ") + str({k: f"{v:.1e}" for k, v in errors.items()}),
+               extra={"max_abs_error": errors, "ok": ok})
+
+
 def bandwidth(row: Row, num_bytes: int, peak_gbps: float) -> Row:
     row.gbps = num_bytes / (row.time_us * 1e-6) / 1e9
     row.pct_peak = 100.0 * row.gbps / peak_gbps
@@ -177,9 +184,7 @@ def check_attention(device: torch.device, dtype: torch.dtype) -> Row:
     paged_attention_triton(*args, out)
     errors["prefill"] = max_error(out, out_ref)
     ok = max(errors.values()) < (2e-2 if dtype != torch.float32 else 1e-4)
-    return Row("check", "attention vs reference", "triton", 0.0,
-               note=("ok " if ok else "FAIL ") + str({k: f"{v:.1e}" for k, v in errors.items()}),
-               extra={"max_abs_error": errors, "ok": ok})
+    return check_row("attention vs reference", errors, ok)
 
 
 def check_fp8(device: torch.device, dtype: torch.dtype) -> Row:
@@ -209,9 +214,7 @@ def check_fp8(device: torch.device, dtype: torch.dtype) -> Row:
         write_kv_ref(key, key, expected, slots, **fp8)
         ok = ok and torch.equal(written, expected)
     ok = ok and max(errors.values()) < (2e-2 if dtype != torch.float32 else 1e-4)
-    return Row("check", "fp8 pages vs reference", "triton", 0.0,
-               note=("ok " if ok else "FAIL ") + str({k: f"{v:.1e}" for k, v in errors.items()}),
-               extra={"max_abs_error": errors, "ok": ok})
+    return check_row("fp8 pages vs reference", errors, ok)
 
 
 def bench_decode(args, timer: Timer, device: torch.device, dtype: torch.dtype) -> list[Row]:
@@ -340,9 +343,7 @@ def check_decode_scores(device: torch.device, dtype: torch.dtype) -> Row:
                                decode_scores=got)
         errors[f"splits={splits}"] = max_error(got.mass, want.mass)
     ok = max(errors.values()) < 1e-4  # probabilities from fp32 logits of the same inputs
-    return Row("check", "fused decode scores vs reference", "triton", 0.0,
-               note=("ok " if ok else "FAIL ") + str({k: f"{v:.1e}" for k, v in errors.items()}),
-               extra={"max_abs_error": errors, "ok": ok})
+    return check_row("fused decode scores vs reference", errors, ok)
 
 
 def bench_decode_scores(args, timer: Timer, device: torch.device,
