@@ -62,15 +62,21 @@ DEFAULT_ADMISSION_LOOKAHEAD = 512
 REUSE_CHOICES = ("on", "off")
 # Which prompt tokens a compressed head keeps is decided by scores: "window" (the prompt's
 # last queries, question-aware), "reconstruct" (how much a reconstruction of the context
-# attends to each token, query-agnostic: what later questions about it can rely on) or
-# "hybrid" (the union of both rankings); "auto" is hybrid where a kept cache can serve later
-# requests (--kv-reuse on) and window where it cannot (one question per prompt).
-# "expected" scores keys by the attention the model's average later query pays them, from a
-# query profile made once per model (--kv-profile): query-agnostic with no extra pass.
-SCORINGS = ("auto", "window", "reconstruct", "hybrid", "expected")
+# attends to each token, query-agnostic: what later questions about it can rely on, at the
+# cost of an extra pass), "hybrid" (the union of both rankings), "surrogate" (the
+# reconstruction's scores predicted inside the prefill by a map made once per model,
+# --kv-surrogate: query-agnostic with no extra pass) or "expected" (the attention the
+# model's average later query pays a key, from a query profile made once per model).
+# "auto" is resolved when the engine starts (engine/engine_args.py): surrogate where a kept
+# cache can serve later requests (--kv-reuse on) and the model has a surrogate, else window.
+SCORINGS = ("auto", "window", "surrogate", "reconstruct", "hybrid", "expected")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
-# Where a compressed prompt's budget may go; "auto" is "model" where a reconstruction scores
-# the prompt (its scores compare across layers and heads), else the method's own "layer".
+# Scorings whose scores compare across layers and heads (a reconstruction's, or their
+# prediction): ``--kv-budget-sharing auto`` shares the budget model-wide for them.
+QUERY_AGNOSTIC_SCORINGS = (*RECONSTRUCTING_SCORINGS, "surrogate")
+# Where a compressed prompt's budget may go; "auto" is "model" where a reconstruction or its
+# surrogate scores the prompt (its scores compare across layers and heads), else the
+# method's own "layer".
 BUDGET_SHARING_CHOICES = ("auto", *BUDGET_SHARINGS)
 DEFAULT_SCORING = "auto"  # measured: docs/methods.md, "Scoring, by measurement"
 # Context tokens per reconstruction forward: bounds its activations (vLLM profiles a batch
@@ -169,9 +175,9 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "the method's own split (each layer its budget; Ada-KV's heads share their layer's); "
         "'model' lets every layer, KV head and token compete for the whole total by score "
         "(KVzip's pair-level eviction: the heads the context needs keep most of it; needs a "
-        "method with scores). 'auto' (default) is 'model' where a reconstruction scores the "
-        "prompt (--kv-scoring reconstruct or hybrid, and auto with reuse on), 'layer' "
-        "otherwise.",
+        "method with scores). 'auto' (default) is 'model' where a reconstruction or its "
+        "surrogate scores the prompt (--kv-scoring reconstruct, hybrid or surrogate, and auto "
+        "where it resolves to surrogate), 'layer' otherwise.",
         BUDGET_SHARING_CHOICES,
     ),
     FlagSpec(
@@ -236,16 +242,18 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec(
         "kv_scoring", "--kv-scoring", "scoring", str,
         "Which tokens a compressed KV head keeps, whatever the method decides how many: "
-        "'reconstruct' scores each prompt token by the attention a reconstruction of the "
-        "context pays it (KVzip-style, one extra pass over the prompt, query-agnostic: later "
-        "questions and reused caches can rely on what is kept); 'window' by the attention of "
-        "the prompt's last --kv-window tokens (question-aware, no extra pass: best for one "
-        "question per prompt); 'hybrid' keeps what ranks high by either (the extra pass too); "
-        "'expected' by the attention the model's queries to come are expected to pay it, "
-        "from a query profile made once per model (--kv-profile; query-agnostic, no extra "
-        "pass); "
-        "'auto' is hybrid where finished caches are reused (--kv-reuse on), window where "
-        f"they are not. Default {DEFAULT_SCORING}.",
+        "'surrogate' scores each prompt token by the attention a reconstruction of the "
+        "context would pay it, predicted inside the prefill from the token's key and value "
+        "by a map made once per model (--kv-surrogate; query-agnostic, no extra pass: later "
+        "questions and reused caches can rely on what is kept); 'reconstruct' runs that "
+        "reconstruction (KVzip-style, one extra pass over the prompt); 'window' by the "
+        "attention of the prompt's last --kv-window tokens (question-aware, no extra pass: "
+        "best for one question per prompt); 'hybrid' keeps what ranks high by window or "
+        "reconstruct (the extra pass too); 'expected' by the attention the model's queries to "
+        "come are expected to pay it, from a query profile made once per model (--kv-profile;"
+        " query-agnostic, no extra pass); 'auto' is surrogate where finished caches are "
+        "reused (--kv-reuse on) and the model has a surrogate, window otherwise (logged at "
+        f"start). Default {DEFAULT_SCORING}.",
         SCORINGS,
     ),
     FlagSpec(
@@ -264,6 +272,12 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "the model folder. The engine refuses a profile made for another model.",
     ),
     FlagSpec(
+        "kv_surrogate", "--kv-surrogate", "surrogate", str,
+        "With --kv-scoring surrogate (or auto): the model's score surrogate, made once by "
+        "'python -m kvcompress.profile_model MODEL_DIR'. Default: kvcompress_surrogate.pt in "
+        "the model folder. The engine refuses a surrogate made for another model.",
+    ),
+    FlagSpec(
         "kv_min_prompt", "--kv-min-prompt", "min_prompt", int,
         "With --kv-compression-ratio: prompts of at most N tokens are kept whole, and so are "
         "the new tokens of a turn that continues a cached conversation (its question would "
@@ -275,9 +289,9 @@ CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
 # Settings a single request may override (``SamplingParams.extra_args`` offline,
 # ``vllm_xargs`` over HTTP). The page size and admission shape the shared pool: engine-wide.
 # The reconstruction chunk sizes scratch pages reserved once for the engine.
-# The query profile is loaded once, at start.
+# The query profile and the score surrogate are loaded once, at start.
 REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead", "kv_reuse",
-                              "kv_reconstruct_chunk", "kv_profile"}
+                              "kv_reconstruct_chunk", "kv_profile", "kv_surrogate"}
 _SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 
 
@@ -307,6 +321,7 @@ class KVCompressionConfig:
     scoring: str = DEFAULT_SCORING
     reconstruct_chunk: int = DEFAULT_RECONSTRUCT_CHUNK
     profile: str = ""  # the query profile's path; "" = beside the model
+    surrogate: str = ""  # the score surrogate's path; "" = beside the model
     min_prompt: int = DEFAULT_MIN_PROMPT
 
     @property
@@ -327,8 +342,9 @@ class KVCompressionConfig:
 
     @property
     def resolved_scoring(self) -> str:
-        """The scoring ``auto`` stands for: hybrid where kept caches serve later requests."""
-        return _resolve_scoring(self.scoring, self.reuse)
+        """The scoring in force: ``auto`` is resolved when the engine starts (to surrogate or
+        window); unresolved, it stands for window."""
+        return _resolve_scoring(self.scoring)
 
     @property
     def resolved_budget_sharing(self) -> str:
@@ -336,7 +352,7 @@ class KVCompressionConfig:
         if self.budget_sharing != "auto":
             return self.budget_sharing
         scored = self.enabled and get_method(self.method).needs_scores
-        return "model" if scored and self.resolved_scoring in RECONSTRUCTING_SCORINGS else "layer"
+        return "model" if scored and self.resolved_scoring in QUERY_AGNOSTIC_SCORINGS else "layer"
 
     @property
     def scores_window(self) -> bool:
@@ -347,6 +363,11 @@ class KVCompressionConfig:
     def loads_profile(self) -> bool:
         """Whether the engine loads a query profile (--kv-scoring expected)."""
         return self.enabled and self.resolved_scoring == "expected"
+
+    @property
+    def loads_surrogate(self) -> bool:
+        """Whether the engine loads a score surrogate (--kv-scoring surrogate)."""
+        return self.enabled and self.resolved_scoring == "surrogate"
 
     @property
     def reserves_reconstruction(self) -> bool:
@@ -520,13 +541,21 @@ class KVCompressionConfig:
                 f"per-request setting rejected: {engine_only} can only be set for the "
                 "whole engine (flag or additional_config)"
             )
-        asked = _resolve_scoring(str(overrides.get("kv_scoring", "")).lower(), self.reuse)
+        if str(overrides.get("kv_scoring", "")).lower() == "auto":
+            overrides["kv_scoring"] = self.resolved_scoring  # the engine's own choice
+        asked = _resolve_scoring(str(overrides.get("kv_scoring", "")).lower())
         if asked in RECONSTRUCTING_SCORINGS and not self.reserves_reconstruction:
             raise KVCompressionConfigError(
                 f"invalid per-request setting 'kv_scoring': {asked} needs the scratch pages "
                 "of a server started with --kv-scoring reconstruct or hybrid (this one runs "
                 f"--kv-scoring {self.scoring}); allowed: {self.scoring}", "kv_scoring",
                 f"allowed: {self.scoring}")
+        if asked == "surrogate" and not self.loads_surrogate:
+            raise KVCompressionConfigError(
+                "invalid per-request setting 'kv_scoring': surrogate needs the score surrogate "
+                "of a server started with --kv-scoring surrogate or auto with a surrogate "
+                f"(this one runs --kv-scoring {self.scoring}); allowed: window or "
+                f"{self.scoring}", "kv_scoring", f"allowed: window or {self.scoring}")
         if asked == "expected" and not self.loads_profile:
             raise KVCompressionConfigError(
                 "invalid per-request setting 'kv_scoring': expected needs the query profile "
@@ -600,11 +629,9 @@ _POLICY_FIELDS = tuple(
 )
 
 
-def _resolve_scoring(scoring: str, reuse: str) -> str:
-    """``auto``: hybrid where kept caches serve later requests (reuse on), else window."""
-    if scoring != "auto":
-        return scoring
-    return "hybrid" if reuse == "on" else "window"
+def _resolve_scoring(scoring: str) -> str:
+    """``auto`` not resolved at start (engine_args.resolve_auto_scoring): window."""
+    return "window" if scoring == "auto" else scoring
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -1,12 +1,15 @@
-"""Profile a model's queries once, for ``--kv-scoring expected``:
+"""Profile a model once, for the scorings that need no extra pass:
 
     python -m kvcompress.profile_model [MODEL_DIR] [--out PATH] [--documents N] [--if-missing]
 
 runs the model (Hugging Face transformers, on CPU or the first GPU) over built-in
-calibration conversations and writes ``MODEL_DIR/kvcompress_profile.pt``
-(``kvcompress.profiles``). Only queries that look back at a context are measured: the
-questions and answers that follow a document, and a reconstruction of the document ("repeat
-the previous context"), i.e. the queries later turns will send. The documents are
+calibration text and writes ``MODEL_DIR/kvcompress_profile.pt`` (``kvcompress.profiles``,
+for ``--kv-scoring expected``) and ``MODEL_DIR/kvcompress_surrogate.pt``
+(``kvcompress.surrogates``, for ``--kv-scoring surrogate`` and ``auto``; fitted by
+``kvcompress.surrogate_fit``). For the profile, only queries that look back at a context
+are measured: the questions and answers that follow a document, and a reconstruction of
+the document ("repeat the previous context"), i.e. the queries later turns will send. The
+documents are
 synthetic (records, notes, logs, prose with names, numbers and codes), generated from a
 seed, and differ from every benchmark's documents.
 """
@@ -21,33 +24,14 @@ from pathlib import Path
 
 import torch
 
+from kvcompress.calibration import REPEAT_INSTRUCTION, calibration_document, chat_text
 from kvcompress.profiles import (
-    ProfileError,
     QueryProfile,
     default_profile_path,
     load_profile,
     model_fingerprint,
 )
-
-REPEAT_INSTRUCTION = "Repeat the previous context exactly."
-_NAMES = ("Amara", "Bogdan", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi",
-          "Ingrid", "Jomo", "Katya", "Lorenzo", "Mei", "Nikolai", "Oksana", "Pedro")
-_PLACES = ("the north warehouse", "the river depot", "the old mill", "the harbour office",
-           "the east annex", "the mountain lab", "the central archive", "the south yard")
-_THINGS = ("copper wire", "glass jars", "oak planks", "wool blankets", "solar panels",
-           "brass valves", "paper rolls", "clay bricks", "steel bolts", "linen sheets")
-_VERBS = ("inspected", "repaired", "moved", "counted", "labelled", "shipped", "ordered",
-          "measured")
-_PROSE = (
-    "The morning was quiet and the light came in low over the fields.",
-    "Nobody expected the meeting to run long, yet it did.",
-    "A short note on the board reminded everyone to lock the side door.",
-    "The old radio in the corner played a song that nobody could name.",
-    "Rain had left the road soft, and the trucks moved slowly.",
-    "It was agreed that the figures would be checked again on Friday.",
-    "Someone had left a cup of tea on the windowsill, long gone cold.",
-    "The committee thanked the volunteers for their patience.",
-)
+from kvcompress.surrogates import default_surrogate_path, load_surrogate
 
 
 @dataclass
@@ -70,31 +54,6 @@ class _Statistics:
         return mean.float(), covariance.float()
 
 
-def calibration_document(rng: random.Random, sentences: int) -> tuple[str, list[str]]:
-    """A synthetic document and questions about it (with their answers inline)."""
-    lines, questions = [], []
-    for _ in range(sentences):
-        kind = rng.randrange(4)
-        name, place = rng.choice(_NAMES), rng.choice(_PLACES)
-        thing, verb = rng.choice(_THINGS), rng.choice(_VERBS)
-        count = rng.randrange(2, 900)
-        if kind == 0:
-            lines.append(f"On day {rng.randrange(1, 29)}, {name} {verb} {count} {thing} "
-                         f"at {place}.")
-            questions.append(f"How many {thing} did {name} handle? {count}.")
-        elif kind == 1:
-            code = f"{rng.choice('BDFKLPRTVZ')}{rng.choice('AEIOU')}-{rng.randrange(1000, 9999)}"
-            lines.append(f"The lot of {thing} stored at {place} carries the tag {code}.")
-            questions.append(f"Which tag do the {thing} at {place} carry? {code}.")
-        elif kind == 2:
-            lines.append(f"{name} moved from {place} to {rng.choice(_PLACES)} and now "
-                         f"looks after the {thing}.")
-            questions.append(f"Who looks after the {thing}? {name}.")
-        else:
-            lines.append(rng.choice(_PROSE))
-    return " ".join(lines), questions
-
-
 def calibration_conversations(tokenizer, documents: int, seed: int) -> list[tuple[str, int]]:
     """``(text, context_chars)`` pairs: queries after ``context_chars`` characters count."""
     rng = random.Random(seed)
@@ -102,24 +61,17 @@ def calibration_conversations(tokenizer, documents: int, seed: int) -> list[tupl
     for _ in range(documents):
         document, questions = calibration_document(rng, rng.randrange(25, 70))
         rng.shuffle(questions)
-        context = _chat(tokenizer, [{"role": "user", "content": document}], True)
+        context = chat_text(tokenizer, [{"role": "user", "content": document}], True)
         turns = [{"role": "user", "content": document},
                  {"role": "assistant", "content": "I have read it."}]
         for question in questions[:6]:
             asked, answer = question.rsplit("? ", 1)
             turns += [{"role": "user", "content": asked + "?"},
                       {"role": "assistant", "content": answer}]
-        texts.append((_chat(tokenizer, turns, False), len(context)))
+        texts.append((chat_text(tokenizer, turns, False), len(context)))
         reconstruction = f"{document}\n\n{REPEAT_INSTRUCTION}\n{document}"
         texts.append((reconstruction, len(document)))
     return texts
-
-
-def _chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-    return "\n".join(message["content"] for message in messages)
 
 
 def profile_model(model_dir: str | Path, documents: int = 12, seed: int = 0,
@@ -187,32 +139,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", nargs="?",
                         help="a local Hugging Face model folder (default: the embedded model)")
     parser.add_argument("--out", help="where to write the profile (default: beside the model)")
+    parser.add_argument("--surrogate-out",
+                        help="where to write the score surrogate (default: beside the model)")
     parser.add_argument("--documents", type=int, default=12,
                         help="calibration documents (each gives a Q&A and a reconstruction)")
+    parser.add_argument("--surrogate-documents", type=int, default=32,
+                        help="calibration prompts the score surrogate is fitted on "
+                             "(0: make no surrogate)")
+    parser.add_argument("--held-out", type=int, default=8,
+                        help="further prompts the surrogate's figures are measured on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--if-missing", action="store_true",
-                        help="do nothing if the model's valid profile is already there")
+                        help="make only what is missing (or made for another model)")
     args = parser.parse_args(argv)
     if args.documents < 1:
         parser.error("--documents: allowed: an integer >= 1")
+    if args.surrogate_documents < 0 or args.held_out < 0:
+        parser.error("--surrogate-documents / --held-out: allowed: an integer >= 0")
     if args.model_dir is None:
         from kvcompress.models import embedded_model_dir
 
         args.model_dir = str(embedded_model_dir())
     out = Path(args.out) if args.out else default_profile_path(args.model_dir)
-    if args.if_missing and out.is_file():
-        try:
-            load_profile(out, args.model_dir)
-            print(f"kvcompress: query profile already at {out}")
-            return 0
-        except ProfileError as error:
-            print(f"kvcompress: remaking the profile ({error})")
-    profile = profile_model(args.model_dir, args.documents, args.seed, args.device)
-    profile.save(out)
-    print(f"kvcompress: query profile of {profile.num_layers} layers x {profile.num_heads} "
-          f"heads from {profile.num_queries} queries written to {out}")
+    if not (args.if_missing and _valid(out, args.model_dir, load_profile, "query profile")):
+        profile = profile_model(args.model_dir, args.documents, args.seed, args.device)
+        profile.save(out)
+        print(f"kvcompress: query profile of {profile.num_layers} layers x "
+              f"{profile.num_heads} heads from {profile.num_queries} queries written to {out}")
+    if args.surrogate_documents:
+        _make_surrogate(args)
     return 0
+
+
+def _make_surrogate(args: argparse.Namespace) -> None:
+    from kvcompress.surrogate_fit import make_surrogate
+
+    out = (Path(args.surrogate_out) if args.surrogate_out
+           else default_surrogate_path(args.model_dir))
+    if args.if_missing and _valid(out, args.model_dir, load_surrogate, "score surrogate"):
+        return
+    surrogate = make_surrogate(args.model_dir, documents=args.surrogate_documents,
+                               held_out=args.held_out, seed=args.seed + 1, device=args.device)
+    surrogate.save(out)
+    figures = ", ".join(f"{key} {value:.3f}" for key, value in surrogate.quality.items())
+    print(f"kvcompress: score surrogate of {surrogate.num_layers} layers x "
+          f"{surrogate.num_kv_heads} KV heads from {surrogate.num_tokens} prompt tokens "
+          f"written to {out}" + (f"; held out: {figures}" if figures else ""))
+
+
+def _valid(path: Path, model_dir: str, load, what: str) -> bool:
+    """Whether ``path`` holds a valid ``what`` of this model (``load`` checks it)."""
+    if not path.is_file():
+        return False
+    try:
+        load(path, model_dir)
+    except ValueError as error:
+        print(f"kvcompress: remaking the {what} ({error})")
+        return False
+    print(f"kvcompress: {what} already at {path}")
+    return True
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ attention metadata builder finds the runtime of its engine. No vLLM imports.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from kvcompress.device_timing import StageTimer
 from kvcompress.paging import PageLayout
 from kvcompress.paging.batch_tables import BatchPageTables
 from kvcompress.paging.page_format import PageFormat
+
+if TYPE_CHECKING:
+    from kvcompress.surrogates import ScoreSurrogate
 
 
 @dataclass
@@ -90,6 +93,34 @@ class DecodeQueries:
     # What this step's scores count for: K when only every K-th step is scored
     # (--kv-decode-score-every), so the sampled mass estimates the summed one.
     weight: float = 1.0
+
+
+@dataclass
+class SurrogateTokens:
+    """The prompt tokens of one request that its score surrogate scores in this step
+    (``--kv-scoring surrogate``): ``num_tokens`` consecutive ones, entries
+    ``[first, first + num_tokens)`` of ``SurrogatePlan.token_index``."""
+
+    batch_index: int
+    prompt_len: int
+    first: int
+    num_tokens: int
+    # The request's accumulator [L, H, width] by physical slot, as WindowQueries.scores.
+    scores: torch.Tensor
+    # The slot of the first token, the same in every row (no adopted context); else None
+    # and ``slot_base [rows]`` int64 on the device holds it per row.
+    first_slot: int | None
+    slot_base: torch.Tensor | None = None
+
+
+@dataclass
+class SurrogatePlan:
+    """What every layer's surrogate scoring needs, built once per step on the device."""
+
+    surrogate: ScoreSurrogate
+    token_index: torch.Tensor  # [N] int64: each scored token's index in the step
+    place_features: torch.Tensor  # [N, 4] fp32: surrogates.position_features of each
+    entries: list[SurrogateTokens]
 
 
 # DecodeScoring.reduce_codes: a request's --kv-gqa-reduce by its index here.
@@ -161,6 +192,8 @@ class StepBatch:
     decode_scoring: DecodeScoring | None = None  # their index tensors, None without any
     # Requests whose prompt completes in this step and need compaction afterwards.
     completing_prompt: list[int] = field(default_factory=list)
+    # Prompt tokens scored by a score surrogate in this step (None: none).
+    surrogate_plan: SurrogatePlan | None = None
     # Times the attention backend's scoring (observation windows, decode queries,
     # reconstruction passes): the worker's one timer, kept across steps (on CUDA its events
     # are read once the device finished them).

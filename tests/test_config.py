@@ -96,7 +96,7 @@ def test_policy_settings_carry_the_config_and_share_its_defaults():
     })
     assert config.policy == PolicySettings(
         "adakv", ratio=0.5, window=16, beta=5.0, pooling="avg", pooling_kernel=3, sink_tokens=2,
-        budget_sharing="model",  # auto, and reuse on: hybrid scoring, shared model-wide
+        budget_sharing="layer",  # auto unresolved: window scores keep the method's split
     )
     assert config.policy is config.policy  # built once per config
     snap = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_reuse": "off"})
@@ -187,6 +187,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_adakv_totals": "uniform",
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
         "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
+        "kv_surrogate": "/Models/Some-Model/Surrogate.pt",
         "kv_min_prompt": 64, "kv_budget_sharing": "model",
     }
     config = KVCompressionConfig.from_mapping(given)
@@ -219,30 +220,43 @@ def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
             assert config_fields[field.name].default == field.default, field.name
 
 
-def test_scoring_is_auto_by_default_hybrid_with_reuse_window_without():
+def test_scoring_is_auto_by_default_resolved_at_start_window_until_then():
     default = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                                 "kv_compression_ratio": 0.75})
     assert (default.scoring, default.reconstruct_chunk) == ("auto", 512)
-    assert default.resolved_scoring == "hybrid" and default.reconstructs(200)
-    assert default.scores_window and default.reserves_reconstruction
-    assert "scoring=hybrid" in default.describe()
-    single = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
-                                               "kv_compression_ratio": 0.75, "kv_reuse": "off"})
-    assert single.resolved_scoring == "window" and not single.reconstructs(200)
-    assert not single.reserves_reconstruction
+    # auto is resolved by the engine's start (engine_args.resolve_auto_scoring): it never
+    # stands for a reconstruction pass
+    assert default.resolved_scoring == "window" and not default.reconstructs(200)
+    assert not default.reserves_reconstruction and not default.loads_surrogate
+    assert "scoring=window" in default.describe()
+    surrogate = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                                  "kv_compression_ratio": 0.75,
+                                                  "kv_scoring": "surrogate"})
+    assert surrogate.loads_surrogate and not surrogate.scores_window
+    assert surrogate.resolved_budget_sharing == "model" and not surrogate.reconstructs(200)
+    # a request asking for auto gets the engine's own choice
+    assert surrogate.with_request_overrides({"kv_scoring": "auto"}).scoring == "surrogate"
+    with pytest.raises(KVCompressionConfigError, match="kv_scoring.*surrogate needs"):
+        default.with_request_overrides({"kv_scoring": "surrogate"})
+    with pytest.raises(KVCompressionConfigError, match="whole engine"):
+        surrogate.with_request_overrides({"kv_surrogate": "/elsewhere.pt"})
+    default = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
+                                                "kv_compression_ratio": 0.75,
+                                                "kv_scoring": "hybrid"})
     config = default.with_request_overrides({"kv_scoring": "reconstruct"})
     assert config.reconstructs(200) and not config.scores_window
     # StreamingLLM keeps sinks and recent tokens: nothing to score, no pass
     streaming = config.with_request_overrides({"kv_compression": "streamingllm"})
     assert not streaming.reconstructs(200)
     # a budget the prompt fits in compresses nothing: no pass
-    budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 256})
+    budget = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 256,
+                                               "kv_scoring": "reconstruct"})
     assert not budget.reconstructs(256) and budget.reconstructs(257)
     assert not KVCompressionConfig().reserves_reconstruction
     window = config.with_request_overrides({"kv_scoring": "window"})
     assert window.scoring == "window" and not window.reconstructs(200)
     with pytest.raises(KVCompressionConfigError,
-                       match=r"--kv-scoring.*window, reconstruct, hybrid"):
+                       match=r"--kv-scoring.*window, surrogate, reconstruct, hybrid"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_scoring": "q"})
     for chunk in (8, 9000):
         with pytest.raises(KVCompressionConfigError,
@@ -301,8 +315,9 @@ def test_short_prompts_and_segments_are_kept_whole_even_with_a_ratio():
 @pytest.mark.parametrize(
     ("settings", "sharing"),
     [
-        ({}, "model"),  # reuse on: auto scoring is hybrid, a reconstruction scores
-        ({"kv_reuse": "off"}, "layer"),  # auto scoring is the window's
+        ({}, "layer"),  # auto unresolved (resolved at start): the window's
+        ({"kv_scoring": "surrogate"}, "model"),  # predicts a reconstruction's scores
+        ({"kv_scoring": "hybrid"}, "model"),
         ({"kv_scoring": "window"}, "layer"),
         ({"kv_scoring": "expected"}, "layer"),
         ({"kv_scoring": "reconstruct", "kv_reuse": "off"}, "model"),

@@ -11,6 +11,7 @@ import torch
 
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
+from kvcompress.attention.surrogate_scores import accumulate_surrogate_scores
 from kvcompress.attention.window_scores import accumulate_window_scores
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.faults import InjectedFault, maybe_fail
@@ -49,10 +50,12 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
     kernel.attend(metadata.kernel_args, layer_index, query, pool, output, scale,
                   sliding_window=sliding_window, kv_scales=kv_scales,
                   decode_scoring=step.decode_scoring if fused else None, **softmax)
-    if kernel.page_format.fp8_dtype is not None:
-        scale, key = scale * kv_scales.key, None
     if sliding_window:
         return output
+    if step.surrogate_plan is not None:
+        _score_surrogate(metadata, layer_index, key, value)
+    if kernel.page_format.fp8_dtype is not None:
+        scale, key = scale * kv_scales.key, None
     if step.reconstruction:
         _score_reconstruction(metadata, layer_index, query, pool, scale, softmax)
         return output
@@ -71,6 +74,24 @@ def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torc
         with step.score_timer.measure():
             _score_decode_queries(metadata, layer_index, query, pool, scale, softmax)
     return output
+
+
+def _score_surrogate(metadata: PagedAttentionMetadata, layer_index: int, key: torch.Tensor,
+                     value: torch.Tensor) -> None:
+    """The surrogate's scores of the step's prompt tokens (unquantized K/V: what the layer
+    computed). A failure fails the requests scored, not the forward, and the later layers
+    of the step skip them."""
+    step = metadata.step
+    with step.score_timer.measure():
+        try:
+            maybe_fail("score", [entry.prompt_len for entry in step.surrogate_plan.entries])
+            accumulate_surrogate_scores(key, value, step, layer_index)
+        except Exception as error:
+            raise_if_fatal(error, key.device, "surrogate scoring")
+            logger.exception("kvcompress: surrogate scoring failed")
+            step.fail([step.req_ids[entry.batch_index] for entry in step.surrogate_plan.entries],
+                      f"surrogate scoring failed: {error!r}")
+            step.surrogate_plan = None
 
 
 def _fuses_decode_scores(metadata: PagedAttentionMetadata, sliding_window: int | None) -> bool:

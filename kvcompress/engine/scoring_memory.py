@@ -3,7 +3,8 @@ counted, and decode-score accumulators (bounded per request, see ``decode_reserv
 
 A request whose prompt is scored holds a ``[layers, kv_heads, prompt_len]`` fp32
 accumulator from the step its observation window begins until its prompt is compacted
-(usually one step, two when the window straddles a chunk boundary). Summed over requests
+(usually one step, two when the window straddles a chunk boundary); scored by a surrogate,
+from its first chunk (``scored_from``). Summed over requests
 it could grow without bound (many long prompts finishing in one step), so:
 
 - the page pool gives up the bytes of ``scored_token_reserve`` prompt tokens of
@@ -78,6 +79,15 @@ def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:
     return config.compresses(prompt_len) and config.policy.compression_method.needs_scores
 
 
+def scored_from(config: KVCompressionConfig, prompt_len: int) -> int:
+    """The first prompt position whose chunk needs the prompt's score accumulator: its
+    observation window's, or 0 where a surrogate scores every prompt token as it is
+    prefilled (the accumulator is held through the whole prefill)."""
+    if config.resolved_scoring == "surrogate":
+        return 0
+    return max(0, prompt_len - config.window)
+
+
 class ScoringGate:
     """Keeps the prompt tokens being scored at once within ``reserve_tokens``.
 
@@ -103,7 +113,7 @@ class ScoringGate:
             return num_new
         if not scores_prompt(config, prompt_len):
             return num_new
-        window_start = max(0, prompt_len - config.window)
+        window_start = scored_from(config, prompt_len)
         if num_computed + num_new <= window_start:
             return num_new  # this chunk stays before the window
         if self.scoring and self.tokens_in_flight + prompt_len > self.reserve_tokens:

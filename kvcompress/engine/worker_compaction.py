@@ -119,9 +119,9 @@ def compact_completed_prompts(
         request = state.requests[request_id]
         assert request.config is not None, "configs are resolved when the step is prepared"
         groups[request.config, request.adopted_rows is not None,
-               request.reconstructed].append(request_id)
+               request.query_agnostic].append(request_id)
     planned = [(config, adopters, batch, plan)
-               for (config, adopters, _reconstructed), req_ids in groups.items()
+               for (config, adopters, _query_agnostic), req_ids in groups.items()
                for batch, plan in _plan_isolated(state, config, req_ids, step, adopters)]
     # The step's one device->host transfer: every group's plan, every chosen eviction. On
     # CUDA its wait is where an asynchronous fault of the step's kernels surfaces: raised.
@@ -468,7 +468,7 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
     policy = config.policy
     if adopters:
         policy = replace(policy, sink_tokens=0)
-    if config.budget_sharing == "auto" and not requests[0].reconstructed:
+    if config.budget_sharing == "auto" and not requests[0].query_agnostic:
         # Scored by a window after all (embeddings, a model without scratch pages): auto
         # shares only a reconstruction's scores model-wide. (Groups never mix the two.)
         policy = replace(policy, budget_sharing="layer")

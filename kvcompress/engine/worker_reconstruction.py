@@ -30,9 +30,6 @@ from kvcompress.paging import HeadPageTable
 from kvcompress.paging.batch_tables import PageTableCache
 from kvcompress.step import StepBatch, WindowQueries
 
-# The instruction before each chunk (KVzip's); tokenized once per engine by the runner.
-REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
-
 
 @dataclass
 class ReconstructionPass:
@@ -84,7 +81,7 @@ class Reconstructor:
         layout = self.state.layout
         for request_id in request_ids:
             request = self.state.requests[request_id]
-            request.reconstructed = True
+            request.query_agnostic = True
             if request.window_scores is not None:  # hybrid: the window's, kept apart
                 request.query_scores, request.window_scores = request.window_scores, None
             if request.window_scores is None:

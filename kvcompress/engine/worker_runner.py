@@ -19,16 +19,18 @@ from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
+from kvcompress.calibration import REPEAT_PROMPT
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport, merge_rank_reports
 from kvcompress.engine.scoring_memory import reconstruction_chunk
 from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
-from kvcompress.engine.worker_reconstruction import REPEAT_PROMPT, ReconstructionPass
+from kvcompress.engine.worker_reconstruction import ReconstructionPass
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
 from kvcompress.profiles import check_profile_shape, load_profile
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, register_runtime
+from kvcompress.surrogates import check_surrogate_shape, load_surrogate
 
 logger = get_logger(__name__)
 
@@ -75,6 +77,8 @@ class PagedKVRunnerMixin:
                            "scored by their observation window (--kv-scoring window)")
         if config.loads_profile:
             self._enable_expected_scoring(runtime, config, layout, layer_names)
+        if config.loads_surrogate:
+            self._enable_surrogate_scoring(runtime, config, layout)
         self.paged_runtime = runtime
         self._pending_report = WorkerReport()
         register_runtime(self.vllm_config, runtime)
@@ -133,6 +137,16 @@ class PagedKVRunnerMixin:
         runtime.enable_expected_scoring(profile.heads_of_rank(
             get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()),
             key_scales)
+
+    def _enable_surrogate_scoring(self, runtime: PagedKVRuntime, config: KVCompressionConfig,
+                                  layout: PageLayout) -> None:
+        """The score surrogate at the path ``prepare_engine_args`` resolved (and checked
+        against the model), cut to this rank's KV heads, its shape checked."""
+        surrogate = load_surrogate(config.surrogate).heads_of_rank(
+            get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+        check_surrogate_shape(surrogate, layout.num_layers, layout.num_kv_heads,
+                              layout.head_size)
+        runtime.enable_surrogate_scoring(surrogate)
 
     @torch.inference_mode()
     def _forward_reconstruction(self, reconstruction: ReconstructionPass,

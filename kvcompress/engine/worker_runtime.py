@@ -31,6 +31,7 @@ from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
 from kvcompress.profiles import QueryProfile
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, StepBatch
+from kvcompress.surrogates import ScoreSurrogate
 
 logger = get_logger(__name__)
 
@@ -72,6 +73,7 @@ class PagedKVRuntime:
         self.reconstructor: Reconstructor | None = None
         self._reconstructing: list[str] = []  # this step's requests scored by a pass
         self.expected_scorer: ExpectedScorer | None = None
+        self.surrogate: ScoreSurrogate | None = None
 
     def enable_reconstruction(self, repeat_ids: list[int], chunk: int) -> None:
         """Score ``--kv-scoring reconstruct`` prompts by reconstruction passes of ``chunk``
@@ -86,6 +88,11 @@ class PagedKVRuntime:
         ``key_scales``: per layer, where pages hold fp8."""
         self.expected_scorer = ExpectedScorer(profile, self.layout, self.pool.device,
                                               key_scales)
+
+    def enable_surrogate_scoring(self, surrogate: ScoreSurrogate) -> None:
+        """Score ``--kv-scoring surrogate`` prompts inside their prefill with ``surrogate``
+        (this rank's KV heads)."""
+        self.surrogate = surrogate.to(self.pool.device)
 
     def bind_runner(self, runner: Any) -> None:
         """The vLLM model runner: its persistent batch gives the row order of each step,
@@ -185,6 +192,9 @@ class PagedKVRuntime:
                                                           prompt_lens)
             ],
             scored_after_forward=[a or b for a, b in zip(reconstructs, expected)],
+            surrogate=self.surrogate,
+            surrogate_scored=[self.surrogate is not None
+                              and config.resolved_scoring == "surrogate" for config in configs],
         )
         self._reconstructing = [req_ids[index] for index in step.completing_prompt
                                 if reconstructs[index]]

@@ -29,7 +29,14 @@ from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
-from kvcompress.step import DecodeQueries, StepBatch, WindowQueries
+from kvcompress.step import (
+    DecodeQueries,
+    StepBatch,
+    SurrogatePlan,
+    SurrogateTokens,
+    WindowQueries,
+)
+from kvcompress.surrogates import ScoreSurrogate, position_features
 
 
 @dataclass
@@ -46,9 +53,10 @@ class RequestKV:
     # Hybrid scoring: the window's scores, kept apart while reconstruction passes fill
     # ``window_scores`` (the plan ranks by both).
     query_scores: torch.Tensor | None = None
-    # A reconstruction pass scored this prompt (``--kv-budget-sharing auto`` shares only such
-    # scores model-wide: a prompt scored by its window instead keeps the method's split).
-    reconstructed: bool = False
+    # A reconstruction pass or a score surrogate scored this prompt: query-agnostic scores
+    # (``--kv-budget-sharing auto`` shares only such scores model-wide: a prompt scored by
+    # its window instead keeps the method's split).
+    query_agnostic: bool = False
     # This request's compression config (engine config + its own overrides).
     config: KVCompressionConfig | None = None
     # Per row: slots [0, prompt_kept) hold prompt tokens, the rest generated tokens in
@@ -176,13 +184,16 @@ class WorkerKVState:
         observation_windows: Sequence[int],
         wants_compression: Sequence[bool],
         scored_after_forward: Sequence[bool] | None = None,
+        surrogate: ScoreSurrogate | None = None,
+        surrogate_scored: Sequence[bool] | None = None,
     ) -> StepBatch:
         """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
         when its prompt completes, so the queries of its last ``observation_windows[i]``
         prompt positions score the prompt, unless ``scored_after_forward[i]``: then a
         reconstruction pass (``worker_reconstruction``) or its query profile
         (``worker_expected``) scores it after the forward, and with hybrid scoring the
-        window too."""
+        window too; unless ``surrogate_scored[i]``: then ``surrogate`` scores every prompt
+        token of its new segment in the step that prefills it (``SurrogatePlan``)."""
         layout = self.layout
         states = [self.requests[request_id] for request_id in req_ids]
         num_new = torch.as_tensor(np.asarray(num_new_tokens, dtype=np.int64))
@@ -205,6 +216,10 @@ class WorkerKVState:
 
         window_queries: list[WindowQueries] = []
         completing: list[int] = []
+        surrogate_entries: list[SurrogateTokens] = []
+        surrogate_tokens: list[np.ndarray] = []  # per entry: its step token indices
+        surrogate_positions: list[np.ndarray] = []
+        surrogate_prompts: list[np.ndarray] = []
         for index, state in enumerate(states):
             prompt_len = int(prompt_lens[index])
             start = int(num_computed_before[index])
@@ -218,6 +233,24 @@ class WorkerKVState:
             new_prompt = state.new_prompt_tokens(prompt_len)
             if state.config is not None and not scores_prompt(state.config, new_prompt):
                 continue  # compacted without window scores (StreamingLLM)
+            if surrogate_scored is not None and surrogate_scored[index]:
+                state.query_agnostic = True
+                first, last = max(start, state.adopted_len), min(stop, prompt_len)
+                if first >= last:
+                    continue
+                if state.window_scores is None:
+                    state.window_scores = self._new_accumulator(state)
+                base = lengths_before_np[index] + (first - start)
+                uniform = bool((base == base[0]).all())
+                surrogate_entries.append(SurrogateTokens(
+                    index, prompt_len, sum(len(tokens) for tokens in surrogate_tokens),
+                    last - first, state.window_scores,
+                    first_slot=int(base[0]) if uniform else None,
+                    slot_base=None if uniform else self.to_device(torch.from_numpy(base))))
+                surrogate_tokens.append(np.arange(first, last) - start + query_start_loc[index])
+                surrogate_positions.append(np.arange(first, last))
+                surrogate_prompts.append(np.full(last - first, prompt_len))
+                continue
             if (scored_after_forward is not None and scored_after_forward[index]
                     and (state.config is None or not state.config.scores_window)):
                 continue  # scored after the forward alone
@@ -227,17 +260,24 @@ class WorkerKVState:
             last = min(stop, prompt_len)
             if first < last:
                 if state.window_scores is None:
-                    state.window_scores = self.to_device(torch.zeros(
-                        layout.num_layers, layout.num_kv_heads, state.score_width(),
-                        dtype=torch.float32,
-                    ))
+                    state.window_scores = self._new_accumulator(state)
                 window_queries.append(
                     WindowQueries(index, first - start, last - first, prompt_len,
                                   state.window_scores, starts_in_step=window_start >= start,
                                   group_reduce=_gqa_reduce(state.config))
                 )
 
-        if window_queries:  # the scheduler's ScoringGate bounds this (scoring_memory)
+        surrogate_plan = None
+        if surrogate_entries:
+            assert surrogate is not None, "surrogate-scored requests need the surrogate"
+            positions = self.to_device(torch.from_numpy(np.concatenate(surrogate_positions)))
+            surrogate_plan = SurrogatePlan(
+                surrogate,
+                self.to_device(torch.from_numpy(np.concatenate(surrogate_tokens))),
+                position_features(positions, self.to_device(
+                    torch.from_numpy(np.concatenate(surrogate_prompts)))),
+                surrogate_entries)
+        if window_queries or surrogate_entries:  # bounded by the scheduler's ScoringGate
             self.note_scores_held()
         return StepBatch(
             layout=layout,
@@ -253,8 +293,15 @@ class WorkerKVState:
             host_lengths_after=lengths_after_np,
             window_queries=window_queries,
             completing_prompt=completing,
+            surrogate_plan=surrogate_plan,
             score_timer=self.score_timer,
         )
+
+    def _new_accumulator(self, state: RequestKV) -> torch.Tensor:
+        """A zeroed ``[L, H, score_width]`` fp32 score accumulator on the device."""
+        layout = self.layout
+        return self.to_device(torch.zeros(layout.num_layers, layout.num_kv_heads,
+                                          state.score_width(), dtype=torch.float32))
 
     def note_scores_held(self) -> None:
         """Keep ``peak_scored_tokens`` up to date after allocating score accumulators."""

@@ -374,12 +374,12 @@ def test_auto_sharing_keeps_the_methods_split_for_a_prompt_no_reconstruction_sco
     reconstruction scored shares the total model-wide."""
     settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24})
     assert settings.resolved_budget_sharing == "model"
-    for reconstructed in (False, True):
+    for query_agnostic in (False, True):
         case, request = labelled_case(lengths=99, prompt_len=100, settings=settings)
         request.window_scores[1, 0] += 1.0  # one head the scores favour
-        request.reconstructed = reconstructed
+        request.query_agnostic = query_agnostic
         case.step.completing_prompt = [0]
         compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
         lengths = compactions["req0"].physical_lengths.tolist()
         assert sum(lengths) == 4 * 24
-        assert (lengths == [24] * 4) == (not reconstructed), (reconstructed, lengths)
+        assert (lengths == [24] * 4) == (not query_agnostic), (query_agnostic, lengths)

@@ -1,0 +1,178 @@
+"""Score surrogates: a reconstruction pass's scores without the pass (after KVzap).
+
+A reconstruction pass (``--kv-scoring reconstruct``) scores each prompt key by the largest
+attention the model pays it while repeating the prompt: query-agnostic, so a kept cache
+answers later questions, but it costs a second prefill. A surrogate predicts the log of that
+score from what the attention layer already holds while it writes the key: per layer and KV
+head, a linear map of the key as cached (after rotary embedding), the value, and four
+features of the token's place in the prompt. Made once per model
+(``python -m kvcompress.profile_model``, ``kvcompress.surrogate_fit``) with the pass as
+teacher; applied inside the prefill, in the same step as the layer's forward
+(``kvcompress.attention.surrogate_scores``).
+
+Why these inputs: they are what the attention backend has, on every rank of tensor
+parallelism, for every chunk of a chunked prefill, with no hook into the model. Measured on
+SmolLM2-135M they predict the pass as well as the hidden state entering the layer (docs/
+methods.md, "Scores without a second prefill").
+
+The file sits beside the model (``kvcompress_surrogate.pt``) and names the model it was
+made for (``profiles.model_fingerprint``); loading it for another model fails. No vLLM
+imports.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcompress.profiles import model_fingerprint
+
+SURROGATE_FILE = "kvcompress_surrogate.pt"
+FORMAT_VERSION = 1
+# Features of a token's place in the prompt: log(1 + position), first token, among the
+# first four (attention sinks), log(1 + tokens after it in the prompt).
+NUM_POSITION_FEATURES = 4
+# Scores never reach exactly 0 (their log is predicted): a floor for log-space targets.
+MIN_SCORE = 1e-12
+
+
+class SurrogateError(ValueError):
+    """A surrogate that is missing, malformed or made for another model."""
+
+
+def position_features(positions: torch.Tensor, prompt_len: int | torch.Tensor) -> torch.Tensor:
+    """``[N, 4]`` fp32 features of tokens at ``positions [N]`` of a prompt of ``prompt_len``
+    tokens (see NUM_POSITION_FEATURES)."""
+    place = positions.float()
+    after = (torch.as_tensor(prompt_len, device=positions.device) - 1 - positions).clamp_min(0)
+    return torch.stack([torch.log1p(place), (positions == 0).float(), (positions < 4).float(),
+                        torch.log1p(after.float())], dim=-1)
+
+
+@dataclass
+class ScoreSurrogate:
+    """Per layer ``l`` and KV head ``h``: ``key_weights[l, h]`` and ``value_weights[l, h]``
+    ``[D]``, ``position_weights[l, h]`` ``[4]`` and ``bias[l, h]``; the predicted log score
+    of a token is ``k . wk + v . wv + position_features . wp + b`` (fp32). ``quality``: the
+    held-out figures of the fit (rank correlation, kept-set overlaps), for the record."""
+
+    key_weights: torch.Tensor  # [L, H, D]
+    value_weights: torch.Tensor  # [L, H, D]
+    position_weights: torch.Tensor  # [L, H, 4]
+    bias: torch.Tensor  # [L, H]
+    fingerprint: str
+    num_tokens: int  # calibration tokens the fit saw
+    quality: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.key_weights.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key_weights.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_weights.shape[2]
+
+    def log_scores(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                   places: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` predicted log scores of ``layer``'s tokens: ``key`` / ``value``
+        ``[N, H, D]`` as the layer writes them, ``places [N, 4]`` their
+        ``position_features``."""
+        return ((key.float() * self.key_weights[layer]).sum(-1)
+                + (value.float() * self.value_weights[layer]).sum(-1)
+                + places @ self.position_weights[layer].T + self.bias[layer])
+
+    def to(self, device: torch.device | str) -> ScoreSurrogate:
+        return ScoreSurrogate(self.key_weights.to(device), self.value_weights.to(device),
+                              self.position_weights.to(device), self.bias.to(device),
+                              self.fingerprint, self.num_tokens, dict(self.quality))
+
+    def heads_of_rank(self, rank: int, world_size: int) -> ScoreSurrogate:
+        """The KV heads one tensor-parallel rank holds (split evenly; a model with fewer KV
+        heads than ranks replicates them, each rank holding one)."""
+        if world_size == 1:
+            return self
+        heads = self.num_kv_heads
+        if heads >= world_size:
+            per_rank = heads // world_size
+            part = slice(rank * per_rank, (rank + 1) * per_rank)
+        else:
+            first = rank * heads // world_size
+            part = slice(first, first + 1)
+        return ScoreSurrogate(self.key_weights[:, part], self.value_weights[:, part],
+                              self.position_weights[:, part], self.bias[:, part],
+                              self.fingerprint, self.num_tokens, dict(self.quality))
+
+    def save(self, path: str | Path) -> None:
+        torch.save({
+            "format": FORMAT_VERSION,
+            "key_weights": self.key_weights.float().contiguous(),
+            "value_weights": self.value_weights.float().contiguous(),
+            "position_weights": self.position_weights.float().contiguous(),
+            "bias": self.bias.float().contiguous(),
+            "fingerprint": self.fingerprint,
+            "num_tokens": self.num_tokens,
+            "quality": {key: float(value) for key, value in self.quality.items()},
+        }, path)
+
+
+def default_surrogate_path(model: str | Path) -> Path:
+    return Path(model) / SURROGATE_FILE
+
+
+_HOW = "make one with: python -m kvcompress.profile_model MODEL_DIR"
+
+
+def load_surrogate(path: str | Path, model_dir: str | Path | None = None) -> ScoreSurrogate:
+    """The surrogate at ``path``; with ``model_dir``, checked to be that model's. Every
+    error names ``--kv-surrogate`` and how to make one."""
+    path = Path(path)
+    if not path.is_file():
+        raise SurrogateError(f"--kv-surrogate: no score surrogate at {path}; {_HOW}")
+    try:
+        data: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        surrogate = ScoreSurrogate(
+            data["key_weights"], data["value_weights"], data["position_weights"], data["bias"],
+            str(data["fingerprint"]), int(data["num_tokens"]),
+            {str(key): float(value) for key, value in dict(data.get("quality", {})).items()})
+    except Exception as error:
+        raise SurrogateError(f"--kv-surrogate: {path} is not a score surrogate ({error}); "
+                             f"{_HOW}") from error
+    if data.get("format") != FORMAT_VERSION:
+        raise SurrogateError(f"--kv-surrogate: {path} has an unknown format (expected "
+                             f"version {FORMAT_VERSION}); {_HOW}")
+    layers, heads, dim = surrogate.key_weights.shape
+    if (surrogate.value_weights.shape != (layers, heads, dim)
+            or surrogate.position_weights.shape != (layers, heads, NUM_POSITION_FEATURES)
+            or surrogate.bias.shape != (layers, heads)
+            or not all(math.isfinite(float(t.abs().max())) for t in (
+                surrogate.key_weights, surrogate.value_weights, surrogate.position_weights,
+                surrogate.bias))):
+        raise SurrogateError(f"--kv-surrogate: {path} is malformed (shapes "
+                             f"{tuple(surrogate.key_weights.shape)}, "
+                             f"{tuple(surrogate.position_weights.shape)})")
+    if model_dir is not None and Path(model_dir).is_dir():
+        expected = model_fingerprint(model_dir)
+        if surrogate.fingerprint != expected:
+            raise SurrogateError(
+                f"--kv-surrogate: {path} was made for another model (fingerprint "
+                f"{surrogate.fingerprint}, {model_dir} has {expected}); {_HOW}")
+    return surrogate
+
+
+def check_surrogate_shape(surrogate: ScoreSurrogate, num_layers: int, num_kv_heads: int,
+                          head_dim: int) -> None:
+    """The surrogate covers this model's attention layers and (this rank's) KV heads."""
+    if (surrogate.num_layers, surrogate.num_kv_heads, surrogate.head_dim) != (
+            num_layers, num_kv_heads, head_dim):
+        raise SurrogateError(
+            f"--kv-surrogate: the surrogate has {surrogate.num_layers} layers x "
+            f"{surrogate.num_kv_heads} KV heads x {surrogate.head_dim}, the model "
+            f"{num_layers} x {num_kv_heads} x {head_dim}: it was made for another model")
