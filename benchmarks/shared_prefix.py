@@ -20,10 +20,12 @@ Arrivals (how the N requests reach the engine):
   done). vLLM's prefix cache serves them the prefix from the running request; kvcompress
   shares only finished requests' caches, so they prefill it again: what sharing among
   running requests would buy.
-- ``warmed``: the workaround: one request whose prompt is the shared prefix alone (one output
-  token) runs to its end, then all N at once. vLLM serves its cached blocks; kvcompress
+- ``warmed``: the workaround: one request whose prompt is the shared prefix alone (two output
+  tokens) runs to its end, then all N at once. vLLM serves its cached blocks; kvcompress
   (``--kv-reuse on``) files the finished request's compressed cache and each of the N adopts
   it (``num_cached_tokens``). The warm request counts in the scenario's time and prefill.
+  Two tokens, not one: a request that ends in its prefill step is not compressed, and its
+  uncompressed cache is not adopted by requests that would compress it.
 
 Configurations: ``vanilla`` (vLLM with its prefix cache) and kvcompress in the other
 benchmarks' syntax (``pyramidkv:r=0.75``; defaults ``--kv-scoring auto`` = hybrid and
@@ -271,7 +273,9 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     answer = workload["answer_tokens"]
     params = SamplingParams(max_tokens=answer, min_tokens=answer, temperature=0.0,
                             stop_token_ids=special)
-    warm_params = SamplingParams(max_tokens=1, temperature=0.0)
+    # The warm request decodes once so that its prompt is compressed: an entry that ended in
+    # its prefill step is uncompressed, and nobody who would compress it adopts it.
+    warm_params = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0)
     sink = EngineStats()
     counts = {"prefill_tokens": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
     engine = build_engine(settings, spec, enable_prefix_caching=True, iteration_details=True,

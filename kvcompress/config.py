@@ -213,7 +213,8 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "kv_decode_score_every", "--kv-decode-score-every", "decode_score_every", int,
         "With --kv-decode-policy h2o: score every K-th decode step only, each scored step "
         "counting K times (the attention mass is sampled, not summed: about K times cheaper, "
-        "approximate); 1 (default) scores every step exactly. Integer >= 1.",
+        "approximate); 1 (default) scores every step exactly. The other policies ignore it "
+        "(anchors scores every step, snapkv and rkv their window's steps). Integer >= 1.",
     ),
     FlagSpec(
         "kv_page_size", "--kv-page-size", "page_size", int,

@@ -11,12 +11,17 @@ entry is evicted for a copy (``scheduler_kv_cache``). vLLM then prefills only th
 the prompt, and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache
 metrics).
 
-Who may adopt an entry: a request with the same compression settings; or, when the entry's
-prompt part kept every token (its rows are exactly what a full cache holds), a request whose
-own settings would not compress a prompt as long as the adopted part (``none``, or a budget
-above it), so no request ends up holding more than it asked to keep. The adopted part is
-kept as it is; the worker compresses the new part of the prompt with the request's policy
-(``worker_compaction``).
+Who may adopt an entry: no request ends up holding more than it asked to keep, and the
+adopted part is kept as it is (the worker compresses only the new part of the prompt with
+the request's policy, ``worker_compaction``). So a compressed entry is adopted only under
+the same compression settings. An exact entry (its prompt part kept every token: its rows
+are what a full cache holds) is adopted by a request whose own settings would not compress
+a prompt as long as the adopted part (``none``, or a budget above it); under the same
+settings, as long as the entry's prompt part, since its generated part is what those
+settings hold anyway. That rule also covers a prompt that ended before it could be
+compacted (``max_tokens=1``: the worker does not compress a request in the step it ends;
+aborted during its prefill): filed uncompressed, it is not adopted by a request that would
+compress it, which prefills and compresses it instead.
 """
 
 from __future__ import annotations
@@ -89,9 +94,11 @@ class PrefixCachePolicy:
         best: Match | None = None
         for entry_id, shared, same in self.index.candidates(
                 tokens, request.num_prompt_tokens - 1, settings):
-            hit = min(shard.entry(entry_id).best_hit(shared) for shard in self.pages.shards)
-            if not same and settings.compresses(hit):
-                continue  # an exact context longer than this request would keep
+            entries = [shard.entry(entry_id) for shard in self.pages.shards]
+            hit = min(entry.best_hit(shared) for entry in entries)
+            if all(entry.exact_prompt for entry in entries) and settings.compresses(
+                    min(hit, entries[0].prompt_len) if same else hit):
+                continue  # an uncompressed context longer than this request would keep
             # Longest hit; among equals the most recent entry (ids grow).
             if hit and (best is None or (hit, entry_id) > (best.hit, best.entry_id)):
                 best = Match(entry_id, hit)

@@ -314,14 +314,16 @@ def _page_format_of(mover: KVMover) -> PageFormat:
 def _generated_keys(state: WorkerKVState, request: RequestKV, rows: np.ndarray, count: int,
                     pool: torch.Tensor, page_format: PageFormat) -> torch.Tensor:
     """K of the ``count`` generated tokens of each of ``rows``: ``[len(rows), count, D]``
-    (they sit in generation order after each row's prompt part)."""
+    (they sit in generation order after each row's prompt part). fp8 pages' bytes come back
+    decoded, unscaled: a row is one (layer, head), so its keys share one scale, which rkv's
+    centred cosine similarities do not see."""
     page_size = state.layout.page_size
     positions = request.prompt_kept[rows][:, None] + np.arange(count)[None, :]
     pages = np.take_along_axis(request.table.pages[rows], positions // page_size, axis=1)
     slots = state.to_device(torch.as_tensor((pages.astype(np.int64) * page_size
                                              + positions % page_size).reshape(-1)))
     keys, _values = page_format.read_tokens(pool, slots)
-    return keys.view(len(rows), count, -1)
+    return page_format.decode(keys).view(len(rows), count, -1)
 
 
 def _carry_scores(scores: torch.Tensor, kept: torch.Tensor, rows: np.ndarray) -> torch.Tensor:

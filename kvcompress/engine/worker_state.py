@@ -323,11 +323,11 @@ class WorkerKVState:
 
     def prepare_decode_scoring(self, step: StepBatch) -> None:
         """Fill ``step.decode_queries``: every request decoding one token whose decode policy
-        scores this step (h2o, anchors: every decode step, or every K-th with
-        --kv-decode-score-every K; snapkv, rkv: those of the newest --kv-window tokens before
-        an eviction), with its accumulators, allocated on first use, and
-        ``step.decode_scoring``: the index tensors every layer reads, copied to the device
-        once here."""
+        scores this step (h2o: every decode step, or every K-th with
+        --kv-decode-score-every K; anchors: every decode step; snapkv, rkv: those of the
+        newest --kv-window tokens before an eviction), with its accumulators, allocated on
+        first use, and ``step.decode_scoring``: the index tensors every layer reads, copied
+        to the device once here."""
         layout = self.layout
         picked: list[tuple[int, RequestKV, int, int]] = []
         for index, request_id in enumerate(step.req_ids):
@@ -400,11 +400,10 @@ def _adoption_problem(state: RequestKV, delta: PageTableDelta,
 
 
 def _score_every(config: KVCompressionConfig, eviction: DecodeEviction) -> int:
-    """Decode steps per scored one (--kv-decode-score-every): sampling applies to methods
-    scored every step (h2o); a last-window method (snapkv) scores its few steps each."""
-    if eviction.method.score_collection != "every_step":
-        return 1
-    return config.decode_score_every
+    """Decode steps per scored one (--kv-decode-score-every): sampling applies to h2o only
+    (``DecodeMethod.samples_scores``); a last-window method (snapkv, rkv) scores its few
+    steps each, and anchors every step (its anchor mass goes to the newest offsets only)."""
+    return config.decode_score_every if eviction.method.samples_scores else 1
 
 
 def _gqa_reduce(config: KVCompressionConfig | None) -> str:

@@ -273,6 +273,21 @@ def test_sampled_h2o_scores_every_kth_step_and_counts_it_k_times():
     torch.testing.assert_close(h2o.decode_scores.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_anchors_are_scored_every_step_whatever_the_sampling():
+    """--kv-decode-score-every samples h2o only: anchors add each step's mass over the newest
+    --kv-window offsets, so steps sampled every K > window would leave offsets that never
+    get any anchor mass."""
+    case = decode_case(GPU_PAGE_FORMAT, seed=7)
+    anchors = case.state.requests["req0"]
+    anchors.config = H2O.with_request_overrides({"kv_decode_policy": "anchors",
+                                                 "kv_decode_score_every": 4})
+    case.step.decode_queries, case.step.decode_scoring = [], None
+    case.state.prepare_decode_scoring(case.step)
+    # 11 generated tokens after this step (not a multiple of 4): scored, counting once
+    assert [(decode.batch_index, decode.weight) for decode in case.step.decode_queries] == [
+        (0, 1), (3, 1)]
+
+
 @pytest.mark.parametrize(("every", "min_overlap"), [(1, 1.0), (4, 0.93), (16, 0.88)])
 def test_sampled_mass_keeps_nearly_what_the_summed_mass_keeps(every, min_overlap):
     """How far sampling takes h2o from its exact sums, on a synthetic generation of 192 steps

@@ -8,9 +8,11 @@ attention cannot run (no AVX-512 or AMX)."""
 from typing import Any
 
 import pytest
+import torch
 
 from kvcompress.attention.cpu_kernel import cpu_supports_fp8_pages
 from kvcompress.engine.scoring_memory import reserved_bytes, scored_token_reserve
+from kvcompress.policies.decode import rkv
 
 from .harness import EngineHarness, greedy, random_prompts
 from .test_compression import (
@@ -129,11 +131,20 @@ def test_fp8_pages_hold_exactly_each_policy_budget(tiny_llama, scoring, request)
         harness.shutdown()
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
-def test_fp8_decode_budget_bounds_the_cache(tiny_llama, policy):
-    """Decode eviction scoring fp8 keys (decode scores over e5m2 pages): every head holds
+@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv", "rkv", "anchors"])
+def test_fp8_decode_budget_bounds_the_cache(tiny_llama, policy, monkeypatch):
+    """Every decode policy over e5m2 pages (decode scores from fp8 keys; rkv's key
+    similarities from the keys its pages decode to, not their byte codes): every head holds
     exactly the generated tokens test_compression's unquantized case holds, at every step."""
     budget, interval, window, tokens = 24, 8, 8, 120
+    ranked_key_dtypes = set()  # what rkv's redundancy term is computed on
+    original_ranking = rkv.importance_minus_redundancy
+
+    def recording_ranking(scores, keys, recent):
+        ranked_key_dtypes.add(keys.dtype)
+        return original_ranking(scores, keys, recent)
+
+    monkeypatch.setattr(rkv, "importance_minus_redundancy", recording_ranking)
     harness = EngineHarness(
         tiny_llama,
         {"kv_compression": "snapkv", "kv_budget": 48, "kv_window": window,
@@ -153,3 +164,5 @@ def test_fp8_decode_budget_bounds_the_cache(tiny_llama, policy):
             assert max(held for held, _, _ in steps) == budget + interval - 1
     finally:
         harness.shutdown()
+    if policy == "rkv":
+        assert ranked_key_dtypes == {torch.float32}, ranked_key_dtypes

@@ -190,3 +190,39 @@ def test_entries_are_adopted_only_under_the_same_settings(tiny_llama):
         assert off.page_manager.num_free == off.page_manager.total_pages
     finally:
         off.shutdown()
+
+
+def test_a_prompt_that_ended_in_its_prefill_is_not_adopted_uncompressed(tiny_llama):
+    """A 300-token prompt sent with ``max_tokens=1`` ends before its compaction and is filed
+    uncompressed; the same prompt plus a question (a client's retry) must not adopt it whole
+    but prefill and compress it to the budget. A two-token warm-up is compressed, and then
+    adopted."""
+    rng = random.Random(6)
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64},
+                            kv_cache_memory_bytes=64 << 20, **ENGINE)
+    try:
+        compacted = {}
+        original_release = harness.scheduler._release
+
+        def record(request_id, compaction):
+            if compaction.kind == "prompt":
+                compacted[request_id.split("-")[0]] = compaction.physical_lengths.copy()
+            original_release(request_id, compaction)
+
+        harness.scheduler._release = record
+        prompt = new_tokens(rng, 300)
+        harness.generate({"warm": prompt}, greedy(1))
+        assert "warm" not in compacted and harness.page_manager.entry_ids()
+        harness.generate({"retry": prompt + new_tokens(rng, 30)}, greedy(4))
+        assert harness.cached_tokens.get("retry", 0) == 0, "adopted an uncompressed prompt"
+        rows = compacted["retry"]
+        assert rows.sum() == rows.size * 64  # its 330 tokens compressed to the budget
+
+        warmed = new_tokens(rng, 300)
+        harness.generate({"warm2": warmed}, greedy(2))
+        assert compacted["warm2"].sum() == rows.size * 64
+        harness.generate({"question": warmed + new_tokens(rng, 30)}, greedy(4))
+        assert harness.cached_tokens["question"] == len(warmed)
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -68,3 +69,35 @@ def test_errors_and_reuse_off_keep_nothing():
     off = cache("off")
     assert not finish(off, "a", range(100, 141), prompt_len=36)
     assert off.lookup(request("b", [*range(100, 141), 7], prompt_len=42)) is None
+
+
+def test_a_prompt_that_ended_before_its_compaction_is_not_adopted_whole():
+    """A prompt longer than the budget that ended in its prefill step (``max_tokens=1``) or
+    was aborted during it is filed uncompressed (exact). The same settings would compress
+    it, so a retry prefills and compresses it rather than holding it whole for its life."""
+    reuse = cache()  # snapkv, budget 64
+    prompt = list(range(100, 300))
+    assert finish(reuse, "warm", [*prompt, 7], prompt_len=200)  # 200 computed, none evicted
+    assert reuse.lookup(request("retry", [*prompt, 8, 9], prompt_len=202)) is None
+    aborted = request("cut", range(400, 600), 200, computed=150,
+                      status=RequestStatus.FINISHED_ABORTED)
+    assert reuse.pages.allocate("cut", 150) and reuse.retire(aborted)
+    assert reuse.lookup(request("again", [*range(400, 600), 8], prompt_len=201)) is None
+    # Within the budget either is adopted: the same settings keep that much whole.
+    assert reuse.lookup(request("short", [*range(400, 440), 8], prompt_len=41)).hit == 40
+
+
+def test_compressed_and_short_entries_are_still_adopted_under_the_same_settings():
+    reuse = cache()
+    rows = reuse.pages.layout.num_rows
+    prompt = list(range(100, 300))
+    assert reuse.pages.allocate("c", 200)
+    reuse.pages.release_after_compression("c", 200, np.full(rows, 64))
+    assert finish(reuse, "c", [*prompt, *range(10, 21)], prompt_len=200)  # 210 computed
+    assert reuse.lookup(request("next", [*prompt, *range(10, 21), 5], prompt_len=212)).hit == 210
+    # A prompt within the budget kept whole, then a long answer: its generated part is what
+    # these settings hold too (no decode policy), so the whole context is adopted.
+    short = list(range(1000, 1036))
+    answer = list(range(2000, 2100))
+    assert finish(reuse, "s", [*short, *answer], prompt_len=36)
+    assert reuse.lookup(request("turn2", [*short, *answer, 5], prompt_len=137)).hit == 135

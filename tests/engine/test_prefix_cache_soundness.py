@@ -295,11 +295,16 @@ def test_an_adopter_is_admitted_by_what_it_holds_once_adopted():
 
 
 # --------------------------------------------------------------------------- claim 5
+# A budget above the turns' prompts: they are kept whole, and so adopted whole.
+REUSE_WHOLE = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 64,
+                                                "kv_reuse": "on"})
+
+
 def two_conversations(total_pages: int, waiting=()):
     """Conversations a and b each ended a turn of 40 tokens, kept whole (10 pages per row,
     40 pages per entry), and a's next turn (48 tokens, 40 of them cached) is waiting."""
     layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=total_pages)
-    manager = paged_manager(layout, REUSE, waiting=waiting)
+    manager = paged_manager(layout, REUSE_WHOLE, waiting=waiting)
     for name, first in (("a", 100), ("b", 200)):
         assert manager.pages.allocate(name, 40)
         assert manager.reuse.retire(request(name, range(first, first + 40), prompt_len=36,

@@ -14,9 +14,10 @@ from kvcompress.engine.worker_compaction import (
     compact_completed_prompts,
     evict_generated_tokens,
 )
-from kvcompress.paging.page_format import CPU_PAGE_FORMAT
+from kvcompress.paging.page_format import CPU_PAGE_FORMAT, PageFormat
 from kvcompress.policies import plan_keep
-from tests.paged_cases import build_case
+from kvcompress.step import KVScales
+from tests.paged_cases import build_case, fp8_bytes
 
 FORMAT = CPU_PAGE_FORMAT
 
@@ -188,6 +189,52 @@ def test_rkv_reads_the_generated_keys_from_the_pool():
         assert token_ids_in_slots(case, request, row) == (
             list(range(120)) + [120 + offset for offset in want[row].tolist()])
     assert request.decode_scores is None  # as snapkv: the next window starts afresh
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_rkv_on_fp8_pages_ranks_the_decoded_keys(fp8):
+    """fp8 pages hold byte codes of ``key / scale``: rkv's redundancy must be computed on the
+    keys they stand for, so it keeps what it keeps on those keys in the model's dtype (a
+    row-wide scale changes no centred cosine similarity)."""
+    budget, interval, window, prompt_len, lengths = 10, 5, 4, 120, 134
+    page_format = PageFormat("transposed", fp8)
+    scale = 0.5  # a power of two: the scaled keys are exact, so the reference is too
+    case = build_case(page_format, [[lengths] * 4], [1], num_layers=2, num_kv_heads=2, group=1,
+                      head_size=32, page_size=16, dtype=torch.float32, seed=3,
+                      prompt_lens=[prompt_len], wants_compression=[True],
+                      kv_scales=KVScales(scale, scale))
+    page_format.write_tokens(case.pool, fp8_bytes(case.new_keys[0], fp8, scale),
+                             fp8_bytes(case.new_values[0], fp8, scale), case.step.slot_mapping[0])
+    case.state.finish_step(case.step)
+    request = case.state.requests["req0"]
+    request.config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 200, "kv_window": window,
+         "kv_decode_policy": "rkv", "kv_decode_budget": budget,
+         "kv_decode_interval": interval})
+    request.window_scores = torch.rand(2, 2, prompt_len,
+                                       generator=torch.Generator().manual_seed(0))
+    generated = budget + interval
+    # The keys of each row's generated tokens as the model computed them (before fp8).
+    keys = torch.stack([torch.cat([case.old_keys[0, row][prompt_len:], case.new_keys[:, row]])
+                        for row in range(4)])
+    assert keys.shape[:2] == (4, generated)
+    scores = torch.rand(2, 2, generated, generator=torch.Generator().manual_seed(4))
+    request.decode_scores = scores.clone()
+    eviction = request.config.decode_eviction
+    want = eviction.keep(scores.reshape(4, -1), 4, generated, keys=keys)
+    # The byte codes themselves rank otherwise: this case tells the two apart.
+    codes = fp8_bytes(keys, fp8, scale)
+    assert not torch.equal(eviction.keep(scores.reshape(4, -1), 4, generated, keys=codes), want)
+    compactions = evict_generated_tokens(case.state, case.step, case.pool, page_format)
+    assert compactions["req0"].physical_lengths.tolist() == [prompt_len + budget] * 4
+    for row in range(4):
+        positions = torch.arange(prompt_len, prompt_len + budget)
+        slots = (torch.as_tensor(request.table.pages[row], dtype=torch.long)[positions // 16]
+                 * 16 + positions % 16)
+        held, _ = page_format.read_tokens(case.pool, slots)
+        held = page_format.decode(held) * scale
+        assert torch.equal(held, keys[row, want[row]]), f"row {row} kept other tokens"
 
 
 def test_anchors_carry_both_accumulators_over_an_eviction():

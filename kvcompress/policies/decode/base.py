@@ -88,6 +88,14 @@ class DecodeMethod:
         """Whether the kept tokens keep their scores over an eviction (else reset)."""
         return self.score_collection == "every_step"
 
+    @property
+    def samples_scores(self) -> bool:
+        """Whether --kv-decode-score-every may sample its scores (H2O's mass, summed over
+        every step, is estimated well from every K-th step counted K times). Not with anchor
+        scores: a step adds anchor mass only to the newest ``recent`` offsets, so with K
+        above that some offsets would never get any."""
+        return self.score_collection == "every_step" and not self.scores_anchors
+
 
 @dataclass(frozen=True)
 class DecodeEviction:
