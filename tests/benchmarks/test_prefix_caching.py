@@ -18,7 +18,8 @@ from benchmarks.report import (
     markdown_tables,
     with_prefix_caching,
 )
-from benchmarks.results_doc.document import result_block
+from benchmarks.results_doc.document import load, result_block, section_files
+from benchmarks.results_doc.provenance import CHANGES, stale_reasons
 from benchmarks.results_doc.sections import SECTIONS
 from benchmarks.specs import CompressionSpec, EngineSettings
 
@@ -102,3 +103,26 @@ def test_clearing_the_prefix_cache_fails_loudly():
     clear_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: True))
     with pytest.raises(RuntimeError, match="not reset"):
         clear_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: False))
+
+
+def test_the_ledger_marks_what_the_default_altered_and_nothing_else():
+    """Results of the engines whose prefix caching the change turned on, run before it, are
+    stale; multi-turn and shared-context runs (on already) and transformers-only analyses
+    shown beside quality runs are not marked by it."""
+    change = next(c for c in CHANGES if "prefix caching on" in c.what)
+
+    def marked(key: str, name: str) -> bool:
+        return any(change.commit in reason for reason in stale_reasons(key, name, load(name)))
+
+    for key, name in [("throughput", "throughput.json"),
+                      ("memory_sweep", "throughput_memory_sweep.json"),
+                      ("long_generation", "throughput_long_generation.json"),
+                      ("tensor_parallel", "throughput_tp2.json"),
+                      ("quality", "quality.json"), ("decode_recall", "decode_recall.json"),
+                      ("hybrid_memory", "hybrid_memory_gemma3.json")]:
+        assert marked(key, name), name
+    assert not marked("multi_turn", "multi_turn.json")
+    assert not marked("shared_context", "shared_context.json")
+    tuning = section_files(_section("quality_tuning"))
+    assert not marked("quality_tuning", "quality_tuning/retention_grid.json")
+    assert marked("quality_tuning", next(n for n in tuning if "budget64" in n))
