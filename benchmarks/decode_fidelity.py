@@ -10,6 +10,8 @@ full cache's, token by token:
 
 Configurations are ``METHOD:BUDGET@DECODE_POLICY:N`` (see benchmarks.throughput); the default
 prompt budget exceeds every prompt, so only decode-time eviction differs from the full cache.
+Prefix caching is on, vLLM's default (the chat template's head is shared by every prompt);
+``--no-prefix-caching`` turns it off (recorded, and said above the table).
 
 Reported per configuration and horizon H (256 and the output length): ``prefix@H``, the mean
 fraction of the first H tokens reproduced before the first difference (greedy decoding never
@@ -34,10 +36,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
-from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
+from benchmarks.report import (
+    RESULTS_DIR,
+    command_string,
+    format_table,
+    machine_info,
+    with_prefix_caching,
+    write_json,
+)
 from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
+    add_prefix_caching_option,
     benchmark_parser,
     default_model_dir,
     default_threads,
@@ -198,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
+    add_prefix_caching_option(parser)
     parser.add_argument("--job-timeout", type=float, default=1800.0)
     parser.add_argument("--output-json", type=Path, default=None,
                         help="default: benchmarks/results/decode_fidelity.json, or "
@@ -242,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         model=model, dtype=dtype, max_model_len=longest, max_num_seqs=len(prompts),
         max_num_batched_tokens=max(2048, longest),
         kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, dtype),
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir(name)
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
     write_json(output_json, report)
     print()
-    print(table)
+    print(with_prefix_caching(table, header["settings"]))
     failed = [row for row in rows if not row["ok"]]
     for row in failed:
         print(f"\n{row['label']} FAILED:\n{row['error']}")

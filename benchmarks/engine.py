@@ -18,18 +18,28 @@ from benchmarks.specs import CompressionSpec, EngineSettings
 
 def build_engine(settings: EngineSettings, spec: CompressionSpec,
                  stat_loggers: list[Any] | None = None, *,
-                 enable_prefix_caching: bool = False,
                  logits_processors: Sequence[str] = (),
                  iteration_details: bool = False) -> Any:
-    """An LLMEngine for ``spec`` with the shared settings (stats on when loggers are given).
-    Prefix caching is off unless asked for (benchmarks.multi_turn measures reuse).
+    """An LLMEngine for ``spec`` with the shared settings (stats on when loggers are given);
+    ``engine_args`` says what it is given."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = engine_args(settings, spec, stat_loggers=bool(stat_loggers),
+                       logits_processors=logits_processors,
+                       iteration_details=iteration_details)
+    return LLMEngine.from_engine_args(args, stat_loggers=stat_loggers)
+
+
+def engine_args(settings: EngineSettings, spec: CompressionSpec, *, stat_loggers: bool = False,
+                logits_processors: Sequence[str] = (), iteration_details: bool = False) -> Any:
+    """vLLM's EngineArgs for ``spec`` with the shared settings. Prefix caching follows
+    ``settings.enable_prefix_caching``: on, as vLLM's default, unless a run turns it off.
     ``logits_processors``: extra vLLM V1 logits processors, as "module:Class" paths.
     ``iteration_details``: the scheduler stats of every step carry vLLM's
     ``SchedulerIterationDetails`` (tokens scheduled in prefill and in decode)."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine_args = EngineArgs(
+    return EngineArgs(
         model=settings.model,
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
@@ -39,9 +49,9 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         kv_cache_dtype=spec.cache_dtype,
         enforce_eager=settings.enforce_eager,
         seed=settings.seed,
-        # The same for every configuration of a run: off, no reuse of repeated prompt
-        # prefixes (this also switches kvcompress's --kv-reuse off).
-        enable_prefix_caching=enable_prefix_caching,
+        # The same for every configuration of a run. Off also switches kvcompress's
+        # --kv-reuse off (and with it the reconstruction pass of --kv-scoring auto).
+        enable_prefix_caching=settings.enable_prefix_caching,
         tensor_parallel_size=settings.tensor_parallel_size,
         distributed_executor_backend=_executor(settings),
         disable_log_stats=not stat_loggers,
@@ -49,7 +59,6 @@ def build_engine(settings: EngineSettings, spec: CompressionSpec,
         enable_logging_iteration_details=iteration_details,
         additional_config=spec.additional_config(settings.compression_options),
     )
-    return LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
 
 
 def _executor(settings: EngineSettings) -> str | None:
@@ -67,6 +76,13 @@ def shutdown_engine(engine: Any) -> None:
     import gc
 
     gc.collect()
+
+
+def clear_prefix_cache(engine: Any) -> None:
+    """Forget every cached prefix (vLLM's blocks, kvcompress's kept entries), so that a pass
+    over prompts the engine has already seen computes them again."""
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache was not reset: requests are still running")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ memory; after every engine step the bytes the request holds are read from the sc
 (vanilla: blocks in use x bytes per block; kvcompress: pages in use x page bytes). The figure
 that matters is the steady state while the request decodes (``decode_bytes``), where
 kvcompress holds the compressed full-attention rows plus each sliding row's window.
+Both engines run vLLM's default, prefix caching on (blocks a finished request leaves cached
+count as free, as vLLM counts them; kvcompress keeps no entries on models with sliding
+layers); ``--no-prefix-caching`` turns it off (recorded, and said above the table).
 
     python -m benchmarks.hybrid_memory --model .models/gemma-3-270m --prompt-lens 2048,8000
 """
@@ -18,8 +21,14 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import command_string, format_table, machine_info, write_json
-from benchmarks.specs import detect_device
+from benchmarks.report import (
+    command_string,
+    format_table,
+    machine_info,
+    with_prefix_caching,
+    write_json,
+)
+from benchmarks.specs import add_prefix_caching_option, detect_device
 
 DEFAULT_MODEL = ".models/gemma-3-270m"
 
@@ -45,7 +54,8 @@ def run_one(args: argparse.Namespace, prompt: list[int], compression: dict | Non
         model=args.model, dtype=args.dtype, enforce_eager=True, seed=0,
         max_model_len=max(args.lengths) + args.max_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=1,
-        kv_cache_memory_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
         additional_config=compression or {},
     ))
     try:
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    add_prefix_caching_option(parser)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     args.lengths = [int(value) for value in args.prompt_lens.split(",")]
@@ -120,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     command, machine = command_string(), machine_info(detect_device())
     print(f"command: {command}")
     rows = run(args)
-    print(render(rows))
+    settings = {key: value for key, value in vars(args).items() if key != "json"}
+    print(with_prefix_caching(render(rows), settings))
     if args.json:
-        settings = {key: value for key, value in vars(args).items() if key != "json"}
         write_json(args.json, {"benchmark": "hybrid_memory", "command": command,
                                "machine": machine, "settings": settings, "rows": rows})
     return 0

@@ -9,11 +9,11 @@ worker, one engine per job); ratios are to vanilla at the same point. JSON + PNG
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import RESULTS_DIR, format_table
+from benchmarks.report import RESULTS_DIR, format_table, with_prefix_caching
 
 # Defaults when sweeping (flags given still win): a lighter workload than the single run,
 # so six memory points x two configurations finish in about half an hour on one CPU thread.
@@ -46,6 +46,12 @@ def pool_tokens(multiples: Sequence[float], request_tokens: int) -> list[int]:
 
 def job_id(tokens: int, label: str) -> str:
     return f"{tokens}:{label}"
+
+
+def render_report(report: Mapping[str, Any]) -> str:
+    """The sweep's table, headed by a line when it ran with prefix caching off (every sweep
+    before the setting was recorded did)."""
+    return with_prefix_caching(render(report["configs"]), report.get("settings") or {})
 
 
 def render(rows: list[dict[str, Any]]) -> str:

@@ -83,6 +83,28 @@ def _is_number(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
+PREFIX_CACHING_OFF = (
+    "Prefix caching off (`--no-prefix-caching`, not vLLM's default): no reuse of repeated "
+    "prompt prefixes, and kvcompress's `--kv-reuse` off with it (`--kv-scoring auto` scores "
+    "by the window alone)."
+)
+# The same for a run whose JSON predates the setting: it was every benchmark engine's default.
+PREFIX_CACHING_WAS_OFF = PREFIX_CACHING_OFF.replace(
+    "`--no-prefix-caching`", "the benchmarks' default when this ran, now `--no-prefix-caching`")
+
+
+def with_prefix_caching(table: str, settings: Mapping[str, Any], *,
+                        unrecorded: bool = False) -> str:
+    """``table`` headed by a line when the run's ``settings`` had prefix caching off.
+    ``unrecorded``: what a run whose JSON predates the setting ran with (benchmarks.engine
+    built every engine with it off unless the benchmark asked)."""
+    if "enable_prefix_caching" not in settings:
+        return table if unrecorded else f"{PREFIX_CACHING_WAS_OFF}\n\n{table}"
+    if settings["enable_prefix_caching"]:
+        return table
+    return f"{PREFIX_CACHING_OFF}\n\n{table}"
+
+
 # ----------------------------------------------------------------------------- JSON
 def write_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -278,7 +278,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     warm_params = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0)
     sink = EngineStats()
     counts = {"prefill_tokens": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
-    engine = build_engine(settings, spec, enable_prefix_caching=True, iteration_details=True,
+    engine = build_engine(settings, spec, iteration_details=True,
                           stat_loggers=[StepStatsRecorder.factory(sink), step_logger(counts)])
     results = []
     try:
@@ -398,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     base = EngineSettings(
         model=model, dtype=dtype, max_model_len=longest, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=0,
-        seed=args.seed, compression_options=options)
+        seed=args.seed, compression_options=options,
+        enable_prefix_caching=True)  # what it measures: requests that share a prefix
     threads = (args.threads or default_threads()) if device == "cpu" else None
     workdir = make_workdir("shared-prefix")
     workload_path = workdir / "workload.json"

@@ -193,6 +193,16 @@ def add_engine_options(group: Any) -> None:
     group.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE")
 
 
+def add_prefix_caching_option(group: Any) -> None:
+    """``--no-prefix-caching``: the one way a benchmark leaves vLLM's default (the result
+    JSON's settings record it, and the run's table says so)."""
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false",
+                       help="turn vLLM's prefix caching off for every configuration (on by "
+                       "default, as in vLLM); this also turns kvcompress's --kv-reuse off, "
+                       "so --kv-scoring auto scores by the window alone")
+
+
 def add_run_options(parser: argparse.ArgumentParser, output_json: Path) -> None:
     """The run group of the document benchmarks: timeouts, where results and logs go."""
     run = parser.add_argument_group("run")
@@ -270,6 +280,9 @@ class EngineSettings:
     multiprocess: bool = False  # vLLM's engine-core process + worker process; else in-process
     tensor_parallel_size: int = 1  # > 1: vLLM's multiprocessing executor, a process per rank
     compression_options: dict[str, Any] = field(default_factory=dict)  # kv_window, ...
+    # vLLM's default, what a server runs: it also carries kvcompress's multi-turn reuse (and
+    # with it ``--kv-scoring auto``'s reconstruction pass). Off only where a run says so.
+    enable_prefix_caching: bool = True
 
 
 def default_model_dir() -> str:

@@ -10,12 +10,19 @@ made once, here), and runs in its own worker process, one after the other:
     python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
     python -m benchmarks.throughput --long-generation   # 256 in / 1024 out, decode eviction
     python -m benchmarks.throughput --tensor-parallel-size 2 --model .models/random-llama-kv4
+    python -m benchmarks.throughput --no-prefix-caching   # leave vLLM's default (said in tables)
 
 Configurations: ``vanilla``, ``METHOD:BUDGET`` (tokens kept per layer and KV head) or
 ``METHOD:r=RATIO`` (fraction of each prompt evicted: r=0.875 is 8x prompt compression), either
 followed by ``@DECODE_POLICY:N`` to keep N generated tokens per KV head during decode
 (``pyramidkv:256@h2o:256``).
 ``ignore_eos`` makes every configuration generate exactly the same number of tokens.
+
+Prefix caching is on, as vLLM's default, for every configuration: a server's defaults, for
+kvcompress its multi-turn reuse and the reconstruction pass of ``--kv-scoring auto``. The
+synthetic prompts are random token ids, so no two share a prefix; the prefix cache is
+emptied after the warm-up and before the prefill-only pass, which would otherwise find its
+prompts cached. ``--no-prefix-caching`` turns it off (recorded, and said above the table).
 
 Memory-bound by design: the KV cache holds only a few uncompressed requests
 (``--kv-cache-tokens``) while ``--max-num-seqs`` is large, so the number of requests that run
@@ -38,16 +45,25 @@ import json
 import random
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_sweep
 from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
-from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
+from benchmarks.report import (
+    RESULTS_DIR,
+    command_string,
+    format_table,
+    machine_info,
+    with_prefix_caching,
+    write_json,
+)
 from benchmarks.specs import (
     DTYPE_BYTES,
     CompressionSpec,
     EngineSettings,
+    add_prefix_caching_option,
     benchmark_parser,
     default_model_dir,
     default_threads,
@@ -189,7 +205,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from benchmarks.engine import build_engine, generate, shutdown_engine
+    from benchmarks.engine import build_engine, clear_prefix_cache, generate, shutdown_engine
     from kvcompress.engine.stats import EngineStats, StepStatsRecorder
 
     settings = EngineSettings(**job["settings"])
@@ -203,6 +219,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         if job["warmup"]:  # first steps pay one-time costs (kernel selection, allocations)
             warm = prompts[0]["prompt_token_ids"][:64]
             generate(engine, [warm], [SamplingParams(max_tokens=8, ignore_eos=True)])
+            clear_prefix_cache(engine)  # else prompt 0 would start from the warm-up's cache
         sink.samples.clear()
         sink.preemptions = sink.generated_tokens = sink.prompt_tokens = 0
         sink.preempted_tokens = None
@@ -236,6 +253,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         spent = sink.score_seconds, sink.compaction_seconds  # before the cap pass adds more
         prefill_only = None
         if job.get("measure_cap"):  # the same prompts again, one token each: prefill alone
+            clear_prefix_cache(engine)  # each prompt computed, not found cached
             firsts = [SamplingParams(max_tokens=1, temperature=0.0) for _ in prompts]
             _, prefill_only = generate(engine, [p["prompt_token_ids"] for p in prompts], firsts)
     finally:
@@ -312,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="vLLM's engine-core and worker processes (default: in-process)")
     engine.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra kvcompress setting for compressed runs, e.g. kv_window=16")
+    add_prefix_caching_option(engine)
     run = parser.add_argument_group("run")
     run.add_argument("--no-warmup", dest="warmup", action="store_false")
     run.add_argument("--ample-memory-reference", action="store_true",
@@ -443,10 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         png = args.output_json.with_suffix(".png")
         memory_sweep.plot(rows, png, f"{Path(model).name}: {workload['num_prompts']} prompts, "
                           f"{workload['input_len']} in / {workload['output_len']} out")
-        print(memory_sweep.render(rows))
+        print(memory_sweep.render_report(report))
         print(f"plot: {png}")
     else:
-        print(render(rows))
+        print(render_report(report))
         print(f"KV tok/req = {header['kv_tokens_per_request_derivation']} "
               f"(capacity {capacity} tokens)")
     for row in rows:
@@ -489,6 +508,7 @@ def build_settings(args: argparse.Namespace, model: str, device: str,
         enforce_eager=not args.compile, seed=args.seed, multiprocess=args.multiprocess_engine,
         tensor_parallel_size=tp,
         compression_options=parse_kv_options(args.kv_option),
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     return settings, per_token
 
@@ -513,6 +533,12 @@ def config_row(spec: CompressionSpec, outcome: Any) -> dict[str, Any]:
     }
     row.update(outcome.result or {})
     return row
+
+
+def render_report(report: Mapping[str, Any]) -> str:
+    """A run's table, headed by a line when it ran with prefix caching off (every run
+    before the setting was recorded did)."""
+    return with_prefix_caching(render(report["configs"]), report.get("settings") or {})
 
 
 def render(rows: list[dict[str, Any]]) -> str:

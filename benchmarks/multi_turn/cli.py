@@ -18,8 +18,8 @@ Configurations: ``vanilla`` (vLLM with its prefix cache on), ``vanilla-noprefix`
 cache off), and kvcompress as in the other benchmarks (``METHOD:BUDGET``, ``METHOD:r=RATIO``)
 with ``+reuse=on`` / ``+reuse=off`` (``kv_reuse``; on when left out). Every configuration runs
 in its own worker process with the same engine settings and the same KV-cache bytes; the
-engine is built with ``enable_prefix_caching=True`` (kvcompress turns its own reuse off when
-prefix caching is off), so only ``additional_config`` differs.
+engine runs vLLM's default, prefix caching on (kvcompress turns its own reuse off when prefix
+caching is off), except ``vanilla-noprefix``, so only ``additional_config`` differs.
 
 Memory-bound by default: the KV cache holds ``--kv-cache-conversations`` (3) conversations at
 their longest, uncompressed, while there are many more conversations. ``--arrivals rounds``

@@ -3,6 +3,7 @@ conversation (``python -m benchmarks.multi_turn --worker``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -86,7 +87,10 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     special = special_token_ids(tokenizer)
     sink = EngineStats()
     prefix = {"requests": 0, "queries": 0, "hits": 0}
-    engine = build_engine(settings, config.spec, enable_prefix_caching=config.prefix_caching,
+    # vanilla-noprefix is the one configuration with vLLM's prefix caching off
+    engine = build_engine(dataclasses.replace(settings,
+                                              enable_prefix_caching=config.prefix_caching),
+                          config.spec,
                           stat_loggers=[StepStatsRecorder.factory(sink),
                                         prefix_cache_logger(prefix)])
     try:

@@ -40,9 +40,11 @@ queries are the question's; ``outside`` is kvpress's default evaluation: the con
 compressed (request 1), then the question is asked from the compressed cache (request 2, the
 same tokens, adopting request 1's cache through the prefix cache; every adoption is checked
 and misses are reported); ``both`` runs each configuration both ways and reports them side by
-side with their paired difference. The question-outside engines run with prefix caching, so
-there ``--kv-scoring auto`` resolves to hybrid (window inside); ``--scorings`` runs the grid
-with explicit scorings (method x budget x scoring).
+side with their paired difference. Every engine runs vLLM's default, prefix caching on, as a
+server does, so ``--kv-scoring auto`` resolves to hybrid in both modes; ``--no-prefix-caching``
+runs the question-inside mode without it (``auto``: the window, each prompt alone; recorded
+and said above the table; the outside mode needs it). ``--scorings`` runs the grid with
+explicit scorings (method x budget x scoring).
 """
 
 from __future__ import annotations
@@ -69,13 +71,14 @@ from benchmarks.quality.question import (
     resolved_scoring,
     run_outside,
 )
-from benchmarks.quality.report import plot, plot_title, render_report, replot
+from benchmarks.quality.report import plot, plot_title, render_run, replot
 from benchmarks.quality.scoring import collect_rows, evicts_nothing, mean
 from benchmarks.quality.tasks import TASKS, Sample, make_samples
 from benchmarks.report import RESULTS_DIR, command_string, machine_info, write_json
 from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
+    add_prefix_caching_option,
     benchmark_parser,
     default_model_dir,
     default_threads,
@@ -112,8 +115,8 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     prompts = json.loads(Path(job["prompts_path"]).read_text())
     outside = job.get("question") == "outside"
     figures: dict[str, int] = {}
-    # Question outside: prefix caching on (kvcompress's reuse adopts the compressed context).
-    engine = build_engine(settings, spec, enable_prefix_caching=outside,
+    # Question outside: its settings have prefix caching on (reuse adopts the context's cache).
+    engine = build_engine(settings, spec,
                           stat_loggers=[compression_figures_logger(figures)] if outside else None)
     extra: dict[str, Any] = {}
     try:
@@ -173,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of the engine (default: cores - 1)")
     parser.add_argument("--compile", action="store_true", help="no enforce_eager")
+    add_prefix_caching_option(parser)
     parser.add_argument("--job-timeout", type=float, default=1800.0)
     parser.add_argument("--output-json", type=Path, default=RESULTS_DIR / "quality.json")
     parser.add_argument("--plot", type=Path, default=RESULTS_DIR / "quality.png")
@@ -243,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts.append({"prompt_token_ids": ids, "context_tokens": context_tokens,
                         "max_tokens": sample.max_tokens})
     modes = positions(args.question_position)
+    if not args.enable_prefix_caching and "outside" in modes:
+        raise SystemExit("--no-prefix-caching: the question-outside mode adopts each context's "
+                         "cache through the prefix cache; use it with --question-position "
+                         "inside")
     # The inside mode's prompts as ever (the whole prompt tokenized at once); the outside
     # mode's differ only where the tokenizer would merge across the context's end.
     retokenized = sum(p["prompt_token_ids"] != tokenizer.encode(s.prompt)
@@ -273,13 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(model, dtype),
         enforce_eager=not args.compile, seed=args.seed,
         compression_options=parse_kv_options(args.kv_option),
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     # Question outside: every context's cache waits in the prefix cache for its question,
     # beside the running requests; room for all of them uncompressed (an entry evicted
     # before its question is a miss). The inside mode's engines stay as they were.
+    outside_bytes = settings.kv_cache_memory_bytes + sum(
+        p["context_tokens"] for p in prompts) * kv_bytes_per_token(model, dtype)
     mode_settings = {"inside": settings, "outside": dataclasses.replace(
-        settings, kv_cache_memory_bytes=settings.kv_cache_memory_bytes + sum(
-            p["context_tokens"] for p in prompts) * kv_bytes_per_token(model, dtype))}
+        settings, enable_prefix_caching=True, kv_cache_memory_bytes=outside_bytes)}
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir("quality")
     prompts_paths = {"inside": workdir / "prompts_inside.json",
@@ -327,13 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         job_timeout=args.job_timeout, env=worker_env(args.verbose, False, threads),
         desc="quality", show_progress=not args.no_progress,
     )
-    rows = build_rows(samples, [CompressionSpec(), *specs], results, prompts, modes,
-                      settings.compression_options)
+    rows = build_rows(samples, [CompressionSpec(), *specs], results, prompts,
+                      {mode: mode_settings[mode] for mode in modes})
     report = {**header, "configs": rows, "samples": sample_records(samples, prompt_lens),
               "runtime_s": time.perf_counter() - started}
     write_json(args.output_json, report)
     print()
-    print(render_report(rows, tasks))
+    print(render_run(report))
     for row in rows:
         if not row["ok"]:
             print(f"\n{row['label']} ({row['question']}) FAILED:\n{row['error']}")
@@ -350,19 +360,21 @@ def job_id(spec: CompressionSpec, mode: str) -> str:
 
 def build_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
                results: dict[str, Any], prompts: Sequence[dict[str, Any]],
-               modes: Sequence[str], options: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per configuration and mode (each mode compared with its own full cache), the
-    mode and resolved scoring on each row, adoption on the outside rows, and each outside
-    row's paired difference to its inside twin."""
+               mode_settings: dict[str, EngineSettings]) -> list[dict[str, Any]]:
+    """One row per configuration and mode run (``mode_settings``: each mode's engine settings;
+    each mode compared with its own full cache), the mode and resolved scoring on each row,
+    adoption on the outside rows, and each outside row's paired difference to its inside
+    twin."""
     prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
     rows: list[dict[str, Any]] = []
-    for mode in modes:
+    for mode, settings in mode_settings.items():
+        options = settings.compression_options
         mine = {spec.label: results[job_id(spec, mode)] for spec in specs
                 if job_id(spec, mode) in results}
         mode_rows = collect_rows(samples, specs, mine, prompt_lens)
         for spec, row in zip(specs, mode_rows):
             row["question"] = mode
-            row["scoring"] = resolved_scoring(spec, options, mode)
+            row["scoring"] = resolved_scoring(spec, options, settings.enable_prefix_caching)
             outcome = mine.get(spec.label)
             if mode == "outside" and row["ok"] and outcome is not None and outcome.result:
                 result = outcome.result

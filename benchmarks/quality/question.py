@@ -81,16 +81,16 @@ def run_outside(engine: Any, prompts: Sequence[Mapping[str, Any]], params: Seque
 
 # ----------------------------------------------------------------------------- parent side
 def resolved_scoring(spec: CompressionSpec, options: Mapping[str, Any],
-                     position: str) -> str | None:
-    """The scoring a configuration runs with in a mode (``auto`` resolved as the engine does:
-    prefix caching, hence reuse, is on for the question-outside mode only); None for the
+                     prefix_caching: bool) -> str | None:
+    """The scoring a configuration runs with in an engine with or without prefix caching
+    (``auto`` resolved as the engine does: prefix caching off turns reuse off); None for the
     full cache."""
     if spec.is_vanilla:
         return None
     from kvcompress.config import KVCompressionConfig
 
     config = spec.additional_config(options)
-    config.setdefault("kv_reuse", "on" if position == "outside" else "off")
+    config.setdefault("kv_reuse", "on" if prefix_caching else "off")
     return KVCompressionConfig.from_mapping(config).resolved_scoring
 
 

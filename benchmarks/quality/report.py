@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import format_table
+from benchmarks.report import format_table, with_prefix_caching
 from kvcompress.policies import METHODS
 
 
 def replot(json_path: Path, png_path: Path) -> int:
     report = json.loads(json_path.read_text())
-    print(render_report(report["configs"], report["workload"]["tasks"]))
+    print(render_run(report))
     plot(report["configs"], png_path, title=plot_title(report))
     print(f"wrote {png_path}")
     return 0
+
+
+def render_run(report: Mapping[str, Any]) -> str:
+    """A run's tables, headed by a line when its question-inside engines had prefix caching
+    off (every inside run did before the setting was recorded; question outside needs it)."""
+    workload = report["workload"]
+    table = render_report(report["configs"], workload["tasks"])
+    inside = "inside" in workload.get("question_positions", ["inside"])
+    return with_prefix_caching(table, report.get("settings") or {}, unrecorded=not inside)
 
 
 def render_report(rows: list[dict[str, Any]], tasks: Sequence[str]) -> str:
@@ -60,7 +69,8 @@ def render_positions(rows: list[dict[str, Any]]) -> str:
 
 
 def _scorings(inside: dict[str, Any], outside: dict[str, Any]) -> str:
-    """The scoring each mode ran with (``auto`` differs: window inside, hybrid outside)."""
+    """The scoring each mode ran with (``auto`` differs where the inside mode ran without
+    prefix caching: window inside, hybrid outside)."""
     a, b = inside.get("scoring"), outside.get("scoring")
     if a is None and b is None:
         return ""

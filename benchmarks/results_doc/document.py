@@ -141,7 +141,7 @@ def ledger_table() -> str:
     for change in CHANGES:
         sections = ", ".join(section.title for section in SECTIONS
                              if section.key in change.sections)
-        only = ", ".join(change.dtypes)
+        only = ", ".join((*change.dtypes, *(f"`{name}`" for name in change.benchmarks)))
         lines.append(f"| {change.commit} | {show_time(change.time)} | {change.what} | "
                      f"{sections} | {only} |")
     return "\n".join(lines)

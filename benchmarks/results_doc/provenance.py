@@ -10,7 +10,9 @@ same answer on every checkout):
 2. A result is stale when a ledger entry for its section is dated after the run started
    (``machine.date``, taken when the run starts), unless the entry names the result as
    measured on that change before it was committed (``measured_by``). An entry may be
-   limited to runs of some dtypes (``dtypes``: the AMX page layout only picks bf16 pages).
+   limited to runs of some dtypes (``dtypes``: the AMX page layout only picks bf16 pages)
+   and to results of some benchmarks (``benchmarks``, the JSON's ``benchmark``: a section
+   may show results of a benchmark the change does not touch).
 
 A change that alters what a benchmark measures (a default, an algorithm, the work per step)
 adds an entry here; docs/results.md then marks every older result of the sections it names.
@@ -48,16 +50,18 @@ class Change:
     sections: tuple[str, ...]
     dtypes: tuple[str, ...] = ()  # only runs in these dtypes (empty: every run)
     measured_by: tuple[str, ...] = ()  # results run on this change before it was committed
+    benchmarks: tuple[str, ...] = ()  # only results of these benchmarks (empty: every one)
 
     @property
     def time(self) -> datetime.datetime:
         return parse_time(self.since)
 
     def applies(self, section: str, name: str, dtype: str | None,
-                started: datetime.datetime) -> bool:
+                started: datetime.datetime, benchmark: str | None = None) -> bool:
         return (section in self.sections and started < self.time
                 and name not in self.measured_by
-                and (not self.dtypes or dtype in self.dtypes))
+                and (not self.dtypes or dtype in self.dtypes)
+                and (not self.benchmarks or benchmark in self.benchmarks))
 
 
 CHANGES: tuple[Change, ...] = (
@@ -107,6 +111,17 @@ CHANGES: tuple[Change, ...] = (
            "`hybrid`, and `auto` with reuse on) shares its total model-wide instead of each "
            "method's per-layer split",
            ("shared_context", "multi_turn", "multi_turn_recall", "quality_question_outside")),
+    Change("3038c88", "2026-12-04T05:40:18+00:00",
+           "prefix caching on, vLLM's default, in every benchmark engine (was off unless a "
+           "benchmark asked; now `--no-prefix-caching`): kvcompress's `--kv-reuse` on with it, "
+           "so `--kv-scoring auto` is `hybrid` (a reconstruction pass per compressed prompt) "
+           "and `--kv-budget-sharing auto` is `model`; vanilla reuses repeated prefixes",
+           (*COMPRESSED_THROUGHPUT, "paging_overhead", "fp8_pages", "decode_fidelity",
+            "decode_recall", "quality", "quality_tuning", "quality_budget_sharing",
+            "quality_question_outside", "hybrid_memory"),
+           # the engines it changed (quality_tuning also shows transformers-only analyses)
+           benchmarks=("throughput", "decode_fidelity", "decode_recall", "quality",
+                       "hybrid_memory")),
 )
 
 
@@ -135,6 +150,7 @@ class Provenance:
     dtype: str | None
     versions: str | None
     runtime_s: float | None
+    benchmark: str | None = None  # the JSON's ``benchmark``: which one wrote it
 
     @classmethod
     def of(cls, report: Mapping[str, Any]) -> Provenance:
@@ -156,6 +172,7 @@ class Provenance:
             dtype=settings.get("dtype"),
             versions=versions or None,
             runtime_s=float(runtime) if isinstance(runtime, (int, float)) else None,
+            benchmark=report.get("benchmark"),
         )
 
     @property
@@ -198,5 +215,6 @@ def stale_reasons(section: str, name: str, report: Mapping[str, Any]) -> list[st
     if run.started is not None:
         reasons.extend(
             f"ran before {change.commit} ({show_time(change.time)}): {change.what}"
-            for change in CHANGES if change.applies(section, name, run.dtype, run.started))
+            for change in CHANGES
+            if change.applies(section, name, run.dtype, run.started, run.benchmark))
     return reasons

@@ -28,6 +28,7 @@ from benchmarks import (
 )
 from benchmarks.multi_turn import report as multi_turn_report
 from benchmarks.quality import report as quality_report
+from benchmarks.report import with_prefix_caching
 
 Report = Mapping[str, Any]
 
@@ -41,11 +42,11 @@ class Section:
 
 
 def _throughput(report: Report) -> str:
-    return throughput.render(report["configs"])
+    return throughput.render_report(report)
 
 
 def _memory_sweep(report: Report) -> str:
-    return memory_sweep.render(report["configs"])
+    return memory_sweep.render_report(report)
 
 
 def _step_overhead(report: Report) -> str:
@@ -53,18 +54,20 @@ def _step_overhead(report: Report) -> str:
 
 
 def _decode_fidelity(report: Report) -> str:
-    return decode_fidelity.fidelity_table(report["configs"])
+    return with_prefix_caching(decode_fidelity.fidelity_table(report["configs"]),
+                               report.get("settings") or {})
 
 
 def _decode_recall(report: Report) -> str:
-    return decode_fidelity.recall_table(report["configs"])
+    return with_prefix_caching(decode_fidelity.recall_table(report["configs"]),
+                               report.get("settings") or {})
 
 
 def _quality(report: Report) -> str:
     if report.get("benchmark") == "retention_analysis":
         return retention_analysis.render(report["configs"])
     # both question positions when a run has them (an inside-only run: the one table)
-    return quality_report.render_report(report["configs"], report["workload"]["tasks"])
+    return quality_report.render_run(report)
 
 
 def _fp8_selection(report: Report) -> str:
@@ -76,7 +79,8 @@ def _compression_cost(report: Report) -> str:
 
 
 def _hybrid_memory(report: Report) -> str:
-    return hybrid_memory.render(report["rows"])
+    return with_prefix_caching(hybrid_memory.render(report["rows"]),
+                               report.get("settings") or {})
 
 
 def _multi_turn(report: Report) -> str:
@@ -98,7 +102,7 @@ def _shared_context(report: Report) -> str:
 def _fp8_pages(report: Report) -> str:
     """The fp8 section's results: a throughput run, a memory sweep or a quality run."""
     if report.get("benchmark") == "quality":
-        return quality_report.render_report(report["configs"], report["workload"]["tasks"])
+        return quality_report.render_run(report)
     if "--sweep-kv-memory" in report.get("command", ""):
         return _memory_sweep(report)
     return _throughput(report)

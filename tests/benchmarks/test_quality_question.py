@@ -4,6 +4,7 @@ adoption check and the side-by-side report. No engine, no vLLM import."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +27,7 @@ from benchmarks.quality.question import (
 from benchmarks.quality.report import plot, render_report
 from benchmarks.quality.scoring import add_comparisons, contains
 from benchmarks.quality.tasks import TASKS, Sample, make_samples, split_question
-from benchmarks.specs import CompressionSpec
+from benchmarks.specs import CompressionSpec, EngineSettings
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -197,11 +198,11 @@ def test_positions_and_option():
 def test_scoring_auto_resolves_per_mode_as_the_engine_does():
     auto, window = CompressionSpec("snapkv", budget=64), CompressionSpec(
         "snapkv", budget=64, options=(("kv_scoring", "window"),))
-    assert resolved_scoring(auto, {}, "inside") == "window"  # no prefix caching: no reuse
-    assert resolved_scoring(auto, {}, "outside") == "hybrid"
-    assert resolved_scoring(window, {}, "outside") == "window"
-    assert resolved_scoring(auto, {"kv_scoring": "reconstruct"}, "inside") == "reconstruct"
-    assert resolved_scoring(CompressionSpec(), {}, "outside") is None
+    assert resolved_scoring(auto, {}, False) == "window"  # no prefix caching: no reuse
+    assert resolved_scoring(auto, {}, True) == "hybrid"
+    assert resolved_scoring(window, {}, True) == "window"
+    assert resolved_scoring(auto, {"kv_scoring": "reconstruct"}, False) == "reconstruct"
+    assert resolved_scoring(CompressionSpec(), {}, True) is None
 
 
 def test_grid_of_methods_budgets_and_scorings():
@@ -268,7 +269,11 @@ def test_rows_and_report_side_by_side(tmp_path):
              ("snapkv:16+scoring=window", "outside"): ["11111", "no"],
              ("snapkv:16", "inside"): right, ("snapkv:16", "outside"): wrong}
     modes = ["inside", "outside"]
-    rows = build_rows(samples, specs, fake_results(specs, modes, texts), prompts, modes, {})
+    # the inside engines without prefix caching (--no-prefix-caching): auto is the window
+    inside = EngineSettings("m", "float32", 64, 4, 64, 1 << 20, enable_prefix_caching=False)
+    mode_settings = {"inside": inside,
+                     "outside": dataclasses.replace(inside, enable_prefix_caching=True)}
+    rows = build_rows(samples, specs, fake_results(specs, modes, texts), prompts, mode_settings)
     assert [(r["label"], r["question"]) for r in rows] == [
         (s.label, m) for m in modes for s in specs]
     outside = {r["label"]: r for r in rows if r["question"] == "outside"}
@@ -341,8 +346,19 @@ def test_command_runs_each_configuration_in_both_modes(monkeypatch, tmp_path, em
     assert (outside["settings"]["kv_cache_memory_bytes"]
             == inside["settings"]["kv_cache_memory_bytes"] + room)
     assert seen["units"][outside["id"]] == 2 * seen["units"][inside["id"]] == 4
+    # vLLM's default in both modes, as a server runs (auto resolves to hybrid inside too)
+    assert inside["settings"]["enable_prefix_caching"] is True
+    assert outside["settings"]["enable_prefix_caching"] is True
     report = json.loads(out.read_text())
     assert report["workload"]["question_positions"] == ["inside", "outside"]
     assert [(r["label"], r["question"], r["ok"]) for r in report["configs"]] == [
         ("vanilla", "inside", False), ("snapkv:64+scoring=window", "inside", False),
         ("vanilla", "outside", False), ("snapkv:64+scoring=window", "outside", False)]
+
+
+def test_no_prefix_caching_is_the_question_inside_modes_alone(tmp_path, embedded_model):
+    """The question-outside mode adopts each context through the prefix cache: refused."""
+    with pytest.raises(SystemExit, match="--no-prefix-caching"):
+        main(["--model", embedded_model, "--tasks", "passkey", "--samples", "1",
+              "--question-position", "both", "--no-prefix-caching",
+              "--output-json", str(tmp_path / "q.json"), "--no-progress"])
