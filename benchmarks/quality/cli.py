@@ -374,7 +374,8 @@ def build_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
         mode_rows = collect_rows(samples, specs, mine, prompt_lens)
         for spec, row in zip(specs, mode_rows):
             row["question"] = mode
-            row["scoring"] = resolved_scoring(spec, options, settings.enable_prefix_caching)
+            row["scoring"] = resolved_scoring(spec, options, settings.enable_prefix_caching,
+                                              settings.model)
             outcome = mine.get(spec.label)
             if mode == "outside" and row["ok"] and outcome is not None and outcome.result:
                 result = outcome.result

@@ -81,17 +81,19 @@ def run_outside(engine: Any, prompts: Sequence[Mapping[str, Any]], params: Seque
 
 # ----------------------------------------------------------------------------- parent side
 def resolved_scoring(spec: CompressionSpec, options: Mapping[str, Any],
-                     prefix_caching: bool) -> str | None:
-    """The scoring a configuration runs with in an engine with or without prefix caching
-    (``auto`` resolved as the engine does: prefix caching off turns reuse off); None for the
-    full cache."""
+                     prefix_caching: bool, model: str) -> str | None:
+    """The scoring a configuration runs with on ``model`` in an engine with or without
+    prefix caching (``auto`` resolved as the engine does: prefix caching off turns reuse
+    off, reuse on picks the model's surrogate where it has one); None for the full cache."""
     if spec.is_vanilla:
         return None
     from kvcompress.config import KVCompressionConfig
+    from kvcompress.engine.engine_args import resolve_auto_scoring
 
     config = spec.additional_config(options)
     config.setdefault("kv_reuse", "on" if prefix_caching else "off")
-    return KVCompressionConfig.from_mapping(config).resolved_scoring
+    return resolve_auto_scoring(KVCompressionConfig.from_mapping(config),
+                                model).resolved_scoring
 
 
 def compressible(spec: CompressionSpec, options: Mapping[str, Any],

@@ -195,14 +195,36 @@ def test_positions_and_option():
         build_parser().parse_args(["--question-position", "after"])
 
 
-def test_scoring_auto_resolves_per_mode_as_the_engine_does():
+def _model_with_surrogate(folder, surrogate: bool = True) -> str:
+    """A model folder (a config only) with a score surrogate made for it, or none."""
+    import json
+
+    import torch
+
+    from kvcompress.profiles import model_fingerprint
+    from kvcompress.surrogates import ScoreSurrogate, default_surrogate_path
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if surrogate:
+        ScoreSurrogate(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4),
+                       torch.zeros(1, 1), model_fingerprint(folder), 1).save(
+            default_surrogate_path(folder))
+    return str(folder)
+
+
+def test_scoring_auto_resolves_per_mode_as_the_engine_does(tmp_path):
+    bare = _model_with_surrogate(tmp_path / "bare", surrogate=False)
+    fitted = _model_with_surrogate(tmp_path / "fitted")
     auto, window = CompressionSpec("snapkv", budget=64), CompressionSpec(
         "snapkv", budget=64, options=(("kv_scoring", "window"),))
-    assert resolved_scoring(auto, {}, False) == "window"  # no prefix caching: no reuse
-    assert resolved_scoring(auto, {}, True) == "hybrid"
-    assert resolved_scoring(window, {}, True) == "window"
-    assert resolved_scoring(auto, {"kv_scoring": "reconstruct"}, False) == "reconstruct"
-    assert resolved_scoring(CompressionSpec(), {}, True) is None
+    for model in (bare, fitted):  # no prefix caching: no reuse, the window's
+        assert resolved_scoring(auto, {}, False, model) == "window"
+    assert resolved_scoring(auto, {}, True, fitted) == "surrogate"
+    assert resolved_scoring(auto, {}, True, bare) == "window"  # no surrogate
+    assert resolved_scoring(window, {}, True, fitted) == "window"
+    assert resolved_scoring(auto, {"kv_scoring": "reconstruct"}, False, bare) == "reconstruct"
+    assert resolved_scoring(CompressionSpec(), {}, True, bare) is None
 
 
 def test_grid_of_methods_budgets_and_scorings():
@@ -270,7 +292,8 @@ def test_rows_and_report_side_by_side(tmp_path):
              ("snapkv:16", "inside"): right, ("snapkv:16", "outside"): wrong}
     modes = ["inside", "outside"]
     # the inside engines without prefix caching (--no-prefix-caching): auto is the window
-    inside = EngineSettings("m", "float32", 64, 4, 64, 1 << 20, enable_prefix_caching=False)
+    model = _model_with_surrogate(tmp_path / "m")
+    inside = EngineSettings(model, "float32", 64, 4, 64, 1 << 20, enable_prefix_caching=False)
     mode_settings = {"inside": inside,
                      "outside": dataclasses.replace(inside, enable_prefix_caching=True)}
     rows = build_rows(samples, specs, fake_results(specs, modes, texts), prompts, mode_settings)
@@ -281,7 +304,8 @@ def test_rows_and_report_side_by_side(tmp_path):
     assert window["accuracy"] == 0.5 and window["vs_inside"]["mean"] == -0.5
     assert window["vs_full"]["mean"] == -0.5  # against the question-outside full cache
     assert window["adoption"]["hits"] == 1 and window["adoption"]["misses"] == [1]
-    assert window["scoring"] == "window" and outside["snapkv:16"]["scoring"] == "hybrid"
+    # auto with reuse: the model's surrogate
+    assert window["scoring"] == "window" and outside["snapkv:16"]["scoring"] == "surrogate"
     assert [r["scoring"] for r in rows if r["question"] == "inside"] == [None, "window", "window"]
     assert not outside["vanilla"]["adoption"]["applies"]
 
@@ -290,7 +314,7 @@ def test_rows_and_report_side_by_side(tmp_path):
     side = text.split("question inside vs outside")[1]
     assert "outside - inside (paired 95%)" in side
     line = next(x for x in side.splitlines() if x.startswith("snapkv:16 "))
-    assert "window / hybrid" in line and "-1.00" in line and "1/2" in line
+    assert "window / surrogate" in line and "-1.00" in line and "1/2" in line
     assert "n/a (full)" in side
     plot(rows, tmp_path / "q.png", title="t")  # both modes on one plot
     assert (tmp_path / "q.png").read_bytes()[:4] == b"\x89PNG"
