@@ -397,8 +397,9 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     """The scores the plan ranks the request's (new) prompt tokens by, over the compressed
     ``layers``: its accumulator, or with ``hybrid`` scoring (some request of the group kept
     its window's scores apart) each accumulator pooled, then the union of their rankings:
-    pooling ranks instead would spread the top of either source over everything. Hybrid
-    scores come pooled."""
+    pooling ranks instead would spread the top of either source over everything (under a
+    score threshold the larger of the two pooled scores instead). Hybrid scores come
+    pooled."""
     accumulators = [scores for scores in (request.window_scores, request.query_scores)
                     if scores is not None]
     if adopters:
@@ -412,6 +413,10 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     prefix = torch.tensor(max(0, prompt - policy.window), device=accumulators[0].device)
     pooled = [pool_scores(scores[..., :prompt], policy.pooling, policy.pooling_kernel,
                           lengths=prefix) for scores in accumulators]
+    if policy.score_threshold is not None:
+        # A token passes if either source's score does: the larger of the two (ranks would
+        # lose the scale the threshold is on).
+        return torch.maximum(*pooled) if len(pooled) > 1 else pooled[0]
     # Shared model-wide, the ranks must compare across rows too.
     return rank_union(pooled, ranked_dims=3 if policy.budget_sharing == "model" else 1)
 
