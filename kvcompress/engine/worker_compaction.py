@@ -49,6 +49,11 @@ class CompactionStats:
     tokens_evicted: int = 0
     seconds: float = 0.0  # selection + moves, after the forward
     score_seconds: float = 0.0  # window and reconstruction scoring inside attention
+    # Token-rows of the prompt parts planned (new prompt tokens x compressed rows) and of
+    # those kept: their ratio is the measured kept fraction (a score threshold's is
+    # data-dependent; benchmarks compare budgets at the same one).
+    prompt_rows_planned: int = 0
+    prompt_rows_kept: int = 0
 
 
 @dataclass
@@ -141,6 +146,7 @@ def compact_completed_prompts(
             request = state.requests[request_id]
             counts = all_counts[number].reshape(len(rows))
             indices = all_indices[number].reshape(len(rows), -1)
+            segment_kept = int(counts.sum())
             try:
                 if adopters:
                     counts, indices = _after_adopted(counts, indices,
@@ -159,6 +165,9 @@ def compact_completed_prompts(
                 stats.requests += 1
                 stats.tokens_moved += len(row_moves)
                 stats.tokens_evicted += int((request.lengths - new_lengths).sum())
+                stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
+                                              * len(rows))
+                stats.prompt_rows_kept += segment_kept
             compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
             request.prompt_kept = request.prompt_end()
             request.prompt_kept[rows] = counts.numpy()

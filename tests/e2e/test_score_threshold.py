@@ -5,6 +5,7 @@ and every page stays accounted for at every step."""
 import numpy as np
 import pytest
 
+from benchmarks.engine import prompt_kept_fraction
 from kvcompress.config import KVCompressionConfig
 from kvcompress.policies import layer_budgets
 
@@ -89,6 +90,10 @@ def test_a_threshold_keeps_what_its_scores_pass_and_the_pages_follow(tiny_llama)
 
         harness.run_until_done()
         assert_pages_accounted(harness)
+        # The benchmarks' measured kept fraction: the token-rows these prompts kept.
+        planned = sum(LAYERS * HEADS * length for _, length in REQUESTS.values())
+        assert prompt_kept_fraction(harness.engine) == pytest.approx(
+            sum(int(rows.sum()) for rows in kept.values()) / planned)
         manager = harness.rank_pages()
         assert not manager.request_ids()
         assert harness.page_manager.num_available == harness.page_manager.total_pages

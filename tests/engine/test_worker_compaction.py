@@ -10,6 +10,7 @@ import torch
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.worker_compaction import (
+    CompactionStats,
     _generated_keys,
     compact_completed_prompts,
     evict_generated_tokens,
@@ -404,10 +405,13 @@ def test_a_score_threshold_compacts_each_row_to_what_passes(hybrid):
         request.query_scores = query
         passing[1] = {50, 51, 52}
     case.step.completing_prompt = [0]
-    compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT)
+    stats = CompactionStats()
+    compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT, stats)
     floor = {0, 1, *range(96, 100)}
     lengths = compactions["req0"].physical_lengths.tolist()
     assert lengths == [len(floor | passing[row]) for row in range(4)]
     for row in range(4):
         assert sorted(token_ids_in_slots(case, request, row)) == sorted(floor | passing[row])
     assert request.prompt_kept.tolist() == lengths
+    # What benchmarks read as the measured kept fraction.
+    assert (stats.prompt_rows_planned, stats.prompt_rows_kept) == (4 * 100, sum(lengths))
