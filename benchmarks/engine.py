@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.specs import CompressionSpec, EngineSettings
@@ -65,6 +65,16 @@ def _executor(settings: EngineSettings) -> str | None:
     if settings.tensor_parallel_size > 1:
         return "mp"  # a worker process per rank
     return None if settings.multiprocess else "uni"
+
+
+def prompt_kept_fraction(engine: Any) -> float | None:
+    """Share of the compacted prompts' token-rows kept, over every rank (rows weighted by
+    length), measured by the workers; None when nothing was compacted."""
+    ranks = engine.collective_rpc(
+        lambda worker: asdict(worker.model_runner.paged_runtime.collect_stats()))
+    planned = sum(stats["prompt_rows_planned"] for stats in ranks)
+    kept = sum(stats["prompt_rows_kept"] for stats in ranks)
+    return kept / planned if planned else None
 
 
 def shutdown_engine(engine: Any) -> None:

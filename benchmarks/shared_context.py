@@ -209,7 +209,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from benchmarks.engine import build_engine, shutdown_engine
+    from benchmarks.engine import build_engine, prompt_kept_fraction, shutdown_engine
 
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
@@ -269,10 +269,12 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
                                           first.get(f"d{document.index}q{turn}"),
                                           completion.text))
             reporter.progress(len(answers))
+        # Every compacted prompt of the job (chat turns' new segments, independent prompts).
+        kept = None if spec.is_vanilla else prompt_kept_fraction(engine)
     finally:
         shutdown_engine(engine)
     return {"answers": [asdict(a) for a in answers], "chat_elapsed_s": elapsed,
-            "chat_output_tokens": generated}
+            "chat_output_tokens": generated, "measured_kept_fraction": kept}
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -346,6 +348,7 @@ def config_row(spec: CompressionSpec, outcome: Any, modes: Sequence[str],
     row["tok_s"] = (result["chat_output_tokens"] / result["chat_elapsed_s"]
                     if result["chat_elapsed_s"] else None)
     row["answers"] = result["answers"]
+    row["measured_kept_fraction"] = result.get("measured_kept_fraction")
     return row
 
 
@@ -358,7 +361,8 @@ def render(rows: Sequence[Mapping[str, Any]], mode: str, turns: int) -> str:
     for row in rows:
         if not row["ok"]:
             continue
-        line: dict[str, Any] = {"config": row["label"]}
+        line: dict[str, Any] = {"config": row["label"],
+                                "kept": row.get("measured_kept_fraction")}
         for turn in row["turns"][mode]:
             line[f"t{turn['turn']}"] = cell(turn)
         later = [t for t in row["turns"][mode] if t["turn"] > 1 and t.get("of_full")]
@@ -367,7 +371,8 @@ def render(rows: Sequence[Mapping[str, Any]], mode: str, turns: int) -> str:
             line["tok/s x"] = row.get("tok_s_ratio")
             line["ttft x"] = row.get("ttft_ratio")
         table.append(line)
-    columns = [("config", "config")] + [(f"t{t}", f"turn {t}") for t in range(1, turns + 1)]
+    columns = [("config", "config"), ("kept", "kept (measured)")]
+    columns += [(f"t{t}", f"turn {t}") for t in range(1, turns + 1)]
     columns.append(("later/full", "turns 2+ / full"))
     if mode == "chat":
         columns += [("tok/s x", "tok/s vs vanilla"), ("ttft x", "TTFT vs vanilla")]

@@ -29,7 +29,8 @@ CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # ----------------------------------------------------------------------------- configurations
 @dataclass(frozen=True)
 class CompressionSpec:
-    """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio,
+    """One configuration: vanilla vLLM (method "none") or a method with a budget or a ratio
+    (or, with a ``kv_score_threshold`` option, neither: the threshold alone decides),
     optionally with decode-time eviction (a decode policy and the generated tokens each KV
     head keeps) and settings of its own (``options``: additional_config keys and values,
     e.g. (("kv_pyramid_beta", 4),), over the run's --kv-option ones). ``cache_dtype``: vLLM's
@@ -64,8 +65,11 @@ class CompressionSpec:
             return
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; allowed: none, {', '.join(METHODS)}")
-        if (self.budget is None) == (self.ratio is None):
+        if self.budget is not None and self.ratio is not None:
             raise ValueError(f"{self.method}: give exactly one of a budget or a ratio")
+        if self.budget is None and self.ratio is None and not self.thresholded:
+            raise ValueError(f"{self.method}: give exactly one of a budget or a ratio "
+                             "(or a +score_threshold=T alone)")
         if self.budget is not None and self.budget < 1:
             raise ValueError(f"{self.method}: budget must be >= 1, got {self.budget}")
         if self.ratio is not None and not 0.0 < self.ratio < 1.0:
@@ -74,6 +78,11 @@ class CompressionSpec:
     @property
     def is_vanilla(self) -> bool:
         return self.method == "none"
+
+    @property
+    def thresholded(self) -> bool:
+        """A score threshold decides what is kept (a budget or ratio given too caps it)."""
+        return any(key == "kv_score_threshold" for key, _ in self.options)
 
     @property
     def label(self) -> str:
@@ -85,6 +94,8 @@ class CompressionSpec:
         decode += cache
         if self.budget is not None:
             return f"{self.method}:{self.budget}{decode}"
+        if self.ratio is None:  # a score threshold alone
+            return f"{self.method}{decode}"
         return f"{self.method}:r={self.ratio:g}{decode}"
 
     @property
@@ -106,7 +117,7 @@ class CompressionSpec:
                                   **dict(self.options)}
         if self.budget is not None:
             config["kv_budget"] = self.budget
-        else:
+        elif self.ratio is not None:
             config["kv_compression_ratio"] = self.ratio
         if self.decode_policy:
             config["kv_decode_policy"] = self.decode_policy
@@ -119,11 +130,12 @@ class CompressionSpec:
         optionally followed by ``@DECODE_POLICY:DECODE_BUDGET`` (``pyramidkv:256@h2o:256``)
         and by settings of its own, ``+KEY=VALUE`` each (``pyramidkv:64+pyramid_beta=4``;
         the ``kv_`` of the additional_config key may be left out); ``+cache_dtype=fp8``
-        (also for vanilla) sets vLLM's --kv-cache-dtype."""
+        (also for vanilla) sets vLLM's --kv-cache-dtype. With ``+score_threshold=T`` the
+        amount may be left out (``pyramidkv+score_threshold=-6``): the threshold alone
+        decides; an amount given caps it."""
         text = text.strip().lower()
         text, *settings = text.split("+")
         if settings:
-            base = cls.parse(text)
             cache_dtype = "auto"
             options = []
             for item in settings:
@@ -132,6 +144,10 @@ class CompressionSpec:
                     cache_dtype = value
                 else:
                     options.append(parse_spec_option(item))
+            if (text.strip() in METHODS
+                    and any(key == "kv_score_threshold" for key, _ in options)):
+                return cls(text.strip(), options=tuple(options), cache_dtype=cache_dtype)
+            base = cls.parse(text)
             return cls(base.method, base.budget, base.ratio, base.decode_policy,
                        base.decode_budget, tuple(options), cache_dtype)
         if text in ("none", "vanilla", "full"):

@@ -132,6 +132,20 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "Exclusive with --kv-budget.",
     ),
     FlagSpec(
+        "kv_score_threshold", "--kv-score-threshold", "score_threshold", float,
+        "Threshold eviction (after KVzap): every (layer, KV head) keeps each prompt token "
+        "whose score s has ln(s) > T, besides its floor (the last --kv-window tokens and "
+        "the first --kv-sink-tokens), so how much is kept follows the content. T: a finite "
+        "number < 0, e.g. -6. s is the score the selection ranks, after --kv-pooling: with "
+        "--kv-scoring reconstruct or expected an attention probability in (0, 1]; with "
+        "window the sum of the window queries' probabilities (it may exceed 1); with hybrid "
+        "the larger of the two. Alone it replaces the budget: prompts over --kv-min-prompt "
+        "are thresholded and admission counts them whole. With --kv-budget or "
+        "--kv-compression-ratio that amount caps what passes (split as the method and "
+        "--kv-budget-sharing split it; the sinks count against it). Needs a method with "
+        "scores. Off by default.",
+    ),
+    FlagSpec(
         "kv_window", "--kv-window", "window", int,
         "Observation window: the last W prompt tokens whose queries score the rest; "
         f"they are always kept. Default {DEFAULT_WINDOW}; must not exceed --kv-budget.",
@@ -280,10 +294,11 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "kv_min_prompt", "--kv-min-prompt", "min_prompt", int,
-        "With --kv-compression-ratio: prompts of at most N tokens are kept whole, and so are "
-        "the new tokens of a turn that continues a cached conversation (its question would "
-        "otherwise be compressed before it is answered). With --kv-budget, prompts up to the "
-        f"budget are kept whole instead. >= 0; default {DEFAULT_MIN_PROMPT}.",
+        "With --kv-compression-ratio or --kv-score-threshold: prompts of at most N tokens "
+        "are kept whole, and so are the new tokens of a turn that continues a cached "
+        "conversation (its question would otherwise be compressed before it is answered). "
+        "With --kv-budget alone, prompts up to the budget are kept whole instead. >= 0; "
+        f"default {DEFAULT_MIN_PROMPT}.",
     ),
 )
 CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
@@ -324,6 +339,10 @@ class KVCompressionConfig:
     profile: str = ""  # the query profile's path; "" = beside the model
     surrogate: str = ""  # the score surrogate's path; "" = beside the model
     min_prompt: int = DEFAULT_MIN_PROMPT
+    score_threshold: float | None = None
+    # Not a setting: the budget is DEFAULT_BUDGET because no amount (and no threshold) was
+    # given. A request's threshold then replaces it rather than being capped by it.
+    budget_defaulted: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -331,8 +350,10 @@ class KVCompressionConfig:
 
     def compresses(self, prompt_len: int) -> bool:
         """Whether a prompt (or a continuation's new segment) of this length is compacted
-        after its prefill."""
-        floor = self.min_prompt if self.ratio is not None else (self.budget or 0)
+        after its prefill. A budget alone keeps prompts up to it whole; a ratio or a score
+        threshold (even under a budget cap) those up to --kv-min-prompt."""
+        by_length = self.ratio is not None or self.score_threshold is not None
+        floor = self.min_prompt if by_length else (self.budget or 0)
         return self.enabled and prompt_len > floor
 
     def reconstructs(self, prompt_len: int) -> bool:
@@ -428,8 +449,12 @@ class KVCompressionConfig:
         given = {k: _coerce(k, v) for k, v in values.items() if k in CONFIG_KEYS and v is not None}
         fields = {_SPEC_BY_KEY[key].field: value for key, value in given.items()}
         amount_given = "budget" in fields or "ratio" in fields
-        if fields.get("method", "none") != "none" and not amount_given:
+        # A score threshold needs no amount: given one, it caps the threshold (policies/
+        # threshold.py); else nothing does.
+        if (fields.get("method", "none") != "none" and not amount_given
+                and "score_threshold" not in fields):
             fields["budget"] = DEFAULT_BUDGET
+            fields["budget_defaulted"] = True
         config = cls(**fields)  # the field defaults are the documented ones
         config.validate(explicit_keys=set(given))
         return config
@@ -475,6 +500,7 @@ class KVCompressionConfig:
                 and not get_method(self.method).needs_scores):
             _fail("kv_budget_sharing", f"'model' shares the budget by score and "
                   f"{self.method} scores no tokens; allowed with it: auto, layer")
+        self._validate_threshold()
         if self.gqa_reduce not in GQA_REDUCES:
             _fail("kv_gqa_reduce", f"got {self.gqa_reduce!r}; allowed: {', '.join(GQA_REDUCES)}")
         self._validate_decode()
@@ -495,6 +521,20 @@ class KVCompressionConfig:
         size = self.page_size
         if size is not None and (not (low <= size <= high) or size & (size - 1)):
             _fail("kv_page_size", f"got {size}; allowed: a power of two in [{low}, {high}]")
+
+    def _validate_threshold(self) -> None:
+        threshold = self.score_threshold
+        if threshold is None:
+            return
+        if not (math.isfinite(threshold) and threshold < 0):
+            _fail("kv_score_threshold",
+                  f"got {threshold}; allowed: a finite number < 0 (the natural log of a "
+                  "score: reconstruction scores are probabilities, at most 1), e.g. -6")
+        if self.enabled and not get_method(self.method).needs_scores:
+            scored = ", ".join(m.name for m in COMPRESSION_METHODS if m.needs_scores)
+            _fail("kv_score_threshold",
+                  f"got {threshold} with --kv-compression {self.method}, which scores no "
+                  f"tokens; allowed with: {scored}")
 
     def _validate_decode(self) -> None:
         if self.decode_policy not in DECODE_POLICIES:
@@ -527,7 +567,9 @@ class KVCompressionConfig:
         """This engine config with one request's ``kv_*`` overrides applied (validated).
 
         A request giving a budget or a ratio replaces the engine's amount (they stay
-        exclusive); ``kv_compression: none`` keeps the request's whole cache.
+        exclusive); ``kv_compression: none`` keeps the request's whole cache. A request's
+        ``kv_score_threshold`` is capped by the engine's amount only where the engine was
+        given one (--kv-budget, --kv-compression-ratio), not by the default budget.
         """
         overrides = {k: v for k, v in (extra_args or {}).items() if k.startswith("kv_")}
         if not overrides:
@@ -603,11 +645,18 @@ class KVCompressionConfig:
             detail)
 
     def to_mapping(self) -> dict[str, Any]:
-        """The ``additional_config`` keys that reproduce this config exactly."""
-        return {spec.key: getattr(self, spec.field) for spec in FLAG_SPECS}
+        """The ``additional_config`` keys that reproduce this config exactly (a defaulted
+        budget is left out: it stays a default, which a request's threshold replaces)."""
+        mapping = {spec.key: getattr(self, spec.field) for spec in FLAG_SPECS}
+        if self.budget_defaulted:
+            mapping["kv_budget"] = None
+        return mapping
 
     def describe(self) -> str:
-        amount = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+        amount = (f"budget={self.budget}" if self.budget is not None
+                  else f"ratio={self.ratio}" if self.ratio is not None else "no cap")
+        if self.score_threshold is not None:
+            amount = f"threshold={self.score_threshold:g} ({amount})"
         return (
             f"method={self.method} {amount} window={self.window} beta={self.beta:g} "
             f"pooling={self.pooling}/{self.pooling_kernel} sinks={self.sink_tokens} "

@@ -4,6 +4,7 @@ import pytest
 
 from kvcompress.config import (
     DEFAULT_BUDGET,
+    DEFAULT_MIN_PROMPT,
     FLAG_SPECS,
     KVCompressionConfig,
     KVCompressionConfigError,
@@ -73,6 +74,16 @@ def test_other_plugins_keys_are_ignored_but_unknown_kv_keys_are_not():
          "--kv-decode-budget"),
         ({"kv_compression": "snapkv", "kv_decode_policy": "snapkv", "kv_decode_budget": 8},
          "--kv-decode-budget", "> --kv-window"),
+        ({"kv_compression": "snapkv", "kv_score_threshold": 0}, "--kv-score-threshold",
+         "a finite number < 0"),
+        ({"kv_compression": "snapkv", "kv_score_threshold": 6}, "--kv-score-threshold",
+         "a finite number < 0"),
+        ({"kv_compression": "snapkv", "kv_score_threshold": "nan"}, "--kv-score-threshold",
+         "a finite number < 0"),
+        ({"kv_compression": "snapkv", "kv_score_threshold": "low"}, "--kv-score-threshold",
+         "a number"),
+        ({"kv_compression": "streamingllm", "kv_score_threshold": -6},
+         "--kv-score-threshold", "allowed with: pyramidkv, snapkv, adakv"),
     ],
 )
 def test_invalid_values_name_the_flag_and_the_allowed_values(settings, flag, allowed):
@@ -149,6 +160,9 @@ def test_request_overrides_replace_the_amount_and_keep_the_rest():
         ({"kv_adakv_floor": "high"}, "'kv_adakv_floor'"),
         ({"kv_adakv_totals": "linear"}, "'kv_adakv_totals'.*pyramid, uniform"),
         ({"kv_gqa_reduce": "sum"}, "'kv_gqa_reduce'.*mean, max"),
+        ({"kv_score_threshold": 0.5}, "'kv_score_threshold'.*finite number < 0"),
+        ({"kv_score_threshold": -6, "kv_compression": "streamingllm"},
+         "'kv_score_threshold'.*allowed with"),
     ],
 )
 def test_bad_request_overrides_name_the_field(overrides, message):
@@ -188,7 +202,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
         "kv_gqa_reduce": "max", "kv_reuse": "off", "kv_scoring": "window",
         "kv_reconstruct_chunk": 256, "kv_profile": "/Models/Some-Model/Profile.pt",
         "kv_surrogate": "/Models/Some-Model/Surrogate.pt",
-        "kv_min_prompt": 64, "kv_budget_sharing": "model",
+        "kv_min_prompt": 64, "kv_budget_sharing": "model", "kv_score_threshold": -6.0,
     }
     config = KVCompressionConfig.from_mapping(given)
     for spec in FLAG_SPECS:
@@ -199,7 +213,7 @@ def test_every_flag_fills_its_field_and_the_policy_gets_the_shared_ones():
     assert (policy.pooling, policy.pooling_kernel, policy.sink_tokens) == ("avg", 5, 2)
     assert (policy.adakv_floor, policy.adakv_totals, policy.budget_shape) == (
         0.8, "uniform", "uniform")
-    assert policy.budget_sharing == "model"
+    assert policy.budget_sharing == "model" and policy.score_threshold == -6.0
 
 
 def test_the_config_mirrors_the_policy_settings_fields_with_the_same_defaults():
@@ -332,3 +346,34 @@ def test_auto_budget_sharing_is_model_wide_where_a_reconstruction_scores(setting
     assert config.resolved_budget_sharing == sharing
     assert config.policy.budget_sharing == sharing
     assert f"sharing={sharing}" in config.describe()
+
+
+def test_a_score_threshold_replaces_the_default_budget_and_an_amount_given_caps_it():
+    alone = KVCompressionConfig.from_mapping(
+        {"kv_compression": "pyramidkv", "kv_score_threshold": -6})
+    assert alone.score_threshold == -6.0 and alone.budget is None and alone.ratio is None
+    assert not alone.policy.capped and alone.policy.score_threshold == -6.0
+    # Prompts over --kv-min-prompt are thresholded, shorter ones kept whole.
+    assert alone.compresses(DEFAULT_MIN_PROMPT + 1) and not alone.compresses(DEFAULT_MIN_PROMPT)
+    capped = KVCompressionConfig.from_mapping(
+        {"kv_compression": "pyramidkv", "kv_score_threshold": -6, "kv_budget": 512})
+    assert capped.policy.capped and capped.budget == 512
+    assert capped.compresses(300), "under its cap a prompt is still thresholded"
+    assert KVCompressionConfig.from_mapping(alone.to_mapping()) == alone
+    assert "threshold=-6 (no cap)" in alone.describe()
+
+
+def test_a_requests_threshold_is_capped_only_by_an_amount_someone_gave():
+    defaulted = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv"})
+    assert defaulted.budget == DEFAULT_BUDGET and defaulted.budget_defaulted
+    assert KVCompressionConfig.from_mapping(defaulted.to_mapping()) == defaulted
+    request = {"kv_score_threshold": -6}
+    assert not defaulted.with_request_overrides(request).policy.capped
+    given = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_budget": 256})
+    assert given.with_request_overrides(request).budget == 256
+    engine = KVCompressionConfig.from_mapping(
+        {"kv_compression": "pyramidkv", "kv_score_threshold": -6})
+    own_cap = engine.with_request_overrides({"kv_compression_ratio": 0.5})
+    assert own_cap.ratio == 0.5 and own_cap.score_threshold == -6.0
+    assert engine.with_request_overrides({"kv_score_threshold": -3}).score_threshold == -3.0
+    assert engine.with_request_overrides({"kv_compression": "none"}).enabled is False

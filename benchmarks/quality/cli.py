@@ -107,6 +107,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         build_engine,
         compression_figures_logger,
         generate,
+        prompt_kept_fraction,
         shutdown_engine,
     )
 
@@ -130,6 +131,8 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
                 engine, [p["prompt_token_ids"] for p in prompts], params,
                 lambda finished, _tokens: reporter.progress(finished),
             )
+        if not spec.is_vanilla:
+            extra["measured_kept_fraction"] = prompt_kept_fraction(engine)
     finally:
         shutdown_engine(engine)
     return {

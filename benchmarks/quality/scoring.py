@@ -180,7 +180,10 @@ def collect_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
                        job_seconds=outcome.seconds)
             row.update(summarize_config(samples, outcome.result["outputs"], reference))
             row["outputs"] = [o["text"] for o in outcome.result["outputs"]]
-        row["kept_fraction"] = kept_fraction(spec, prompt_lens)
+            row["measured_kept_fraction"] = outcome.result.get("measured_kept_fraction")
+        # A threshold's share is data-dependent: the workers' measure stands for it.
+        row["kept_fraction"] = (kept_fraction(spec, prompt_lens)
+                                if not spec.thresholded else row.get("measured_kept_fraction"))
         rows.append(row)
     if rows and rows[0]["ok"]:
         add_retained(rows, rows[0])
@@ -195,7 +198,8 @@ def series_name(spec: CompressionSpec) -> str:
 
 
 def kept_fraction(spec: CompressionSpec, prompt_lens: Sequence[int]) -> float:
-    """Mean share of each prompt's cache kept (window included) at this budget or ratio."""
+    """Mean share of each prompt's cache kept (window included) at this budget or ratio
+    (nominal; a score threshold's is measured: ``measured_kept_fraction``)."""
     if spec.is_vanilla:
         return 1.0
     if spec.ratio is not None:

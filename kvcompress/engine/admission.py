@@ -334,11 +334,14 @@ class AdmissionPlanner:
         return config
 
     def _kept_after_prompt(self, config: KVCompressionConfig, prompt_len: int) -> np.ndarray:
-        """Per-row tokens of the prompt once it is compacted (its layer budgets)."""
+        """Per-row tokens of the prompt once it is compacted (its layer budgets). A score
+        threshold keeps a number no one knows before the scores: under a budget or ratio
+        the budgets bound it, without one the whole prompt is counted (the worker's report
+        of what it kept frees the rest after the step, as for every compaction)."""
         layout = self.pages.layout
         kept = np.full(layout.num_layers, prompt_len, dtype=np.int64)
         layers = layout.compressed_layers  # sliding-window layers: not the policy's
-        if layers and config.compresses(prompt_len):
+        if layers and config.compresses(prompt_len) and config.policy.capped:
             per_layer = layer_budgets(config.method, len(layers), prompt_len, config.budget,
                                       config.ratio, config.window, config.beta,
                                       config.policy.budget_shape)

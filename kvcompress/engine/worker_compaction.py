@@ -49,6 +49,11 @@ class CompactionStats:
     tokens_evicted: int = 0
     seconds: float = 0.0  # selection + moves, after the forward
     score_seconds: float = 0.0  # window and reconstruction scoring inside attention
+    # Token-rows of the prompt parts planned (new prompt tokens x compressed rows) and of
+    # those kept: their ratio is the measured kept fraction (a score threshold's is
+    # data-dependent; benchmarks compare budgets at the same one).
+    prompt_rows_planned: int = 0
+    prompt_rows_kept: int = 0
 
 
 @dataclass
@@ -141,6 +146,7 @@ def compact_completed_prompts(
             request = state.requests[request_id]
             counts = all_counts[number].reshape(len(rows))
             indices = all_indices[number].reshape(len(rows), -1)
+            segment_kept = int(counts.sum())
             try:
                 if adopters:
                     counts, indices = _after_adopted(counts, indices,
@@ -159,6 +165,9 @@ def compact_completed_prompts(
                 stats.requests += 1
                 stats.tokens_moved += len(row_moves)
                 stats.tokens_evicted += int((request.lengths - new_lengths).sum())
+                stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
+                                              * len(rows))
+                stats.prompt_rows_kept += segment_kept
             compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
             request.prompt_kept = request.prompt_end()
             request.prompt_kept[rows] = counts.numpy()
@@ -399,8 +408,9 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     """The scores the plan ranks the request's (new) prompt tokens by, over the compressed
     ``layers``: its accumulator, or with ``hybrid`` scoring (some request of the group kept
     its window's scores apart) each accumulator pooled, then the union of their rankings:
-    pooling ranks instead would spread the top of either source over everything. Hybrid
-    scores come pooled."""
+    pooling ranks instead would spread the top of either source over everything (under a
+    score threshold the larger of the two pooled scores instead). Hybrid scores come
+    pooled."""
     accumulators = [scores for scores in (request.window_scores, request.query_scores)
                     if scores is not None]
     if adopters:
@@ -414,6 +424,10 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     prefix = torch.tensor(max(0, prompt - policy.window), device=accumulators[0].device)
     pooled = [pool_scores(scores[..., :prompt], policy.pooling, policy.pooling_kernel,
                           lengths=prefix) for scores in accumulators]
+    if policy.score_threshold is not None:
+        # A token passes if either source's score does: the larger of the two (ranks would
+        # lose the scale the threshold is on).
+        return torch.maximum(*pooled) if len(pooled) > 1 else pooled[0]
     # Shared model-wide, the ranks must compare across rows too.
     return rank_union(pooled, ranked_dims=3 if policy.budget_sharing == "model" else 1)
 

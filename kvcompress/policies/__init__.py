@@ -6,6 +6,8 @@
 - budgets:   tokens kept per layer (PyramidKV arithmetic schedule, uniform), exact totals.
 - scores:    observation-window scores per KV head (GQA-aware), pooling, H2O attention mass.
 - selection: keep masks (top-k per head, Ada-KV shared allocation, sinks + recent) and indices.
+- threshold: threshold eviction (``PolicySettings.score_threshold``): keep what scores above
+             it, with a floor per head, optionally capped by the budget.
 - plan:      ``plan_keep(settings, ...)``, the engine's entry point, returning a ``KeepPlan``.
 - decode:    decode-time eviction of generated tokens (``--kv-decode-policy``): one module per
              method, ``DecodeEviction`` (a request's resolved settings), ``get_decode_method``.

@@ -14,6 +14,7 @@ from .scores import pool_scores
 from .selection import PAD_INDEX
 from .settings import PolicySettings
 from .sharing import model_wide_positions
+from .threshold import threshold_positions
 from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
@@ -70,7 +71,9 @@ def plan_keep(
         prefix only). An entry may be None when that request keeps its whole prompt; all of
         them may be None (or anything) for a method that needs no scores.
     The last min(window, prompt_len) tokens are always kept. Output lives on the scores' device
-    (CPU when no scores are given).
+    (CPU when no scores are given). With ``settings.score_threshold`` a request keeps what
+    passes it (threshold.py), at most its budgets when a budget or ratio caps it; only a
+    prompt no longer than the window is kept whole without being looked at.
     """
     num_layers = check_int("num_layers", num_layers, 1)
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
@@ -78,14 +81,11 @@ def plan_keep(
     if scores is not None and len(scores) != len(lens):
         raise ValueError(f"scores has {len(scores)} entries for {len(lens)} prompt_lens")
 
-    per_layer = [
-        layer_budgets(
-            settings.method, num_layers, q, settings.budget, settings.ratio, settings.window,
-            settings.beta, settings.budget_shape,
-        )
-        for q in lens
-    ]
-    keeps_all = [min(budgets) == q for budgets, q in zip(per_layer, lens)]
+    per_layer = [_layer_caps(settings, num_layers, q) for q in lens]
+    if settings.score_threshold is None:
+        keeps_all = [min(budgets) == q for budgets, q in zip(per_layer, lens)]
+    else:  # under its cap the threshold still evicts: only a prompt inside the window is whole
+        keeps_all = [q <= settings.window for q in lens]
     device = _device_of(scores)
     if settings.compression_method.needs_scores:
         _check_scores(scores, lens, keeps_all, num_layers, num_kv_heads)
@@ -98,6 +98,17 @@ def plan_keep(
     prompt_lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     compressed = (counts < prompt_lens_t[:, None, None]).flatten(1).any(dim=1)
     return KeepPlan(counts, indices, prompt_lens_t, compressed)
+
+
+def _layer_caps(settings: PolicySettings, num_layers: int, prompt_len: int) -> list[int]:
+    """Tokens each KV head of a layer may keep (window included): the method's layer
+    budgets, or the whole prompt for a score threshold without a cap."""
+    if not settings.capped:
+        return [prompt_len] * num_layers
+    return layer_budgets(
+        settings.method, num_layers, prompt_len, settings.budget, settings.ratio,
+        settings.window, settings.beta, settings.budget_shape,
+    )
 
 
 def _plan_requests(
@@ -202,8 +213,9 @@ def _plan_block(
     num_kv_heads: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One padded block of compressed requests (prompt_len > budget >= window), planned in
-    slices of layers of at most MAX_BLOCK_ELEMENTS scores (selections treat layers apart).
+    """One padded block of compressed requests (prompt_len > budget >= window, or with a
+    score threshold prompt_len > window), planned in slices of layers of at most
+    MAX_BLOCK_ELEMENTS scores (selections treat layers apart).
 
     Returns counts [R, L, H] and kept positions [R, L, H, K] ascending, PAD_INDEX-padded.
     """
@@ -244,11 +256,18 @@ def _plan_layers(
         scores = [score[layers] for score in scores]
     pooled = None if scores is None else _pooled_prefix_scores(settings, lens, scores, prefix)
     block = SelectionBlock(pooled, prefix, quota, num_kv_heads)
-    if settings.budget_sharing == "model":
-        assert pooled is not None  # settings refuse model-wide sharing without scores
-        selected = model_wide_positions(pooled, quota)
+
+    def within_quota(block: SelectionBlock) -> torch.Tensor:
+        if settings.budget_sharing == "model":
+            assert block.scores is not None  # settings refuse model-wide sharing without scores
+            return model_wide_positions(block.scores, block.quota)
+        return settings.compression_method.select(block, settings)
+
+    if settings.score_threshold is None:
+        selected = within_quota(block)
     else:
-        selected = settings.compression_method.select(block, settings)
+        selected = threshold_positions(block, settings.score_threshold, settings.sink_tokens,
+                                       within_quota if settings.capped else None)
     # The window [prefix, prompt_len) is disjoint from the selectable prefix: no duplicates.
     window_pos = prefix[:, None] + torch.arange(window, device=device)
     window_pos = window_pos[:, None, None, :].expand(*selected.shape[:3], window)

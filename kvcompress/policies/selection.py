@@ -61,7 +61,8 @@ def shared_quota_positions(
     scores: [..., H, S] (-inf = not selectable); head_floor and group_quota broadcast to
     ``scores.shape[:-2]``. Each head first takes its own top ``head_floor`` tokens; the rest of
     ``group_quota`` goes to the highest remaining scores of any head (ties: lower head, then lower
-    position). Requires H * head_floor <= group_quota <= number of finite scores.
+    position). Requires H * head_floor <= group_quota; with fewer finite scores than the
+    quota (a head's or the group's) the rest is filled with -inf entries, which callers drop.
     Returns [..., H, K] kept positions per head, ascending, PAD_INDEX after each head's count,
     K = the largest per-head count.
     """
@@ -77,7 +78,10 @@ def shared_quota_positions(
     best, in_floor = _ranked_top(keys.view(scores.shape), head_floor.unsqueeze(-1))  # [..., H, F]
     head_offset = torch.arange(num_heads, device=scores.device).unsqueeze(-1) * length
     flat_best = (best + head_offset).flatten(-2)
-    boosted = torch.where(in_floor.flatten(-2), _INT64_MAX - flat_best, keys.gather(-1, flat_best))
+    # A head with fewer selectable (finite) scores than its floor (under a score threshold)
+    # boosts only those: a boosted -inf would take a slot of the shared quota for nothing.
+    in_floor = in_floor.flatten(-2) & (scores.flatten(-2).gather(-1, flat_best) > float("-inf"))
+    boosted = torch.where(in_floor, _INT64_MAX - flat_best, keys.gather(-1, flat_best))
     keys.scatter_(-1, flat_best, boosted)
 
     # Round 2, shared: the group's best keys; then split the flat positions back into heads.

@@ -6,6 +6,7 @@ The policy defaults are defined here and nowhere else: config.py (the user-facin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .methods.base import BUDGET_SHAPES, BudgetShape, CompressionMethod
@@ -54,6 +55,11 @@ class PolicySettings:
     budget_sharing: "layer" (the method's own: each layer keeps its budget, Ada-KV's heads
         share theirs) or "model" (the total of the request's layer budgets goes to its best
         (layer, head, token) anywhere; sharing.py). "model" needs a method with scores.
+    score_threshold: None, or T < 0 (finite): every head keeps each prefix token whose pooled
+        score s has log(s) > T, besides its floor (the window and the first sink_tokens;
+        threshold.py). Budget and ratio may then both be None (no cap: as many as pass);
+        given, one of them caps what passes (the method's split, or the request's total when
+        shared model-wide). Needs a method with scores.
     """
 
     method: str
@@ -67,10 +73,14 @@ class PolicySettings:
     adakv_floor: float = DEFAULT_ADAKV_FLOOR
     adakv_totals: BudgetShape = DEFAULT_ADAKV_TOTALS
     budget_sharing: BudgetSharing = DEFAULT_BUDGET_SHARING
+    score_threshold: float | None = None
 
     def __post_init__(self) -> None:
         get_method(self.method)
-        check_budget_spec(self.budget, self.ratio, self.window)
+        if self.score_threshold is None or self.capped:
+            check_budget_spec(self.budget, self.ratio, self.window)
+        else:
+            check_int("window", self.window, 0)
         check_beta(self.beta)
         check_pooling(self.pooling, self.pooling_kernel)
         # A plain int (not a numpy one): selections use it in tensor arithmetic.
@@ -81,6 +91,18 @@ class PolicySettings:
         if self.budget_sharing == "model" and not self.compression_method.needs_scores:
             raise ValueError(f"budget_sharing 'model' needs a method that scores tokens; "
                              f"{self.method!r} does not")
+        if self.score_threshold is not None:
+            check_real("score_threshold", self.score_threshold, low=-math.inf, high=0.0,
+                       high_open=True)
+            if not self.compression_method.needs_scores:
+                raise ValueError(f"score_threshold needs a method that scores tokens; "
+                                 f"{self.method!r} does not")
+
+    @property
+    def capped(self) -> bool:
+        """Whether a budget or a ratio bounds what each request keeps (always, without a
+        score threshold; with one, only when given besides it)."""
+        return self.budget is not None or self.ratio is not None
 
     @property
     def compression_method(self) -> CompressionMethod:

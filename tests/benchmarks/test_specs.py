@@ -23,6 +23,10 @@ from kvcompress.policies import METHODS
                                                    ("kv_pooling", "avg")))),
         ("adakv:64@h2o:32+adakv_floor=0.8",
          CompressionSpec("adakv", 64, None, "h2o", 32, (("kv_adakv_floor", 0.8),))),
+        ("pyramidkv+score_threshold=-6",
+         CompressionSpec("pyramidkv", options=(("kv_score_threshold", -6),))),
+        ("snapkv:r=0.75+kv_score_threshold=-6.5",
+         CompressionSpec("snapkv", ratio=0.75, options=(("kv_score_threshold", -6.5),))),
     ],
 )
 def test_spec_parse(text, expected):
@@ -33,7 +37,7 @@ def test_spec_parse(text, expected):
                                   "snapkv:64@h2o", "snapkv:64@h2o:x", "vanilla@h2o:64",
                                   "snapkv:64@h2o:0", "vanilla+window=4", "snapkv:64+window",
                                   "snapkv:64+budget=3", "snapkv:64+page_sise=8"])
-def test_spec_parse_rejects(text):
+def test_spec_parse_rejects(text):  # "snapkv": an amount or a score threshold
     with pytest.raises(ValueError):
         CompressionSpec.parse(text)
 
@@ -98,3 +102,22 @@ def test_spec_cache_dtype():
             ) == (1, 4)
     with pytest.raises(ValueError, match="cache_dtype"):
         CompressionSpec.parse("vanilla+cache_dtype=int8")
+
+
+def test_a_threshold_spec_needs_no_amount_and_its_kept_fraction_is_measured():
+    from benchmarks.quality.scoring import collect_rows
+
+    spec = CompressionSpec.parse("pyramidkv+score_threshold=-6+scoring=reconstruct")
+    assert spec.thresholded and spec.label == "pyramidkv+score_threshold=-6+scoring=reconstruct"
+    assert CompressionSpec.parse(spec.label) == spec
+    assert spec.additional_config() == {"kv_compression": "pyramidkv",
+                                        "kv_score_threshold": -6, "kv_scoring": "reconstruct"}
+    with pytest.raises(ValueError, match="score_threshold"):
+        CompressionSpec("pyramidkv", options=(("kv_scoring", "window"),))
+    outcome = type("Outcome", (), {"error": None, "seconds": 1.0, "result": {
+        "outputs": [], "generate_s": 1.0, "measured_kept_fraction": 0.21}})()
+    budget = CompressionSpec("pyramidkv", budget=100)
+    rows = collect_rows([], [spec, budget], {spec.label: outcome, budget.label: outcome},
+                        [400])
+    assert rows[0]["kept_fraction"] == 0.21  # measured: data-dependent
+    assert rows[1]["kept_fraction"] == 0.25 and rows[1]["measured_kept_fraction"] == 0.21

@@ -163,6 +163,7 @@ def test_bad_per_request_settings_are_rejected_before_the_engine(tiny_llama):
             ({"kv_adakv_floor": 2}, r"'kv_adakv_floor'.*\[0, 1\]"),
             ({"kv_adakv_totals": "flat"}, "'kv_adakv_totals'.*pyramid, uniform"),
             ({"kv_gqa_reduce": "sum"}, "'kv_gqa_reduce'.*mean, max"),
+            ({"kv_score_threshold": 1.5}, "'kv_score_threshold'.*finite number < 0"),
         ]
         for number, (extra_args, named) in enumerate(bad):
             with pytest.raises(VLLMValidationError, match=named):

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +15,7 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.admission import AdmissionPlanner, Trajectories, Trajectory, peak_pages
 from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
 from kvcompress.paging.page_table import fill_of_lengths
+from kvcompress.policies import layer_budgets, plan_keep, resolve_budget
 from kvcompress.policies.decode import DecodeEviction, get_decode_method
 
 PAGE = 4
@@ -177,6 +180,53 @@ def test_an_uncompressed_request_keeps_its_whole_prompt():
     trajectory = plan.trajectory(FakeRequest("a", 64, max_tokens=8))
     assert trajectory.kept_lengths.tolist() == [64] * 4
     assert trajectory.held_pages == 4 * 16 and trajectory.prefill_steps == 1
+
+
+@pytest.mark.parametrize("amount", [{}, {"kv_budget": 16}, {"kv_compression_ratio": 0.75}])
+@pytest.mark.parametrize("sharing", ["layer", "model"])
+def test_a_score_threshold_is_admitted_at_a_bound_and_accounted_at_what_it_kept(amount,
+                                                                              sharing):
+    """Admission counts a thresholded prompt at its budgets when an amount caps it, whole
+    when nothing does; what the plan then keeps (data-dependent) never exceeds that bound
+    in total, and the pages follow the rows exactly once the worker reports them."""
+    config = KVCompressionConfig.from_mapping({
+        "kv_compression": "pyramidkv", "kv_window": 4, "kv_page_size": PAGE,
+        "kv_score_threshold": -5.0, "kv_budget_sharing": sharing, "kv_min_prompt": 16,
+        **amount})
+    prompt, generated = 64, 3
+    running: list[FakeRequest] = []
+    plan = planner(1000, running, config=config)
+    bound = plan.trajectory(FakeRequest("a?", prompt, max_tokens=8)).kept_lengths
+    if amount:
+        budget = resolve_budget(prompt, config.budget, config.ratio, config.window)
+        expected = layer_budgets("pyramidkv", 2, prompt, budget, None, 4, config.beta)
+        assert bound.tolist() == [b for b in expected for _ in range(2)]
+    else:
+        assert bound.tolist() == [prompt] * 4
+    for seed in range(5):
+        scores = (torch.rand((2, 2, prompt), generator=torch.Generator().manual_seed(seed))
+                  ** 8)  # skewed: a data-dependent share passes e**-5
+        counts = plan_keep(config.policy, [prompt], [scores], num_layers=2,
+                           num_kv_heads=2).counts.reshape(-1).numpy()
+        assert counts.sum() <= bound.sum()
+        if sharing == "layer":
+            assert (counts <= bound).all()
+        name = f"r{seed}"
+        request = FakeRequest(name, prompt, 8, num_computed_tokens=prompt + generated,
+                              num_output_tokens=generated + 1)
+        assert plan.pages.allocate(name, request.num_computed_tokens)
+        plan.pages.release_after_compression(name, request.num_computed_tokens,
+                                             counts + generated)
+        running.append(request)
+        plan.pages.check_invariants()
+        owned = sum(plan.pages.owned_pages(r.request_id) for r in running)
+        assert plan.pages.num_free + owned == plan.pages.total_pages
+        # A decoding request is planned from the rows it holds, not from the bound.
+        trajectory = plan.trajectory(request)
+        assert trajectory.kept_lengths.tolist() == (counts + generated).tolist()
+        assert trajectory.held_pages == int(((counts + generated + PAGE - 1) // PAGE).sum())
+    # Short prompts (up to --kv-min-prompt) are kept whole, capped or not.
+    assert plan.trajectory(FakeRequest("s", 16, max_tokens=8)).kept_lengths.tolist() == [16] * 4
 
 
 def test_the_peak_decides_admission_exactly():

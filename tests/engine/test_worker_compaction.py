@@ -10,6 +10,7 @@ import torch
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.worker_compaction import (
+    CompactionStats,
     _generated_keys,
     compact_completed_prompts,
     evict_generated_tokens,
@@ -430,3 +431,34 @@ def test_auto_sharing_keeps_the_methods_split_for_a_prompt_no_reconstruction_sco
         lengths = compactions["req0"].physical_lengths.tolist()
         assert sum(lengths) == 4 * 24
         assert (lengths == [24] * 4) == (not query_agnostic), (query_agnostic, lengths)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_score_threshold_compacts_each_row_to_what_passes(hybrid):
+    """Rows keep data-dependent numbers of tokens, reported to the scheduler as they are;
+    with hybrid scoring a token passes when either source's score does."""
+    settings = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_score_threshold": -4.0, "kv_window": 4,
+         "kv_sink_tokens": 2, "kv_pooling": "none", "kv_min_prompt": 16})
+    case, request = labelled_case(lengths=99, prompt_len=100, settings=settings)
+    window = torch.full((2, 2, 100), 1e-4)
+    window[0, 0, 10:20] = 0.5  # row 0: 10 passing tokens, the other rows fewer
+    window[1, 1, 30] = 0.2
+    request.window_scores = window.clone()
+    passing = {0: set(range(10, 20)), 1: set(), 2: set(), 3: {30}}
+    if hybrid:
+        query = torch.full((2, 2, 100), 1e-6)
+        query[0, 1, 50:53] = 0.3  # what only the reconstruction finds survives too
+        request.query_scores = query
+        passing[1] = {50, 51, 52}
+    case.step.completing_prompt = [0]
+    stats = CompactionStats()
+    compactions = compact_completed_prompts(case.state, case.step, case.pool, FORMAT, stats)
+    floor = {0, 1, *range(96, 100)}
+    lengths = compactions["req0"].physical_lengths.tolist()
+    assert lengths == [len(floor | passing[row]) for row in range(4)]
+    for row in range(4):
+        assert sorted(token_ids_in_slots(case, request, row)) == sorted(floor | passing[row])
+    assert request.prompt_kept.tolist() == lengths
+    # What benchmarks read as the measured kept fraction.
+    assert (stats.prompt_rows_planned, stats.prompt_rows_kept) == (4 * 100, sum(lengths))

@@ -22,6 +22,9 @@ class SelectionBlock:
 
     scores: fp32 [R, L, H, S] observation-window scores, pooled over each request's selectable
         prefix, -inf from ``prefix`` on (window and padding); None for methods without scores.
+        Under a score threshold (threshold.py) also -inf inside the prefix where a token is no
+        candidate, and a quota may then exceed the finite scores: a selection picking -inf
+        entries is fine, the planner drops them.
     prefix: LongTensor[R]; the selectable positions of request r are [0, prefix[r]), the window
         [prefix[r], prompt_len) is kept anyway.
     quota: LongTensor[R, L], tokens each KV head selects from the prefix: its layer budget minus
