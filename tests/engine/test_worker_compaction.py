@@ -417,10 +417,11 @@ def test_a_failing_adopter_plan_fails_only_that_request():
 
 
 def test_auto_sharing_keeps_the_methods_split_for_a_prompt_no_reconstruction_scored():
-    """Reuse on resolves auto to hybrid and model-wide sharing; a prompt the engine scored
-    by its window after all (no reconstruction ran) keeps the method's own split, and one a
-    reconstruction scored shares the total model-wide."""
-    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24})
+    """Surrogate scoring resolves auto sharing to model-wide; a prompt the engine scored
+    by its window after all (no query-agnostic scores) keeps the method's own split, and
+    one a reconstruction or its surrogate scored shares the total model-wide."""
+    settings = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_budget": 24,
+                                                 "kv_scoring": "surrogate"})
     assert settings.resolved_budget_sharing == "model"
     for query_agnostic in (False, True):
         case, request = labelled_case(lengths=99, prompt_len=100, settings=settings)
