@@ -65,15 +65,18 @@ REUSE_CHOICES = ("on", "off")
 # attends to each token, query-agnostic: what later questions about it can rely on, at the
 # cost of an extra pass), "hybrid" (the union of both rankings), "surrogate" (the
 # reconstruction's scores predicted inside the prefill by a map made once per model,
-# --kv-surrogate: query-agnostic with no extra pass) or "expected" (the attention the
-# model's average later query pays a key, from a query profile made once per model).
-# "auto" is resolved when the engine starts (engine/engine_args.py): surrogate where a kept
-# cache can serve later requests (--kv-reuse on) and the model has a surrogate, else window.
-SCORINGS = ("auto", "window", "surrogate", "reconstruct", "hybrid", "expected")
+# --kv-surrogate: query-agnostic with no extra pass), "hybrid-surrogate" (the union of the
+# window's and the surrogate's rankings) or "expected" (the attention the model's average
+# later query pays a key, from a query profile made once per model). "auto" is resolved when
+# the engine starts (engine/engine_args.py): hybrid-surrogate where a kept cache can serve
+# later requests (--kv-reuse on) and the model has a surrogate, else window.
+SCORINGS = ("auto", "window", "surrogate", "hybrid-surrogate", "reconstruct", "hybrid",
+            "expected")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
+SURROGATE_SCORINGS = ("surrogate", "hybrid-surrogate")
 # Scorings whose scores compare across layers and heads (a reconstruction's, or their
 # prediction): ``--kv-budget-sharing auto`` shares the budget model-wide for them.
-QUERY_AGNOSTIC_SCORINGS = (*RECONSTRUCTING_SCORINGS, "surrogate")
+QUERY_AGNOSTIC_SCORINGS = (*RECONSTRUCTING_SCORINGS, *SURROGATE_SCORINGS)
 # Where a compressed prompt's budget may go; "auto" is "model" where a reconstruction or its
 # surrogate scores the prompt (its scores compare across layers and heads), else the
 # method's own "layer".
@@ -264,11 +267,12 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "reconstruction (KVzip-style, one extra pass over the prompt); 'window' by the "
         "attention of the prompt's last --kv-window tokens (question-aware, no extra pass: "
         "best for one question per prompt); 'hybrid' keeps what ranks high by window or "
-        "reconstruct (the extra pass too); 'expected' by the attention the model's queries to "
+        "reconstruct (the extra pass too), 'hybrid-surrogate' by window or surrogate (no "
+        "extra pass); 'expected' by the attention the model's queries to "
         "come are expected to pay it, from a query profile made once per model (--kv-profile;"
-        " query-agnostic, no extra pass); 'auto' is surrogate where finished caches are "
-        "reused (--kv-reuse on) and the model has a surrogate, window otherwise (logged at "
-        f"start). Default {DEFAULT_SCORING}.",
+        " query-agnostic, no extra pass); 'auto' is hybrid-surrogate where finished caches "
+        "are reused (--kv-reuse on) and the model has a surrogate, window otherwise (logged "
+        f"at start). Default {DEFAULT_SCORING}.",
         SCORINGS,
     ),
     FlagSpec(
@@ -288,9 +292,10 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
     ),
     FlagSpec(
         "kv_surrogate", "--kv-surrogate", "surrogate", str,
-        "With --kv-scoring surrogate (or auto): the model's score surrogate, made once by "
-        "'python -m kvcompress.profile_model MODEL_DIR'. Default: kvcompress_surrogate.pt in "
-        "the model folder. The engine refuses a surrogate made for another model.",
+        "With --kv-scoring surrogate or hybrid-surrogate (or auto): the model's score "
+        "surrogate, made once by 'python -m kvcompress.profile_model MODEL_DIR'. Default: "
+        "kvcompress_surrogate.pt in the model folder. The engine refuses a surrogate made "
+        "for another model.",
     ),
     FlagSpec(
         "kv_min_prompt", "--kv-min-prompt", "min_prompt", int,
@@ -378,8 +383,9 @@ class KVCompressionConfig:
 
     @property
     def scores_window(self) -> bool:
-        """Whether the observation window's queries score the prompt (window, hybrid)."""
-        return self.resolved_scoring in ("window", "hybrid")
+        """Whether the observation window's queries score the prompt (window, hybrid,
+        hybrid-surrogate)."""
+        return self.resolved_scoring in ("window", "hybrid", "hybrid-surrogate")
 
     @property
     def loads_profile(self) -> bool:
@@ -388,8 +394,9 @@ class KVCompressionConfig:
 
     @property
     def loads_surrogate(self) -> bool:
-        """Whether the engine loads a score surrogate (--kv-scoring surrogate)."""
-        return self.enabled and self.resolved_scoring == "surrogate"
+        """Whether the engine loads a score surrogate (--kv-scoring surrogate or
+        hybrid-surrogate)."""
+        return self.enabled and self.resolved_scoring in SURROGATE_SCORINGS
 
     @property
     def reserves_reconstruction(self) -> bool:
@@ -593,12 +600,12 @@ class KVCompressionConfig:
                 "of a server started with --kv-scoring reconstruct or hybrid (this one runs "
                 f"--kv-scoring {self.scoring}); allowed: {self.scoring}", "kv_scoring",
                 f"allowed: {self.scoring}")
-        if asked == "surrogate" and not self.loads_surrogate:
+        if asked in SURROGATE_SCORINGS and not self.loads_surrogate:
             raise KVCompressionConfigError(
-                "invalid per-request setting 'kv_scoring': surrogate needs the score surrogate "
-                "of a server started with --kv-scoring surrogate or auto with a surrogate "
-                f"(this one runs --kv-scoring {self.scoring}); allowed: window or "
-                f"{self.scoring}", "kv_scoring", f"allowed: window or {self.scoring}")
+                f"invalid per-request setting 'kv_scoring': {asked} needs the score surrogate "
+                "of a server started with --kv-scoring surrogate, hybrid-surrogate or auto "
+                f"with a surrogate (this one runs --kv-scoring {self.scoring}); allowed: "
+                f"window or {self.scoring}", "kv_scoring", f"allowed: window or {self.scoring}")
         if asked == "expected" and not self.loads_profile:
             raise KVCompressionConfigError(
                 "invalid per-request setting 'kv_scoring': expected needs the query profile "

@@ -62,8 +62,25 @@ def profiled_tiny_llama(tiny_llama) -> str:
     profiling command (two calibration documents: enough for a valid profile)."""
     from kvcompress.profile_model import main as profile_main
 
-    assert profile_main([tiny_llama, "--documents", "2", "--device", "cpu"]) == 0
+    assert profile_main([tiny_llama, "--documents", "2", "--surrogate-documents", "0",
+                         "--device", "cpu"]) == 0
     return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def surrogate_tiny_llama(tiny_llama, tmp_path_factory) -> str:
+    """A copy of tiny_llama with its score surrogate beside it (--kv-scoring surrogate, and
+    what auto resolves to with reuse on), fitted by the profiling command on four prompts.
+    A copy, so that tiny_llama's own engines keep resolving auto without one."""
+    import shutil
+
+    from kvcompress.profile_model import main as profile_main
+
+    path = tmp_path_factory.mktemp("surrogate") / "tiny-llama"
+    shutil.copytree(tiny_llama, path)
+    assert profile_main([str(path), "--documents", "1", "--surrogate-documents", "4",
+                         "--held-out", "1", "--device", "cpu"]) == 0
+    return str(path)
 
 
 # What the tiny models below share with tiny_llama: the embedded model's vocabulary, 4 layers,

@@ -250,6 +250,9 @@ def test_scoring_is_auto_by_default_resolved_at_start_window_until_then():
     assert surrogate.resolved_budget_sharing == "model" and not surrogate.reconstructs(200)
     # a request asking for auto gets the engine's own choice
     assert surrogate.with_request_overrides({"kv_scoring": "auto"}).scoring == "surrogate"
+    hybrid = surrogate.with_request_overrides({"kv_scoring": "hybrid-surrogate"})
+    assert hybrid.loads_surrogate and hybrid.scores_window and not hybrid.reconstructs(200)
+    assert hybrid.resolved_budget_sharing == "model"
     with pytest.raises(KVCompressionConfigError, match="kv_scoring.*surrogate needs"):
         default.with_request_overrides({"kv_scoring": "surrogate"})
     with pytest.raises(KVCompressionConfigError, match="whole engine"):
@@ -270,7 +273,7 @@ def test_scoring_is_auto_by_default_resolved_at_start_window_until_then():
     window = config.with_request_overrides({"kv_scoring": "window"})
     assert window.scoring == "window" and not window.reconstructs(200)
     with pytest.raises(KVCompressionConfigError,
-                       match=r"--kv-scoring.*window, surrogate, reconstruct, hybrid"):
+                       match=r"--kv-scoring.*window, surrogate, hybrid-surrogate, reconstruct"):
         KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", "kv_scoring": "q"})
     for chunk in (8, 9000):
         with pytest.raises(KVCompressionConfigError,

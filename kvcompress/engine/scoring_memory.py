@@ -83,7 +83,7 @@ def scored_from(config: KVCompressionConfig, prompt_len: int) -> int:
     """The first prompt position whose chunk needs the prompt's score accumulator: its
     observation window's, or 0 where a surrogate scores every prompt token as it is
     prefilled (the accumulator is held through the whole prefill)."""
-    if config.resolved_scoring == "surrogate":
+    if config.loads_surrogate:
         return 0
     return max(0, prompt_len - config.window)
 

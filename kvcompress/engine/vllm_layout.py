@@ -72,8 +72,8 @@ def _window(spec: Any) -> int:
 class ScoringReserve:
     """What the window-score reserve is sized for (``scoring_memory``): prompt tokens scored at
     once, the accumulators each holds (2 where hybrid scoring keeps its window's apart from
-    its reconstruction's), and the tokens of one reconstruction pass whose K/V the scratch
-    pages hold (0: none)."""
+    its reconstruction's or its surrogate's), and the tokens of one reconstruction pass
+    whose K/V the scratch pages hold (0: none)."""
 
     scored_tokens: int
     longest_prompt: int
@@ -91,7 +91,10 @@ class ScoringReserve:
         decode = {"decode_requests": vllm_config.scheduler_config.max_num_seqs,
                   "decode_capacity": config.decode_score_capacity}
         if not config.reserves_reconstruction:
-            return cls(scored_token_reserve(max_model_len, batched), max_model_len, **decode)
+            # hybrid-surrogate keeps the window's scores apart from the surrogate's
+            accumulators = 2 if config.loads_surrogate and config.scores_window else 1
+            return cls(scored_token_reserve(max_model_len, batched), max_model_len,
+                       accumulators=accumulators, **decode)
         return cls(scored_token_reserve(max_model_len, batched), max_model_len,
                    reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2,
                    **decode)
@@ -145,7 +148,8 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         kv_cache_bytes=memory,
         reserved_bytes=0 if reserve is None else (reserved_bytes(
             reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
-            reserve.accumulators if scratch else 1)
+            # without scratch pages a reconstruction's hybrid is scored by its window alone
+            1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators)
             + reserve.decode_bytes(len(layers), spec.num_kv_heads)),
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,

@@ -193,8 +193,8 @@ class PagedKVRuntime:
             ],
             scored_after_forward=[a or b for a, b in zip(reconstructs, expected)],
             surrogate=self.surrogate,
-            surrogate_scored=[self.surrogate is not None
-                              and config.resolved_scoring == "surrogate" for config in configs],
+            surrogate_scored=[self.surrogate is not None and config.loads_surrogate
+                              for config in configs],
         )
         self._reconstructing = [req_ids[index] for index in step.completing_prompt
                                 if reconstructs[index]]

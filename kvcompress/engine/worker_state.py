@@ -216,10 +216,7 @@ class WorkerKVState:
 
         window_queries: list[WindowQueries] = []
         completing: list[int] = []
-        surrogate_entries: list[SurrogateTokens] = []
-        surrogate_tokens: list[np.ndarray] = []  # per entry: its step token indices
-        surrogate_positions: list[np.ndarray] = []
-        surrogate_prompts: list[np.ndarray] = []
+        surrogate_tokens: list[SurrogateTokens] = []
         for index, state in enumerate(states):
             prompt_len = int(prompt_lens[index])
             start = int(num_computed_before[index])
@@ -233,24 +230,16 @@ class WorkerKVState:
             new_prompt = state.new_prompt_tokens(prompt_len)
             if state.config is not None and not scores_prompt(state.config, new_prompt):
                 continue  # compacted without window scores (StreamingLLM)
+            window_scores = state.window_scores
             if surrogate_scored is not None and surrogate_scored[index]:
-                state.query_agnostic = True
-                first, last = max(start, state.adopted_len), min(stop, prompt_len)
-                if first >= last:
-                    continue
-                if state.window_scores is None:
-                    state.window_scores = self._new_accumulator(state)
-                base = lengths_before_np[index] + (first - start)
-                uniform = bool((base == base[0]).all())
-                surrogate_entries.append(SurrogateTokens(
-                    index, prompt_len, sum(len(tokens) for tokens in surrogate_tokens),
-                    last - first, state.window_scores,
-                    first_slot=int(base[0]) if uniform else None,
-                    slot_base=None if uniform else self.to_device(torch.from_numpy(base))))
-                surrogate_tokens.append(np.arange(first, last) - start + query_start_loc[index])
-                surrogate_positions.append(np.arange(first, last))
-                surrogate_prompts.append(np.full(last - first, prompt_len))
-                continue
+                self._add_surrogate_tokens(state, index, start, stop, lengths_before_np[index],
+                                           query_start_loc[index], surrogate_tokens)
+                if state.config is None or not state.config.scores_window:
+                    continue  # scored by the surrogate alone
+                # hybrid-surrogate: the window's scores in an accumulator of their own
+                if state.query_scores is None:
+                    state.query_scores = self._new_accumulator(state)
+                window_scores = state.query_scores
             if (scored_after_forward is not None and scored_after_forward[index]
                     and (state.config is None or not state.config.scores_window)):
                 continue  # scored after the forward alone
@@ -259,25 +248,20 @@ class WorkerKVState:
             first = max(start, window_start)
             last = min(stop, prompt_len)
             if first < last:
-                if state.window_scores is None:
-                    state.window_scores = self._new_accumulator(state)
+                if window_scores is None:
+                    state.window_scores = window_scores = self._new_accumulator(state)
                 window_queries.append(
                     WindowQueries(index, first - start, last - first, prompt_len,
-                                  state.window_scores, starts_in_step=window_start >= start,
+                                  window_scores, starts_in_step=window_start >= start,
                                   group_reduce=_gqa_reduce(state.config))
                 )
 
         surrogate_plan = None
-        if surrogate_entries:
+        if surrogate_tokens:
             assert surrogate is not None, "surrogate-scored requests need the surrogate"
-            positions = self.to_device(torch.from_numpy(np.concatenate(surrogate_positions)))
-            surrogate_plan = SurrogatePlan(
-                surrogate,
-                self.to_device(torch.from_numpy(np.concatenate(surrogate_tokens))),
-                position_features(positions, self.to_device(
-                    torch.from_numpy(np.concatenate(surrogate_prompts)))),
-                surrogate_entries)
-        if window_queries or surrogate_entries:  # bounded by the scheduler's ScoringGate
+            surrogate_plan = self._surrogate_plan(surrogate, surrogate_tokens, query_start_loc,
+                                                  num_computed_before)
+        if window_queries or surrogate_tokens:  # bounded by the scheduler's ScoringGate
             self.note_scores_held()
         return StepBatch(
             layout=layout,
@@ -296,6 +280,45 @@ class WorkerKVState:
             surrogate_plan=surrogate_plan,
             score_timer=self.score_timer,
         )
+
+    def _add_surrogate_tokens(self, state: RequestKV, index: int, start: int, stop: int,
+                              lengths_before: np.ndarray, first_token: int,
+                              entries: list[SurrogateTokens]) -> None:
+        """The prompt tokens of request ``index``'s new segment among this step's
+        ``[start, stop)``: an entry of the step's surrogate plan, the request's
+        accumulator allocated on its first chunk."""
+        state.query_agnostic = True
+        first, last = max(start, state.adopted_len), min(stop, state.prompt_len)
+        if first >= last:
+            return
+        if state.window_scores is None:
+            state.window_scores = self._new_accumulator(state)
+        base = lengths_before + (first - start)  # each row's slot of the first token
+        uniform = bool((base == base[0]).all())
+        entries.append(SurrogateTokens(
+            index, state.prompt_len, first_token + (first - start), last - first,
+            state.window_scores, first_slot=int(base[0]) if uniform else None,
+            slot_base=None if uniform else self.to_device(torch.from_numpy(base))))
+
+    def _surrogate_plan(self, surrogate: ScoreSurrogate, entries: list[SurrogateTokens],
+                        query_start_loc: list[int],
+                        num_computed_before: np.ndarray) -> SurrogatePlan:
+        """The step's surrogate plan: every entry's tokens and their place features, on the
+        device in one copy each; entries renumbered into the plan's token list."""
+        tokens, positions, prompts = [], [], []
+        offset = 0
+        for entry in entries:
+            step_offset = entry.first - query_start_loc[entry.batch_index]
+            logical = int(num_computed_before[entry.batch_index]) + step_offset
+            tokens.append(np.arange(entry.first, entry.first + entry.num_tokens))
+            positions.append(np.arange(logical, logical + entry.num_tokens))
+            prompts.append(np.full(entry.num_tokens, entry.prompt_len))
+            entry.first, offset = offset, offset + entry.num_tokens
+        places = position_features(self.to_device(torch.from_numpy(np.concatenate(positions))),
+                                   self.to_device(torch.from_numpy(np.concatenate(prompts))))
+        return SurrogatePlan(surrogate,
+                             self.to_device(torch.from_numpy(np.concatenate(tokens))),
+                             places, entries)
 
     def _new_accumulator(self, state: RequestKV) -> torch.Tensor:
         """A zeroed ``[L, H, score_width]`` fp32 score accumulator on the device."""

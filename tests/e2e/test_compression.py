@@ -106,21 +106,33 @@ def assert_heads_grow_by_their_new_tokens(harness, manager, names):
         assert (after - before[name] == grown).all(), name
 
 
-@pytest.mark.parametrize("scoring", ["window", "reconstruct", "hybrid", "expected"])
+@pytest.mark.parametrize("scoring", ["window", "surrogate", "auto", "reconstruct", "hybrid",
+                                     "expected"])
 def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama, scoring,
                                                                        request):
-    """Whichever scoring picks the tokens, every head keeps exactly its budget."""
+    """Whichever scoring picks the tokens, every head keeps exactly its budget. ``auto`` on
+    a model with a surrogate (reuse on, the default) is the surrogate's."""
     window, page, layers, heads = 8, 16, 4, 2
+    model = tiny_llama
     if scoring == "expected":
         request.getfixturevalue("profiled_tiny_llama")  # its profile beside it
+    if scoring in ("surrogate", "auto"):
+        model = request.getfixturevalue("surrogate_tiny_llama")
     engine = {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
               "kv_scoring": scoring}
-    harness = EngineHarness(tiny_llama, engine, kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN,
+    harness = EngineHarness(model, engine, kv_cache_memory_bytes=8192 * BYTES_PER_TOKEN,
                             **TINY)
     try:
         if scoring == "expected":  # scored by the profile, not by a window fallback
             assert harness.on_workers(
                 lambda worker: worker.model_runner.paged_runtime.expected_scorer is not None)[0]
+        if scoring in ("surrogate", "auto"):  # scored inside the prefill, no pass
+            runtime = harness.on_workers(lambda worker: (
+                worker.model_runner.paged_runtime.surrogate is not None,
+                worker.model_runner.paged_runtime.reconstructor is None))[0]
+            assert runtime == (True, True)
+            if scoring == "auto":  # as resolved at start: reuse on, a surrogate
+                engine = {**engine, "kv_scoring": "hybrid-surrogate"}
         prompts = {}
         for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
             prompts[name] = random_prompts([length], seed=30 + offset)["p0"]

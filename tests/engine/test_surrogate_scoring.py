@@ -157,6 +157,25 @@ def test_an_adopters_new_segment_is_scored_at_each_rows_own_slots():
             assert (got[:first] == 0).all() and (got[first + new_tokens :] == 0).all()
 
 
+def test_hybrid_surrogate_keeps_the_windows_scores_apart():
+    """hybrid-surrogate: the surrogate fills the query-agnostic accumulator over the whole
+    prompt, the observation window its own (``query_scores``), both in the prefill."""
+    worker = Worker(config(kv_scoring="hybrid-surrogate"))
+    worker.step(["a"], [30], [0], [50])
+    request = worker.state.requests["a"]
+    assert request.query_scores is not None and (request.query_scores == 0).all()
+    step = worker.step(["a"], [20], [30], [50])
+    assert [window.num_queries for window in step.window_queries] == [4]
+    assert step.window_queries[0].scores is request.query_scores
+    assert (request.query_scores[:, :, :50] > 0).any()
+    for layer in range(LAYERS):
+        torch.testing.assert_close(request.window_scores[layer],
+                                   worker.expected("a", layer, 50), rtol=1e-5, atol=1e-7)
+    compactions = compress_step(worker.state, step, worker.pool, worker.kernel, None,
+                                worker.kernel.page_format)
+    assert compactions["a"].physical_lengths.sum() == 16 * LAYERS * HEADS
+
+
 def test_compaction_after_surrogate_scores_shares_the_budget_model_wide():
     worker = Worker(config())
     prompts = [64, 48]
