@@ -81,7 +81,10 @@ def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressi
         return config
     if config.reuse != "on":
         return dataclasses.replace(config, scoring="window")
-    path = config.surrogate or str(default_surrogate_path(model))
+    if config.surrogate:  # named by the user: a wrong one stops the start
+        load_surrogate(config.surrogate, model)
+        return dataclasses.replace(config, scoring="hybrid-surrogate")
+    path = str(default_surrogate_path(model))
     try:
         load_surrogate(path, model)
     except SurrogateError as error:
