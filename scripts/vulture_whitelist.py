@@ -85,3 +85,8 @@ _.ttft_s
 _.ttft_vllm_s
 _.queue_s
 _.prefill_s
+
+# CompactionStats fields read by name by benchmarks/engine.py (the measured kept fraction of
+# threshold eviction) from the workers' stats dicts.
+_.prompt_rows_planned
+_.prompt_rows_kept
