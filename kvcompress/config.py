@@ -68,8 +68,8 @@ REUSE_CHOICES = ("on", "off")
 # --kv-surrogate: query-agnostic with no extra pass), "hybrid-surrogate" (the union of the
 # window's and the surrogate's rankings) or "expected" (the attention the model's average
 # later query pays a key, from a query profile made once per model). "auto" is resolved when
-# the engine starts (engine/engine_args.py): hybrid-surrogate where a kept cache can serve
-# later requests (--kv-reuse on) and the model has a surrogate, else window.
+# the engine starts (engine/engine_args.py): surrogate where a kept cache can serve later
+# requests (--kv-reuse on) and the model has a surrogate, else window.
 SCORINGS = ("auto", "window", "surrogate", "hybrid-surrogate", "reconstruct", "hybrid",
             "expected")
 RECONSTRUCTING_SCORINGS = ("reconstruct", "hybrid")
@@ -270,7 +270,7 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "reconstruct (the extra pass too), 'hybrid-surrogate' by window or surrogate (no "
         "extra pass); 'expected' by the attention the model's queries to "
         "come are expected to pay it, from a query profile made once per model (--kv-profile;"
-        " query-agnostic, no extra pass); 'auto' is hybrid-surrogate where finished caches "
+        " query-agnostic, no extra pass); 'auto' is surrogate where finished caches "
         "are reused (--kv-reuse on) and the model has a surrogate, window otherwise (logged "
         f"at start). Default {DEFAULT_SCORING}.",
         SCORINGS,

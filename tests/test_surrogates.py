@@ -133,7 +133,7 @@ def test_position_features():
 
 
 def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, tiny_llama_kv4):
-    """Before any engine process: auto is hybrid-surrogate with the model's surrogate and
+    """Before any engine process: auto is the surrogate with the model's surrogate and
     reuse on, else the window; an explicit surrogate scoring refuses a missing one or
     another model's."""
     from vllm.engine.arg_utils import EngineArgs
@@ -147,7 +147,7 @@ def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, ti
         return engine_args.additional_config
 
     resolved = started(fitted_llama)
-    assert resolved["kv_scoring"] == "hybrid-surrogate"
+    assert resolved["kv_scoring"] == "surrogate"
     assert resolved["kv_surrogate"] == str(fitted_llama / SURROGATE_FILE)
     assert started(fitted_llama, kv_reuse="off")["kv_scoring"] == "window"
     assert started(tiny_llama_kv4)["kv_scoring"] == "window"  # no surrogate: logged

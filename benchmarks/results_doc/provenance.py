@@ -123,10 +123,10 @@ CHANGES: tuple[Change, ...] = (
            benchmarks=("throughput", "decode_fidelity", "decode_recall", "quality",
                        "hybrid_memory")),
     Change("a937a9e", "2026-12-04T05:52:30+00:00",
-           "`--kv-scoring auto` with reuse on is `hybrid-surrogate` (the window and a score "
-           "surrogate inside the prefill, no reconstruction pass) where the model has a "
-           "surrogate, else `window`: was `hybrid` (a reconstruction pass per compressed "
-           "prompt)",
+           "`--kv-scoring auto` with reuse on is a score surrogate inside the prefill (no "
+           "reconstruction pass; `hybrid-surrogate`, with the window, until the next entry) "
+           "where the model has a surrogate, else `window`: was `hybrid` (a reconstruction "
+           "pass per compressed prompt)",
            (*COMPRESSED_THROUGHPUT, "paging_overhead", "fp8_pages", "quality",
             "quality_budget_sharing", "quality_question_outside", "compression_cost",
             "multi_turn", "multi_turn_recall", "shared_context", "shared_prefix")),

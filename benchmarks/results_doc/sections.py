@@ -141,7 +141,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("quality_tuning", "Selection defaults, by measurement",
             ("quality_tuning/*.json",), _quality),
     Section("quality_budget_sharing", "Single questions with the reuse defaults",
-            ("quality_budget_sharing.json",), _quality),
+            ("quality_budget_sharing.json", "quality_surrogate.json"), _quality),
     Section("quality_question_outside", "The question outside the context",
             ("quality_question_outside.json", "quality_question_outside_256.json"), _quality),
     Section("kvpress_reference", "Against NVIDIA kvpress", ("kvpress_reference.json",),

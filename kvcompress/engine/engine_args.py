@@ -72,10 +72,10 @@ def _resolve_profile(config: KVCompressionConfig, model: str) -> KVCompressionCo
 
 
 def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressionConfig:
-    """``--kv-scoring auto``: hybrid-surrogate where finished caches are reused and the
-    model has a valid surrogate (the window's question-aware ranking united with the
-    surrogate's query-agnostic one, both inside the prefill), else the observation window
-    (question-aware, free). Never a reconstruction pass: it costs a second prefill
+    """``--kv-scoring auto``: the score surrogate where finished caches are reused and the
+    model has a valid one (query-agnostic scores inside the prefill; measured at least as
+    good as its union with the window on single questions and better on later turns), else
+    the observation window (question-aware, free). Never a reconstruction pass: it costs a second prefill
     of every long prompt (docs/methods.md, "Scores without a second prefill")."""
     if config.scoring != "auto" or not config.enabled:
         return config
@@ -83,7 +83,7 @@ def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressi
         return dataclasses.replace(config, scoring="window")
     if config.surrogate:  # named by the user: a wrong one stops the start
         load_surrogate(config.surrogate, model)
-        return dataclasses.replace(config, scoring="hybrid-surrogate")
+        return dataclasses.replace(config, scoring="surrogate")
     path = str(default_surrogate_path(model))
     try:
         load_surrogate(path, model)
@@ -93,7 +93,7 @@ def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressi
                        "compressed cache may miss what the first question did not ask for.",
                        error)
         return dataclasses.replace(config, scoring="window")
-    return dataclasses.replace(config, scoring="hybrid-surrogate", surrogate=path)
+    return dataclasses.replace(config, scoring="surrogate", surrogate=path)
 
 
 def _resolve_surrogate(config: KVCompressionConfig, model: str) -> KVCompressionConfig:

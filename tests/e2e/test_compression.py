@@ -132,7 +132,7 @@ def test_each_head_holds_exactly_its_policy_budget_with_mixed_methods(tiny_llama
                 worker.model_runner.paged_runtime.reconstructor is None))[0]
             assert runtime == (True, True)
             if scoring == "auto":  # as resolved at start: reuse on, a surrogate
-                engine = {**engine, "kv_scoring": "hybrid-surrogate"}
+                engine = {**engine, "kv_scoring": "surrogate"}
         prompts = {}
         for offset, (name, (overrides, length)) in enumerate(MIXED_REQUESTS.items()):
             prompts[name] = random_prompts([length], seed=30 + offset)["p0"]
