@@ -130,6 +130,14 @@ CHANGES: tuple[Change, ...] = (
            (*COMPRESSED_THROUGHPUT, "paging_overhead", "fp8_pages", "quality",
             "quality_budget_sharing", "quality_question_outside", "compression_cost",
             "multi_turn", "multi_turn_recall", "shared_context", "shared_prefix")),
+    Change("c2a7336", "2026-12-04T06:22:13+00:00",
+           "`--kv-scoring auto` with reuse on and a surrogate is `surrogate` alone (was "
+           "`hybrid-surrogate`: its union with the window)",
+           (*COMPRESSED_THROUGHPUT, "paging_overhead", "fp8_pages", "quality",
+            "quality_budget_sharing", "quality_question_outside", "compression_cost",
+            "multi_turn", "multi_turn_recall", "shared_context", "shared_prefix"),
+           # the runs that chose it: their `+scoring=surrogate` rows are what auto now runs
+           measured_by=("quality_surrogate.json", "shared_context_surrogate.json")),
 )
 
 

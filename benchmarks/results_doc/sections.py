@@ -114,9 +114,10 @@ def _shared_prefix(report: Report) -> str:
 
 SECTIONS: tuple[Section, ...] = (
     Section("throughput", "Throughput against vanilla vLLM",
-            ("throughput_defaults.json", "throughput.json", "throughput_2threads.json", "throughput_vec16_pages.json",
-             "throughput_2threads_vec16_pages.json", "throughput_avx2_float32.json",
-             "throughput_2threads_avx2_float32.json"), _throughput),
+            ("throughput_defaults.json", "throughput.json", "throughput_2threads.json",
+             "throughput_vec16_pages.json", "throughput_2threads_vec16_pages.json",
+             "throughput_avx2_float32.json", "throughput_2threads_avx2_float32.json"),
+            _throughput),
     Section("tensor_parallel", "Tensor parallelism", ("throughput_tp2.json",), _throughput),
     Section("memory_sweep", "KV memory sweep",
             ("throughput_memory_sweep.json", "throughput_memory_sweep_avx2_float32.json",

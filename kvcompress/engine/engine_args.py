@@ -75,8 +75,9 @@ def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressi
     """``--kv-scoring auto``: the score surrogate where finished caches are reused and the
     model has a valid one (query-agnostic scores inside the prefill; measured at least as
     good as its union with the window on single questions and better on later turns), else
-    the observation window (question-aware, free). Never a reconstruction pass: it costs a second prefill
-    of every long prompt (docs/methods.md, "Scores without a second prefill")."""
+    the observation window (question-aware, free). Never a reconstruction pass: it costs a
+    second prefill of every long prompt (docs/methods.md, "Scores without a second
+    prefill")."""
     if config.scoring != "auto" or not config.enabled:
         return config
     if config.reuse != "on":

@@ -32,8 +32,18 @@ def worker_view(worker):
     }
 
 
+def started_config(model: str) -> KVCompressionConfig:
+    """SETTINGS as the engine resolves them at start (``auto`` scoring: this model has no
+    surrogate, so the window's)."""
+    from kvcompress.engine.engine_args import resolve_auto_scoring
+
+    config = resolve_auto_scoring(KVCompressionConfig.from_mapping(SETTINGS), model)
+    assert config.scoring == "window"
+    return config
+
+
 def test_settings_reach_engine_core_and_workers(tiny_llama):
-    expected = KVCompressionConfig.from_mapping(SETTINGS)
+    expected = started_config(tiny_llama)
     harness = EngineHarness(tiny_llama, SETTINGS, dtype="float32", max_model_len=512,
                             kv_cache_memory_bytes=32 << 20)
     try:
@@ -58,7 +68,7 @@ def test_plugin_loads_in_separate_worker_processes(tiny_llama, monkeypatch):
         (view,) = llm.collective_rpc(worker_view)
         assert view["pid"] != os.getpid()
         assert view["hooked"], "kvcompress hooks missing in the worker process"
-        expected = KVCompressionConfig.from_mapping(SETTINGS)
+        expected = started_config(tiny_llama)
         assert KVCompressionConfig.from_mapping(view["settings"]) == expected
         outputs = llm.generate([{"prompt_token_ids": list(range(100, 400))}], greedy(4))
         assert len(outputs[0].outputs[0].token_ids) == 4
