@@ -72,12 +72,22 @@ def surrogate_tiny_llama(tiny_llama, tmp_path_factory) -> str:
     """A copy of tiny_llama with its score surrogate beside it (--kv-scoring surrogate, and
     what auto resolves to with reuse on), fitted by the profiling command on four prompts.
     A copy, so that tiny_llama's own engines keep resolving auto without one."""
-    import shutil
+    return _copy_with_surrogate(tiny_llama, tmp_path_factory.mktemp("surrogate"))
 
+
+@pytest.fixture(scope="session")
+def surrogate_tiny_llama_kv4(tiny_llama_kv4, tmp_path_factory) -> str:
+    """tiny_llama_kv4 with its score surrogate beside it: the default scoring (auto:
+    hybrid-surrogate) at tensor parallel 2."""
+    return _copy_with_surrogate(tiny_llama_kv4, tmp_path_factory.mktemp("surrogate-kv4"))
+
+
+def _copy_with_surrogate(model: str, parent: Path) -> str:
+    """A copy of ``model`` in ``parent`` with a surrogate fitted on four prompts beside it."""
     from kvcompress.profile_model import main as profile_main
 
-    path = tmp_path_factory.mktemp("surrogate") / "tiny-llama"
-    shutil.copytree(tiny_llama, path)
+    path = parent / Path(model).name
+    shutil.copytree(model, path)
     assert profile_main([str(path), "--documents", "1", "--surrogate-documents", "4",
                          "--held-out", "1", "--device", "cpu"]) == 0
     return str(path)

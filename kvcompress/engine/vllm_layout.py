@@ -103,6 +103,10 @@ class ScoringReserve:
         return decode_reserved_bytes(self.decode_requests, num_layers, num_kv_heads,
                                      self.decode_capacity)
 
+    def decode_request_bytes(self, num_layers: int, num_kv_heads: int) -> int:
+        """One running request's decode-score accumulator at the capacity."""
+        return decode_reserved_bytes(1, num_layers, num_kv_heads, self.decode_capacity)
+
 
 def default_page_size(dtype: torch.dtype, head_size: int, fp8_pages: bool = False) -> int:
     """Pages of 32 tokens where vLLM's CPU attention runs on AMX tiles (its amx kernel needs
@@ -144,13 +148,20 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     scratch = 0 if reserve is None or any(windows) else _scratch_tokens(
         reserve.reconstruction_tokens, memory,
         len(layers) * spec.num_kv_heads * 2 * spec.head_size * dtype_bytes)
+    score_bytes = 0 if reserve is None else reserved_bytes(
+        reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
+        # without scratch pages a reconstruction's hybrid is scored by its window alone
+        1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators)
+    request_bytes = 0 if reserve is None else reserve.decode_request_bytes(
+        len(layers), spec.num_kv_heads)
+    decode_requests = 0 if not request_bytes else min(reserve.decode_requests, _runnable_requests(
+        memory - score_bytes, len(layers) * spec.num_kv_heads,
+        2 * page_size * spec.head_size * dtype_bytes, request_bytes))
     return PageLayout.for_memory(
         kv_cache_bytes=memory,
-        reserved_bytes=0 if reserve is None else (reserved_bytes(
-            reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
-            # without scratch pages a reconstruction's hybrid is scored by its window alone
-            1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators)
-            + reserve.decode_bytes(len(layers), spec.num_kv_heads)),
+        reserved_bytes=score_bytes,
+        decode_score_requests=decode_requests,
+        decode_score_request_bytes=request_bytes,
         num_layers=len(layers),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
@@ -159,6 +170,16 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         layer_windows=windows if any(windows) else (),
         scratch_tokens=scratch,
     )
+
+
+def _runnable_requests(bytes_left: int, num_rows: int, page_bytes: int,
+                       request_bytes: int) -> int:
+    """Requests that can hold decode scores at once: a request scores its decode steps only
+    while it runs, and a running request holds a page of every (layer, KV head) row besides
+    its accumulator. A small pool thus runs fewer than max_num_seqs, and reserving for all of
+    them would leave too few pages for one request of max_model_len. ``bytes_left`` counts
+    scratch pages as pool pages: an overestimate, so the reserve is never too small."""
+    return max(0, bytes_left) // (num_rows * page_bytes + request_bytes)
 
 
 def _scratch_tokens(wanted: int, kv_bytes: int, bytes_per_token: int) -> int:

@@ -32,6 +32,10 @@ class PageLayout:
     # dropped after the pass): the worker's pool holds them, the scheduler never hands
     # them out, so they are outside page accounting.
     scratch_pages: int = 0
+    # Decode-score accumulators reserved out of the same memory: for this many running
+    # requests, this many bytes each (named when a request of max_model_len does not fit).
+    decode_score_requests: int = 0
+    decode_score_request_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -94,13 +98,17 @@ class PageLayout:
         reserved_bytes: int = 0,
         layer_windows: tuple[int, ...] = (),
         scratch_tokens: int = 0,
+        decode_score_requests: int = 0,
+        decode_score_request_bytes: int = 0,
     ) -> PageLayout:
         """Fit as many pages as the bytes vanilla vLLM would give its KV cache, less
-        ``reserved_bytes`` kept for other per-request buffers (window scores) and the
-        scratch pages of every row for ``scratch_tokens`` reconstruction tokens."""
+        ``reserved_bytes`` kept for other per-request buffers (window scores), the decode
+        scores of ``decode_score_requests`` running requests and the scratch pages of every
+        row for ``scratch_tokens`` reconstruction tokens."""
         page_bytes = 2 * page_size * head_size * dtype_bytes
         scratch_pages = num_layers * num_kv_heads * (-(-scratch_tokens // page_size))
-        reserved_bytes += scratch_pages * page_bytes
+        reserved_bytes += (scratch_pages * page_bytes
+                           + decode_score_requests * decode_score_request_bytes)
         total_pages = max(0, kv_cache_bytes - reserved_bytes) // page_bytes
         if total_pages < num_layers * num_kv_heads:
             raise ValueError(
@@ -112,7 +120,8 @@ class PageLayout:
                 "smaller --kv-page-size"
             )
         return cls(num_layers, num_kv_heads, head_size, page_size, dtype_bytes, total_pages,
-                   layer_windows, scratch_pages)
+                   layer_windows, scratch_pages, decode_score_requests,
+                   decode_score_request_bytes)
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages one request of ``num_tokens`` uncompressed tokens occupies."""
@@ -135,7 +144,20 @@ class PageLayout:
                 "a smaller --kv-page-size or --max-model-len, or give the KV cache more memory"
                 + (f" (or --kv-scoring window: {self.scratch_pages} pages are reconstruction "
                    "scratch)" if self.scratch_pages else "")
+                + self._decode_reserve_hint(needed - self.total_pages)
             )
+
+    def _decode_reserve_hint(self, missing_pages: int) -> str:
+        """What the decode-score reserve takes, and the --max-num-seqs that frees enough."""
+        if not self.decode_score_requests:
+            return ""
+        reserved = self.decode_score_requests * self.decode_score_request_bytes
+        freed_per_request = self.decode_score_request_bytes / self.page_bytes
+        fitting = self.decode_score_requests - int(np.ceil(missing_pages / freed_per_request))
+        fix = (f"--max-num-seqs {fitting} fits, or a smaller --kv-decode-budget"
+               if fitting >= 1 else "a smaller --kv-decode-budget")
+        return (f" (or {fix}: {reserved // self.page_bytes} pages' worth are decode scores of "
+                f"up to {self.decode_score_requests} running requests)")
 
     @property
     def token_capacity(self) -> int:

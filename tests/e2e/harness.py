@@ -105,14 +105,19 @@ def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
 
 
 def run_vanilla_and_kvcompress(model: str, prompts: dict[str, list[int]], params: SamplingParams,
-                               settings: dict, **engine_kwargs: Any) -> dict[str, tuple]:
+                               settings: dict,
+                               check_started: Callable[[EngineHarness], None] | None = None,
+                               **engine_kwargs: Any) -> dict[str, tuple]:
     """The same prompts through a vanilla engine and one with ``settings``: per engine
     (``"vanilla"``, ``"kvcompress"``) the outputs and the preemption count. Afterwards every
-    page of the kvcompress engine is free again and its invariants hold."""
+    page of the kvcompress engine is free again and its invariants hold. ``check_started``
+    runs on the kvcompress engine before any request (e.g. ``assert_default_scoring``)."""
     results = {}
     for name, compression in (("vanilla", None), ("kvcompress", settings)):
         harness = EngineHarness(model, compression, **engine_kwargs)
         try:
+            if compression and check_started:
+                check_started(harness)
             results[name] = (harness.generate(prompts, params), harness.stats.preemptions)
             if compression:
                 manager = harness.page_manager
@@ -124,3 +129,15 @@ def run_vanilla_and_kvcompress(model: str, prompts: dict[str, list[int]], params
         finally:
             harness.shutdown()
     return results
+
+
+def assert_default_scoring(harness: EngineHarness) -> None:
+    """``--kv-scoring auto`` resolved as it does by default (reuse on, a surrogate beside the
+    model): hybrid-surrogate, scored inside the prefill on every rank, no reconstruction pass
+    and so no scratch pages. Stress tests call it so that they stress the default."""
+    assert harness.scheduler.compression_config.scoring == "hybrid-surrogate"
+    assert harness.page_manager.shards[0].layout.scratch_pages == 0
+    runtimes = harness.on_workers(lambda worker: (
+        worker.model_runner.paged_runtime.surrogate is not None,
+        worker.model_runner.paged_runtime.reconstructor is None))
+    assert all(runtime == (True, True) for runtime in runtimes), runtimes

@@ -10,16 +10,16 @@ from vllm.exceptions import VLLMValidationError
 from kvcompress.config import KVCompressionConfig
 from kvcompress.policies import layer_budgets
 
-from .harness import EngineHarness, greedy, random_prompts
+from .harness import EngineHarness, assert_default_scoring, greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
 # tiny_llama: 4 layers x 2 KV heads, head dim 32, fp32 -> 2048 bytes per token (all rows)
 TINY = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16)
-# Tests of pool arithmetic under pressure score by window: reconstruction's scratch pages and
-# second accumulator would take a real share of pools this small (its own tests size for it).
+# Tests under memory pressure run the default scoring (auto: hybrid-surrogate on
+# surrogate_tiny_llama, tiny_llama's weights with a surrogate beside them): the configuration
+# users get is the one stressed. Its second score accumulator comes out of these small pools.
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4
-
 
 
 def step_until_first_token(harness, request_ids):
@@ -227,16 +227,18 @@ def test_evicted_pages_are_freed_and_reused_by_other_requests(tiny_llama):
         harness.shutdown()
 
 
-def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
+def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(surrogate_tiny_llama):
     # 12 prompts of 600 tokens, a pool of ~1800 tokens: vanilla fits 2-3 at a time.
     prompts = random_prompts([600] * 12, seed=6)
     memory = 14 * 128 * BYTES_PER_TOKEN
     peaks = {}
     for name, compression in (("vanilla", None),
-                              ("pyramidkv", {"kv_compression": "pyramidkv", "kv_budget": 64,
-                                             "kv_scoring": "window"})):
-        harness = EngineHarness(tiny_llama, compression, kv_cache_memory_bytes=memory, **TINY)
+                              ("pyramidkv", {"kv_compression": "pyramidkv", "kv_budget": 64})):
+        harness = EngineHarness(surrogate_tiny_llama, compression, kv_cache_memory_bytes=memory,
+                                **TINY)
         try:
+            if compression:
+                assert_default_scoring(harness)
             outputs = harness.generate(prompts, greedy(48))
             assert all(len(tokens) == 48 for tokens in outputs.values())
             peaks[name] = max(sample.running for sample in harness.stats.samples)
@@ -245,7 +247,7 @@ def test_memory_bound_run_holds_more_requests_at_once_than_vanilla(tiny_llama):
     assert peaks["pyramidkv"] > peaks["vanilla"], peaks
 
 
-def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
+def test_admission_reserving_growth_runs_without_preemptions(surrogate_tiny_llama):
     """Compressed prompts whose pages are free when they arrive, but not once the running
     requests have grown: vLLM's rule (lookahead 0) admits them and preempts, the default
     waits until their growth fits and preempts nothing, with as many requests at once."""
@@ -253,11 +255,13 @@ def test_admission_reserving_growth_runs_without_preemptions(tiny_llama):
     memory = 14 * 128 * BYTES_PER_TOKEN
     figures = {}
     for lookahead in (0, None):
-        compression = {"kv_compression": "pyramidkv", "kv_budget": 64, "kv_scoring": "window"}
+        compression = {"kv_compression": "pyramidkv", "kv_budget": 64}
         if lookahead is not None:
             compression["kv_admission_lookahead"] = lookahead
-        harness = EngineHarness(tiny_llama, compression, kv_cache_memory_bytes=memory, **TINY)
+        harness = EngineHarness(surrogate_tiny_llama, compression, kv_cache_memory_bytes=memory,
+                                **TINY)
         try:
+            assert_default_scoring(harness)
             outputs = harness.generate(prompts, greedy(200))
             assert all(len(tokens) == 200 for tokens in outputs.values())
             assert harness.page_manager.num_available == harness.page_manager.total_pages
@@ -281,20 +285,23 @@ DECODE_MIX = [
 ]
 
 
-def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(tiny_llama):
+def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(
+        surrogate_tiny_llama):
     """Soak: staggered arrivals with mixed methods and decode policies, aborts mid-prefill and
     mid-decode, a pool small enough that compressed requests get preempted and recomputed
     (admitted as vLLM does, without reserving their growth). Page invariants are checked by
     the scheduler after every step (KVCOMPRESS_CHECK_PAGES=1)."""
     rng = np.random.default_rng(7)
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96, "kv_admission_lookahead": 0,
-                     "kv_scoring": "window", "kv_decode_budget": 48, "kv_decode_interval": 16},
-        # 13 x 128 tokens: one request of max_model_len still fits beside the decode-score
-        # reserve (12 x 128 did before it; the assertions below check the pool stays tight)
+        surrogate_tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96,
+                               "kv_admission_lookahead": 0, "kv_decode_budget": 48,
+                               "kv_decode_interval": 16},
+        # 13 x 128 tokens: one request of max_model_len still fits beside the score and
+        # decode-score reserves (the assertions below check the pool stays tight)
         kv_cache_memory_bytes=13 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     try:
+        assert_default_scoring(harness)
         lengths = rng.integers(20, 700, size=40).tolist()
         prompts = random_prompts(lengths, seed=8)
         pending = list(prompts)
@@ -441,16 +448,16 @@ def generated_part(worker, request_id):
     return request.lengths - request.prompt_kept
 
 
-def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
+def test_a_preempted_request_resumes_within_its_decode_budget(surrogate_tiny_llama):
     """Chats that fit when admitted but not once grown (admitted without reserving their
     growth): the last admitted are preempted and recomputed. A decode-budgeted one comes back
     with its whole generated tail (never scored), which the step that recomputes it cuts to
     the newest budget."""
     budget, interval, tokens = 16, 8, 150
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
-                     "kv_admission_lookahead": 0, "kv_scoring": "window",
-                     "kv_decode_budget": budget, "kv_decode_interval": interval},
+        surrogate_tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
+                               "kv_admission_lookahead": 0, "kv_decode_budget": budget,
+                               "kv_decode_interval": interval},
         kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,
@@ -458,6 +465,7 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
     prompts = random_prompts([250] * 6, seed=11)
     budgeted = list(prompts)[3:]  # admitted last: preempted first
     try:
+        assert_default_scoring(harness)
         for name, prompt in prompts.items():
             harness.add(name, prompt,
                         greedy(tokens, extra_args=decode if name in budgeted
@@ -488,6 +496,8 @@ def test_a_preempted_request_resumes_within_its_decode_budget(tiny_llama):
 def test_engine_refuses_a_page_size_that_strands_a_max_model_len_request(tiny_llama):
     # Bytes for 1100 tokens (vLLM's own check, in 16-token blocks, passes for 1030), but at
     # 256 tokens a page each of the 8 rows of a 1030-token request takes 5 pages: 40 > 34.
+    # Kept on window scoring: a refusal at start, not a stress test, and the 34 pages above
+    # are this pool less window scoring's reserve (the default's differs).
     settings = {**TINY, "max_model_len": 1030, "max_num_batched_tokens": 1030,
                 "block_size": 16}
     with pytest.raises(Exception, match=r"--max-model-len 1030 needs 40.*--kv-page-size"):

@@ -14,7 +14,7 @@ from kvcompress.attention.cpu_kernel import cpu_supports_fp8_pages
 from kvcompress.engine.scoring_memory import reserved_bytes, scored_token_reserve
 from kvcompress.policies.decode import rkv
 
-from .harness import EngineHarness, greedy, random_prompts
+from .harness import EngineHarness, assert_default_scoring, greedy, random_prompts
 from .test_compression import (
     BYTES_PER_TOKEN,
     MIXED_REQUESTS,
@@ -42,7 +42,7 @@ def fp8_page_setup(worker: Any) -> tuple[str, str]:
 
 
 def run_engine(model: str, compression: dict | None, prompts: dict, params: Any,
-               **engine_kwargs: Any) -> tuple[dict, int]:
+               default_scoring: bool = False, **engine_kwargs: Any) -> tuple[dict, int]:
     """Outputs and preemptions of one engine; with compression, every page is free again
     afterwards and the page invariants hold (they are also checked after every step)."""
     harness = EngineHarness(model, compression, **engine_kwargs)
@@ -51,6 +51,8 @@ def run_engine(model: str, compression: dict | None, prompts: dict, params: Any,
             fp8 = {"fp8": "e4m3fn", "fp8_e4m3": "e4m3fn", "fp8_e5m2": "e5m2"}
             want = f"torch.float8_{fp8[engine_kwargs['kv_cache_dtype']]}"
             assert harness.on_workers(fp8_page_setup) == [("torch.uint8", want)]
+            if default_scoring:
+                assert_default_scoring(harness)
         outputs = harness.generate(prompts, params)
         if compression:
             manager = harness.page_manager
@@ -63,22 +65,23 @@ def run_engine(model: str, compression: dict | None, prompts: dict, params: Any,
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
-def test_tiny_llama_fp8_identical_with_chunked_prefill_and_preemption(tiny_llama, cache_dtype):
+def test_tiny_llama_fp8_identical_with_chunked_prefill_and_preemption(surrogate_tiny_llama,
+                                                                     cache_dtype):
     # Pools of one byte per element, vanilla's holding ~2100 tokens, ours ~1600 (as in
-    # test_identity's fp32 case; its window-score reserve, fp32 whatever the pages, comes on
-    # top): six 250-token prompts fit but not once they grow by 60, so both engines preempt
-    # and recompute.
+    # test_identity's fp32 case; the default scoring's reserve, two fp32 score accumulators
+    # whatever the pages, comes on top): six 250-token prompts fit but not once they grow by
+    # 60, so both engines preempt and recompute.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     common = dict(dtype="float32", kv_cache_dtype=cache_dtype, max_model_len=1536,
                   max_num_batched_tokens=256, max_num_seqs=8)
     vanilla_bytes = 17 * 128 * (4 * 2 * 2 * 32 * 1)  # 17 vLLM blocks of 128 tokens
-    reserve = reserved_bytes(scored_token_reserve(1536, 256), 4, 2, 1536)
-    vanilla, vanilla_preemptions = run_engine(tiny_llama, None, prompts, greedy(60),
+    reserve = reserved_bytes(scored_token_reserve(1536, 256), 4, 2, 1536, accumulators=2)
+    vanilla, vanilla_preemptions = run_engine(surrogate_tiny_llama, None, prompts, greedy(60),
                                               kv_cache_memory_bytes=vanilla_bytes, **common)
     ours, our_preemptions = run_engine(
-        tiny_llama, {**NO_EVICTION, "kv_admission_lookahead": 0, "kv_scoring": "window"},
-        prompts, greedy(60), kv_cache_memory_bytes=vanilla_bytes * 3 // 4 + reserve,
-        **common)
+        surrogate_tiny_llama, {**NO_EVICTION, "kv_admission_lookahead": 0}, prompts,
+        greedy(60), default_scoring=True,
+        kv_cache_memory_bytes=vanilla_bytes * 3 // 4 + reserve, **common)
     assert vanilla_preemptions > 0 and our_preemptions > 0, "the pool was meant to be too small"
     assert ours == vanilla
 

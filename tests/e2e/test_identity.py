@@ -4,29 +4,37 @@ through chunked prefill and preemption, and every page comes back."""
 import pytest
 import torch
 
-from .harness import EngineHarness, greedy, random_prompts, run_vanilla_and_kvcompress
+from .harness import (
+    EngineHarness,
+    assert_default_scoring,
+    greedy,
+    random_prompts,
+    run_vanilla_and_kvcompress,
+)
 
 pytestmark = pytest.mark.slow
 
 NO_EVICTION = {"kv_compression": "pyramidkv", "kv_budget": 100_000}
 
 
-def run_both(model, prompts, params, settings=NO_EVICTION, **engine_kwargs):
-    return run_vanilla_and_kvcompress(model, prompts, params, settings, **engine_kwargs)
+def run_both(model, prompts, params, settings=NO_EVICTION, check_started=None,
+             **engine_kwargs):
+    return run_vanilla_and_kvcompress(model, prompts, params, settings, check_started,
+                                      **engine_kwargs)
 
 
-def test_tiny_llama_identical_with_chunked_prefill_and_preemption(tiny_llama):
+def test_tiny_llama_identical_with_chunked_prefill_and_preemption(surrogate_tiny_llama):
     # The 700-token prompt exceeds max_num_batched_tokens (chunked prefill). The KV memory
-    # holds ~2100 tokens (kvcompress: ~1600, the rest is its window-score reserve): six
+    # holds ~2100 tokens (kvcompress: ~1600, the rest is its score reserve): six
     # 250-token prompts fit, but not once each grows by 60 tokens besides the longer ones,
     # so decoding forces preemptions (and recomputation) in both engines: kvcompress admits
-    # like vLLM here (no lookahead), which would otherwise hold prompts back instead. Window
-    # scoring: nothing is scored here, and reconstruction's scratch pages would take most
-    # of so small a pool.
+    # like vLLM here (no lookahead), which would otherwise hold prompts back instead. The
+    # default scoring (hybrid-surrogate: the model has a surrogate) with its two score
+    # accumulators reserved; nothing is evicted, so nothing it scores may change a token.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     results = run_both(
-        tiny_llama, prompts, greedy(60),
-        {**NO_EVICTION, "kv_admission_lookahead": 0, "kv_scoring": "window"},
+        surrogate_tiny_llama, prompts, greedy(60),
+        {**NO_EVICTION, "kv_admission_lookahead": 0}, assert_default_scoring,
         dtype="float32", max_model_len=1536, max_num_batched_tokens=256, max_num_seqs=8,
         kv_cache_memory_bytes=17 * 128 * (4 * 2 * 2 * 32 * 4),  # 17 vLLM blocks of 128
     )

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from .harness import EngineHarness, greedy
+from .harness import EngineHarness, assert_default_scoring, greedy
 
 pytestmark = pytest.mark.slow
 
@@ -110,18 +110,21 @@ def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
         assert (third - second - 11).sum() == rows * 64
 
 
-def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(tiny_llama):
+def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(
+        surrogate_tiny_llama):
     """A pool too small for 5 conversations' caches: entries are evicted for running
     requests; four continuations of one entry copy it and, too long to run together, are
     preempted and resume; an adopter is aborted mid-prefill. The page invariants hold after
     every step (KVCOMPRESS_CHECK_PAGES) and every page comes back."""
-    # Window scoring: this pool is sized to the page (reconstruction's scratch would eat it).
-    settings = {"kv_compression": "snapkv", "kv_budget": 48, "kv_admission_lookahead": 0,
-                "kv_scoring": "window"}
+    # The default scoring (auto: hybrid-surrogate, the surrogate beside the model), as users
+    # run reuse: entries kept by its query-agnostic scores are what later turns adopt.
+    settings = {"kv_compression": "snapkv", "kv_budget": 48, "kv_admission_lookahead": 0}
     token_bytes = 4 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x fp32
-    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=1700 * token_bytes,
+    harness = EngineHarness(surrogate_tiny_llama, settings,
+                            kv_cache_memory_bytes=1700 * token_bytes,
                             **{**ENGINE, "max_model_len": 1024})
     try:
+        assert_default_scoring(harness)
         history = converse(harness, turns=2, conversations=5, user_tokens=160,
                            answer_tokens=40, seed=3)
         reuse = harness.scheduler.reuse

@@ -1,5 +1,5 @@
-"""Window-score memory end to end: reserved out of the KV memory, and never more held at once
-than reserved, with several prompts at max_model_len reaching their windows together."""
+"""Score memory end to end: reserved out of the KV memory, and never more held at once than
+reserved, with several prompts at max_model_len scored together."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from kvcompress.engine.scoring_memory import (
     scored_token_reserve,
 )
 
-from .harness import EngineHarness, greedy, random_prompts
+from .harness import EngineHarness, assert_default_scoring, greedy, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -17,21 +17,30 @@ BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny_llama, fp32: 4 layers x 2 KV heads 
 MAX_MODEL_LEN, BATCHED = 512, 64
 
 
-def test_prompts_at_max_model_len_score_their_windows_within_the_reserve(tiny_llama):
+# The default (auto: hybrid-surrogate with the surrogate beside the model) holds two
+# accumulators per prompt from its first chunk on; window scoring, one from its window on
+# (kept: the reserve's other path, that of models without a surrogate).
+@pytest.mark.parametrize("scoring", ["default", "window"])
+def test_prompts_at_max_model_len_are_scored_within_the_reserve(scoring, request):
     memory = 8 * MAX_MODEL_LEN * BYTES_PER_TOKEN
+    default = scoring == "default"
+    model = request.getfixturevalue("surrogate_tiny_llama" if default else "tiny_llama")
     harness = EngineHarness(
-        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 32,
-                     "kv_scoring": "window"},
+        model, {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 32,
+                **({} if default else {"kv_scoring": "window"})},
         dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED,
         # 16 tokens per request and step: four prefills advance together and reach their
         # observation windows in the same steps.
         long_prefill_token_threshold=16, max_num_seqs=8, kv_cache_memory_bytes=memory,
     )
     try:
+        if default:
+            assert_default_scoring(harness)
         reserve = scored_token_reserve(MAX_MODEL_LEN, BATCHED)
         manager = harness.page_manager
         page_bytes = manager.layout.page_bytes
-        reserved = reserved_bytes(reserve, 4, 2, MAX_MODEL_LEN)
+        accumulators = 2 if default else 1
+        reserved = reserved_bytes(reserve, 4, 2, MAX_MODEL_LEN, accumulators=accumulators)
         assert manager.total_pages == (memory - reserved) // page_bytes
 
         prompts = random_prompts([MAX_MODEL_LEN - 2] * 4, seed=21)
@@ -40,12 +49,13 @@ def test_prompts_at_max_model_len_score_their_windows_within_the_reserve(tiny_ll
         assert all(len(tokens) == 2 for tokens in outputs.values())
         assert all(reason == "length" for reason in harness.finish_reasons.values())
         gate = harness.scheduler.scoring_gate
-        assert gate.deferred_chunks > 0, "four windows at once were meant to exceed the reserve"
+        assert gate.deferred_chunks > 0, "four prompts at once were meant to exceed the reserve"
         assert 0 < gate.peak_tokens <= reserve
         (held,) = harness.on_workers(
             lambda worker: worker.model_runner.paged_runtime.state.peak_scored_tokens
         )
-        assert 0 < held <= reserve
+        # key slots held over every accumulator: the default holds two per prompt
+        assert 0 < held <= reserve * accumulators
         assert harness.scheduler.num_pages_freed_by_compression > 0
         assert not gate.scoring and gate.tokens_in_flight == 0
         assert manager.num_available == manager.total_pages

@@ -15,7 +15,13 @@ import requests
 
 from tests.e2e.serving import client, long_question, metric, running_server
 
-from .harness import EngineHarness, greedy, random_prompts, run_vanilla_and_kvcompress
+from .harness import (
+    EngineHarness,
+    assert_default_scoring,
+    greedy,
+    random_prompts,
+    run_vanilla_and_kvcompress,
+)
 from .test_compression import (
     MIXED_REQUESTS,
     assert_holds_policy_budget,
@@ -44,15 +50,16 @@ def assert_every_rank_free(harness):
         shard.check_invariants()
 
 
-def test_tp2_identical_to_vanilla_tp2_with_chunked_prefill_and_preemption(tiny_llama_kv4):
+def test_tp2_identical_to_vanilla_tp2_with_chunked_prefill_and_preemption(
+        surrogate_tiny_llama_kv4):
     # tiny_llama_kv4 at TP 2: 4 layers x 2 KV heads per rank, fp32 -> 2048 bytes per token
     # per rank. The pool of 17 blocks of 128 tokens cannot hold the six 250-token prompts
-    # once they grow by 60, so both engines preempt and recompute. Window scoring: nothing
-    # is scored, and reconstruction's scratch would take a share of so small a pool.
+    # once they grow by 60, so both engines preempt and recompute. The default scoring
+    # (hybrid-surrogate, each rank its heads' part of the surrogate) and its reserve.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     results = run_vanilla_and_kvcompress(
-        tiny_llama_kv4, prompts, greedy(60),
-        {**NO_EVICTION, "kv_admission_lookahead": 0, "kv_scoring": "window"},
+        surrogate_tiny_llama_kv4, prompts, greedy(60),
+        {**NO_EVICTION, "kv_admission_lookahead": 0}, assert_default_scoring,
         max_model_len=1536, max_num_batched_tokens=256, max_num_seqs=8,
         kv_cache_memory_bytes=17 * 128 * (4 * 2 * 2 * 32 * 4), **TP2,
     )

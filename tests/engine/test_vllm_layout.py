@@ -19,6 +19,7 @@ from kvcompress.engine.vllm_layout import (
     kv_cache_bytes,
     page_layout,
 )
+from kvcompress.paging import PageLayout
 
 SHAPE = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
 SIZE = 1 << 22
@@ -92,3 +93,32 @@ def test_the_decode_score_reserve_comes_out_of_the_kv_memory():
     window_bytes = reserved_bytes(1000, 12, 1, 500)
     assert plain.total_pages == (SIZE - window_bytes) // plain.page_bytes
     assert with_decode.total_pages == (SIZE - window_bytes - decode_bytes) // plain.page_bytes
+
+
+def test_the_decode_score_reserve_covers_only_requests_the_pool_can_run():
+    """max_num_seqs far above what the pool runs: decode accumulators are reserved for the
+    requests that can each hold a page of every row beside its own, not for max_num_seqs
+    (which would leave this pool no pages at all)."""
+    config = gemma3_like_config()
+    reserve = ScoringReserve(1000, 500, decode_requests=10_000, decode_capacity=96)
+    layout = page_layout(config, 16, reserve)
+    rows, window_bytes = 12, reserved_bytes(1000, 12, 1, 500)
+    per_request = rows * layout.page_bytes + decode_reserved_bytes(1, 12, 1, 96)
+    runnable = (SIZE - window_bytes) // per_request
+    assert 0 < runnable < 10_000
+    decode_bytes = decode_reserved_bytes(runnable, 12, 1, 96)
+    assert layout.total_pages == (SIZE - window_bytes - decode_bytes) // layout.page_bytes
+    assert layout.total_pages >= runnable * rows  # each of them runs, a page in every row
+
+
+def test_a_pool_too_small_for_max_model_len_names_the_max_num_seqs_that_fits():
+    """28 pages short, 3 pages' worth of decode scores per request: 10 requests fewer
+    (--max-num-seqs 10) free 30 pages, enough."""
+    page_bytes = 2 * 16 * 64 * 4
+    layout = PageLayout(num_layers=2, num_kv_heads=1, head_size=64, page_size=16, dtype_bytes=4,
+                        total_pages=100, decode_score_requests=20,
+                        decode_score_request_bytes=3 * page_bytes)
+    with pytest.raises(ValueError, match=r"needs 128 .*--max-num-seqs 10 fits, or a smaller "
+                                         r"--kv-decode-budget: 60 pages' worth .* 20 running"):
+        layout.check_holds_one_request(1024)
+    layout.check_holds_one_request(800)  # 100 pages: fits
