@@ -78,7 +78,7 @@ def surrogate_tiny_llama(tiny_llama, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def surrogate_tiny_llama_kv4(tiny_llama_kv4, tmp_path_factory) -> str:
     """tiny_llama_kv4 with its score surrogate beside it: the default scoring (auto:
-    hybrid-surrogate) at tensor parallel 2."""
+    the surrogate) at tensor parallel 2."""
     return _copy_with_surrogate(tiny_llama_kv4, tmp_path_factory.mktemp("surrogate-kv4"))
 
 

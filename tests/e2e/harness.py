@@ -133,9 +133,9 @@ def run_vanilla_and_kvcompress(model: str, prompts: dict[str, list[int]], params
 
 def assert_default_scoring(harness: EngineHarness) -> None:
     """``--kv-scoring auto`` resolved as it does by default (reuse on, a surrogate beside the
-    model): hybrid-surrogate, scored inside the prefill on every rank, no reconstruction pass
+    model): the surrogate, scored inside the prefill on every rank, no reconstruction pass
     and so no scratch pages. Stress tests call it so that they stress the default."""
-    assert harness.scheduler.compression_config.scoring == "hybrid-surrogate"
+    assert harness.scheduler.compression_config.scoring == "surrogate"
     assert harness.page_manager.shards[0].layout.scratch_pages == 0
     runtimes = harness.on_workers(lambda worker: (
         worker.model_runner.paged_runtime.surrogate is not None,

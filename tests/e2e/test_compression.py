@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 # tiny_llama: 4 layers x 2 KV heads, head dim 32, fp32 -> 2048 bytes per token (all rows)
 TINY = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16)
-# Tests under memory pressure run the default scoring (auto: hybrid-surrogate on
+# Tests under memory pressure run the default scoring (auto: the surrogate on
 # surrogate_tiny_llama, tiny_llama's weights with a surrogate beside them): the configuration
 # users get is the one stressed. Its second score accumulator comes out of these small pools.
 BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4

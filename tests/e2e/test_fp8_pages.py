@@ -68,14 +68,14 @@ def run_engine(model: str, compression: dict | None, prompts: dict, params: Any,
 def test_tiny_llama_fp8_identical_with_chunked_prefill_and_preemption(surrogate_tiny_llama,
                                                                      cache_dtype):
     # Pools of one byte per element, vanilla's holding ~2100 tokens, ours ~1600 (as in
-    # test_identity's fp32 case; the default scoring's reserve, two fp32 score accumulators
+    # test_identity's fp32 case; the default scoring's reserve, its fp32 score accumulators
     # whatever the pages, comes on top): six 250-token prompts fit but not once they grow by
     # 60, so both engines preempt and recompute.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     common = dict(dtype="float32", kv_cache_dtype=cache_dtype, max_model_len=1536,
                   max_num_batched_tokens=256, max_num_seqs=8)
     vanilla_bytes = 17 * 128 * (4 * 2 * 2 * 32 * 1)  # 17 vLLM blocks of 128 tokens
-    reserve = reserved_bytes(scored_token_reserve(1536, 256), 4, 2, 1536, accumulators=2)
+    reserve = reserved_bytes(scored_token_reserve(1536, 256), 4, 2, 1536, accumulators=1)
     vanilla, vanilla_preemptions = run_engine(surrogate_tiny_llama, None, prompts, greedy(60),
                                               kv_cache_memory_bytes=vanilla_bytes, **common)
     ours, our_preemptions = run_engine(

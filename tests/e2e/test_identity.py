@@ -29,8 +29,8 @@ def test_tiny_llama_identical_with_chunked_prefill_and_preemption(surrogate_tiny
     # 250-token prompts fit, but not once each grows by 60 tokens besides the longer ones,
     # so decoding forces preemptions (and recomputation) in both engines: kvcompress admits
     # like vLLM here (no lookahead), which would otherwise hold prompts back instead. The
-    # default scoring (hybrid-surrogate: the model has a surrogate) with its two score
-    # accumulators reserved; nothing is evicted, so nothing it scores may change a token.
+    # default scoring (the surrogate: the model has one) with its score accumulators
+    # reserved; nothing is evicted, so nothing it scores may change a token.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     results = run_both(
         surrogate_tiny_llama, prompts, greedy(60),

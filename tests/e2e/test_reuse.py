@@ -116,7 +116,7 @@ def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(
     requests; four continuations of one entry copy it and, too long to run together, are
     preempted and resume; an adopter is aborted mid-prefill. The page invariants hold after
     every step (KVCOMPRESS_CHECK_PAGES) and every page comes back."""
-    # The default scoring (auto: hybrid-surrogate, the surrogate beside the model), as users
+    # The default scoring (auto: the surrogate beside the model), as users
     # run reuse: entries kept by its query-agnostic scores are what later turns adopt.
     settings = {"kv_compression": "snapkv", "kv_budget": 48, "kv_admission_lookahead": 0}
     token_bytes = 4 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x fp32

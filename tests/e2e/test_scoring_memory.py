@@ -17,9 +17,9 @@ BYTES_PER_TOKEN = 4 * 2 * 2 * 32 * 4  # tiny_llama, fp32: 4 layers x 2 KV heads 
 MAX_MODEL_LEN, BATCHED = 512, 64
 
 
-# The default (auto: hybrid-surrogate with the surrogate beside the model) holds two
-# accumulators per prompt from its first chunk on; window scoring, one from its window on
-# (kept: the reserve's other path, that of models without a surrogate).
+# The default (auto: the surrogate beside the model) holds its accumulator from a prompt's
+# first chunk on; window scoring from its window on (kept: the reserve's other path, that of
+# models without a surrogate).
 @pytest.mark.parametrize("scoring", ["default", "window"])
 def test_prompts_at_max_model_len_are_scored_within_the_reserve(scoring, request):
     memory = 8 * MAX_MODEL_LEN * BYTES_PER_TOKEN
@@ -39,7 +39,7 @@ def test_prompts_at_max_model_len_are_scored_within_the_reserve(scoring, request
         reserve = scored_token_reserve(MAX_MODEL_LEN, BATCHED)
         manager = harness.page_manager
         page_bytes = manager.layout.page_bytes
-        accumulators = 2 if default else 1
+        accumulators = 1
         reserved = reserved_bytes(reserve, 4, 2, MAX_MODEL_LEN, accumulators=accumulators)
         assert manager.total_pages == (memory - reserved) // page_bytes
 
@@ -54,7 +54,7 @@ def test_prompts_at_max_model_len_are_scored_within_the_reserve(scoring, request
         (held,) = harness.on_workers(
             lambda worker: worker.model_runner.paged_runtime.state.peak_scored_tokens
         )
-        # key slots held over every accumulator: the default holds two per prompt
+        # key slots held over every accumulator (hybrid scorings hold two per prompt)
         assert 0 < held <= reserve * accumulators
         assert harness.scheduler.num_pages_freed_by_compression > 0
         assert not gate.scoring and gate.tokens_in_flight == 0

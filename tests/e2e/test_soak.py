@@ -22,7 +22,7 @@ WORKERS = 6  # requests in flight at once
 # ~1700 uncompressed tokens of the embedded model in float32 (92M: pages plus the score reserve,
 # see kvcompress/engine/scoring_memory.py). The default scoring: no --kv-scoring flag, and the
 # embedded model has its surrogate beside it (scripts/setup.sh), so auto resolves to
-# hybrid-surrogate, the configuration served by default. Half the chats keep their whole
+# the surrogate, the configuration served by default. Half the chats keep their whole
 # cache (~700-token prompts, 256 new tokens): two of them fit when admitted but not once they
 # have grown, so they preempt each other, while compressed chats (~1000-token prompts, 32 new
 # tokens, budget 64) squeeze in beside them. Admitted as vLLM does (no growth reserved), or
@@ -86,7 +86,7 @@ def bad_requests(base: str, model: str) -> None:
 
 def test_load_and_abort_soak_leaves_the_server_clean(embedded_model, tmp_path):
     with running_server(embedded_model, tmp_path, *FLAGS) as (base, log_path):
-        assert "scoring=hybrid-surrogate" in log_path.read_text()  # what auto resolved to
+        assert "scoring=surrogate" in log_path.read_text()  # what auto resolved to
         model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         # First two full-cache chats alone: both fit when admitted (2 x 784 prompt tokens of
         # ~1700), neither once they have grown by 256, so one must be preempted.

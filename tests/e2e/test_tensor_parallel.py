@@ -55,7 +55,7 @@ def test_tp2_identical_to_vanilla_tp2_with_chunked_prefill_and_preemption(
     # tiny_llama_kv4 at TP 2: 4 layers x 2 KV heads per rank, fp32 -> 2048 bytes per token
     # per rank. The pool of 17 blocks of 128 tokens cannot hold the six 250-token prompts
     # once they grow by 60, so both engines preempt and recompute. The default scoring
-    # (hybrid-surrogate, each rank its heads' part of the surrogate) and its reserve.
+    # (the surrogate, each rank its heads' part of the surrogate) and its reserve.
     prompts = random_prompts([250] * 6 + [700, 37, 5], seed=1)
     results = run_vanilla_and_kvcompress(
         surrogate_tiny_llama_kv4, prompts, greedy(60),
