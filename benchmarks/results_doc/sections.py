@@ -236,7 +236,7 @@ def _hybrid_memory(report: Report) -> str:
 HEADLINES: tuple[Headline, ...] = (
     Headline("Throughput with every default (`--kv-compression pyramidkv "
              "--kv-compression-ratio 0.875`; prefix caching on, so `auto` scoring is the "
-             "window and the score surrogate; 16 prompts of 1024 in / 256 out, 180 MB of KV), "
+             "score surrogate; 16 prompts of 1024 in / 256 out, 180 MB of KV), "
              "one engine thread", "throughput", "throughput_defaults.json",
              _speedup_and_ample("pyramidkv:r=0.875")),
     Headline("Throughput, 8x compression (24 prompts of 1024 in / 128 out, KV memory for 3 "
