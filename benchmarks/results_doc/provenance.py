@@ -137,8 +137,7 @@ CHANGES: tuple[Change, ...] = (
             "quality_budget_sharing", "quality_question_outside", "compression_cost",
             "multi_turn", "multi_turn_recall", "shared_context", "shared_prefix"),
            # the runs that chose it: their `+scoring=surrogate` rows are what auto now runs
-           measured_by=("quality_surrogate.json", "shared_context_surrogate.json",
-                        "quality_threshold.json")),
+           measured_by=("quality_surrogate.json", "shared_context_surrogate.json")),
 )
 
 
