@@ -99,10 +99,6 @@ class ScoringReserve:
                    reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2,
                    **decode)
 
-    def decode_bytes(self, num_layers: int, num_kv_heads: int) -> int:
-        return decode_reserved_bytes(self.decode_requests, num_layers, num_kv_heads,
-                                     self.decode_capacity)
-
     def decode_request_bytes(self, num_layers: int, num_kv_heads: int) -> int:
         """One running request's decode-score accumulator at the capacity."""
         return decode_reserved_bytes(1, num_layers, num_kv_heads, self.decode_capacity)

@@ -89,7 +89,7 @@ def test_the_decode_score_reserve_comes_out_of_the_kv_memory():
     reserve = ScoringReserve(1000, 500, decode_requests=8, decode_capacity=96)
     with_decode = page_layout(config, 16, reserve)
     decode_bytes = decode_reserved_bytes(8, 12, 1, 96)
-    assert reserve.decode_bytes(12, 1) == decode_bytes > 0
+    assert 8 * reserve.decode_request_bytes(12, 1) == decode_bytes > 0
     window_bytes = reserved_bytes(1000, 12, 1, 500)
     assert plain.total_pages == (SIZE - window_bytes) // plain.page_bytes
     assert with_decode.total_pages == (SIZE - window_bytes - decode_bytes) // plain.page_bytes
