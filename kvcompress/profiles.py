@@ -142,13 +142,22 @@ def load_profile(path: str | Path, model_dir: str | Path | None = None) -> Query
             or profile.rotary_dim > dim or profile.rotary_dim % 2):
         raise ProfileError(f"--kv-profile: {path} is malformed (shapes {tuple(profile.means.shape)}"
                            f", {tuple(profile.covariances.shape)}, rotary {profile.rotary_dim})")
-    if model_dir is not None and Path(model_dir).is_dir():
-        expected = model_fingerprint(model_dir)
-        if profile.fingerprint != expected:
-            raise ProfileError(
-                f"--kv-profile: {path} was made for another model (fingerprint "
-                f"{profile.fingerprint}, {model_dir} has {expected}); {how}")
+    mismatch = other_model(profile.fingerprint, model_dir)
+    if mismatch:
+        raise ProfileError(f"--kv-profile: {path} {mismatch}; {how}")
     return profile
+
+
+def other_model(fingerprint: str, model_dir: str | Path | None) -> str | None:
+    """Why a file made for the model of ``fingerprint`` is not ``model_dir``'s (None: it is,
+    or there is no model folder to compare with)."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return None
+    expected = model_fingerprint(model_dir)
+    if fingerprint == expected:
+        return None
+    return (f"was made for another model (fingerprint {fingerprint}, {model_dir} has "
+            f"{expected})")
 
 
 def check_profile_shape(profile: QueryProfile, num_layers: int, num_heads: int,

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvcompress.profiles import model_fingerprint
+from kvcompress.profiles import other_model
 
 SURROGATE_FILE = "kvcompress_surrogate.pt"
 FORMAT_VERSION = 1
@@ -158,12 +158,9 @@ def load_surrogate(path: str | Path, model_dir: str | Path | None = None) -> Sco
         raise SurrogateError(f"--kv-surrogate: {path} is malformed (shapes "
                              f"{tuple(surrogate.key_weights.shape)}, "
                              f"{tuple(surrogate.position_weights.shape)})")
-    if model_dir is not None and Path(model_dir).is_dir():
-        expected = model_fingerprint(model_dir)
-        if surrogate.fingerprint != expected:
-            raise SurrogateError(
-                f"--kv-surrogate: {path} was made for another model (fingerprint "
-                f"{surrogate.fingerprint}, {model_dir} has {expected}); {_HOW}")
+    mismatch = other_model(surrogate.fingerprint, model_dir)
+    if mismatch:
+        raise SurrogateError(f"--kv-surrogate: {path} {mismatch}; {_HOW}")
     return surrogate
 
 

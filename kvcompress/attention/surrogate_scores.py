@@ -18,7 +18,7 @@ from kvcompress.step import StepBatch, SurrogateTokens
 def accumulate_surrogate_scores(key: torch.Tensor, value: torch.Tensor, step: StepBatch,
                                 layer: int) -> None:
     """``key`` / ``value`` ``[T, H, D]``: the step's tokens as ``layer`` writes them. Fills
-    the slots of every ``step.surrogate_tokens`` entry's tokens in its accumulator."""
+    the slots of every ``step.surrogate_plan`` entry's tokens in its accumulator."""
     plan = step.surrogate_plan
     assert plan is not None and plan.surrogate is not None
     log_scores = plan.surrogate.log_scores(layer, key.index_select(0, plan.token_index),

@@ -39,11 +39,12 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         # vLLM's own switch for reusing cached prefixes also switches off ours (unless
         # --kv-reuse says otherwise; a second call finds the setting made by the first).
         config = dataclasses.replace(config, reuse="off")
-    config = resolve_auto_scoring(config, engine_args.model)
+    if config.scoring == "auto":
+        config = resolve_auto_scoring(config, engine_args.model)  # loads what it picks
+    elif config.loads_surrogate:
+        config = _resolve_surrogate(config, engine_args.model)
     if config.loads_profile:
         config = _resolve_profile(config, engine_args.model)
-    if config.loads_surrogate:
-        config = _resolve_surrogate(config, engine_args.model)
     # Workers and the scheduler re-read the fully resolved settings, defaults included.
     engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping()}
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
@@ -82,19 +83,17 @@ def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressi
         return config
     if config.reuse != "on":
         return dataclasses.replace(config, scoring="window")
+    surrogate = dataclasses.replace(config, scoring="surrogate")
     if config.surrogate:  # named by the user: a wrong one stops the start
-        load_surrogate(config.surrogate, model)
-        return dataclasses.replace(config, scoring="surrogate")
-    path = str(default_surrogate_path(model))
+        return _resolve_surrogate(surrogate, model)
     try:
-        load_surrogate(path, model)
+        return _resolve_surrogate(surrogate, model)
     except SurrogateError as error:
         logger.warning("kvcompress: --kv-scoring auto: %s. Prompts are scored by their "
                        "observation window (question-aware), so later turns that reuse a "
                        "compressed cache may miss what the first question did not ask for.",
                        error)
         return dataclasses.replace(config, scoring="window")
-    return dataclasses.replace(config, scoring="surrogate", surrogate=path)
 
 
 def _resolve_surrogate(config: KVCompressionConfig, model: str) -> KVCompressionConfig:
