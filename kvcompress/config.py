@@ -280,7 +280,9 @@ FLAG_SPECS: tuple[FlagSpec, ...] = (
         "With --kv-scoring reconstruct or hybrid: prompt tokens reconstructed per extra "
         "forward (each "
         "chunk attends to the whole prompt). Bounds that pass's activations and scratch "
-        "pages; capped at --max-num-batched-tokens. Integer in "
+        "pages; capped at --max-num-batched-tokens. Chunks are scheduled work: they count "
+        "in a step's token budget, after the decoding requests, while their request waits "
+        "to decode. Integer in "
         f"[{RECONSTRUCT_CHUNK_RANGE[0]}, {RECONSTRUCT_CHUNK_RANGE[1]}]; default "
         f"{DEFAULT_RECONSTRUCT_CHUNK}.",
     ),

@@ -17,6 +17,7 @@ import numpy as np
 from kvcompress.paging import PageTableDelta
 
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
+PASS_GRANTS_ATTR = "kvcompress_pass_grants"
 REPORT_ATTR = "kvcompress_report"
 
 
@@ -56,14 +57,19 @@ class WorkerReport:
     failures: dict[str, str] = field(default_factory=dict)
     score_seconds: float = 0.0  # observation-window scoring inside attention
     compaction_seconds: float = 0.0  # planning + moves after the forward
+    # Requests whose prompt completed and waits for reconstruction passes (id -> tokens of
+    # each pass chunk, in order): the scheduler grants them step by step
+    # (``engine.pass_schedule``) and the prompt is compacted after the last.
+    passes_pending: dict[str, list[int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.compactions or self.failures or self.score_seconds
-                    or self.compaction_seconds)
+                    or self.compaction_seconds or self.passes_pending)
 
     def merge(self, later: WorkerReport) -> None:
         merge_compactions(self.compactions, later.compactions)
         self.failures.update(later.failures)
+        self.passes_pending.update(later.passes_pending)
         self.score_seconds += later.score_seconds
         self.compaction_seconds += later.compaction_seconds
 
@@ -87,6 +93,8 @@ def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
                   for request_id, reason in report.failures.items()},
         score_seconds=max(report.score_seconds for report in reports),
         compaction_seconds=max(report.compaction_seconds for report in reports),
+        # Every rank chunks the same prompt alike; rank 0's chunks are the ones granted.
+        passes_pending=dict(reports[0].passes_pending),
     )
     for request_id, first in reports[0].compactions.items():
         if request_id in merged.failures:
@@ -121,6 +129,15 @@ def page_deltas(scheduler_output: Any, rank: int = 0) -> dict[str, PageTableDelt
     """The page-table changes for tensor-parallel ``rank``'s pool."""
     deltas_by_rank = getattr(scheduler_output, PAGE_DELTAS_ATTR, None)
     return deltas_by_rank[rank] if deltas_by_rank else {}
+
+
+def attach_pass_grants(scheduler_output: Any, grants: dict[str, int]) -> None:
+    """This step's reconstruction pass chunks (request id -> how many of its next ones)."""
+    setattr(scheduler_output, PASS_GRANTS_ATTR, grants)
+
+
+def pass_grants(scheduler_output: Any) -> dict[str, int]:
+    return getattr(scheduler_output, PASS_GRANTS_ATTR, None) or {}
 
 
 def worker_report(model_runner_output: Any) -> WorkerReport:

@@ -14,8 +14,14 @@ from vllm.v1.request import RequestStatus
 
 from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.admission import AdmissionPlanner
-from kvcompress.engine.messages import Compaction, attach_page_deltas, worker_report
+from kvcompress.engine.messages import (
+    Compaction,
+    attach_page_deltas,
+    attach_pass_grants,
+    worker_report,
+)
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
+from kvcompress.engine.pass_schedule import PassSchedule, StepPasses
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.request_settings import resolve
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
@@ -57,7 +63,8 @@ class KVCompressScheduler(Scheduler):
             max_model_len=vllm_config.model_config.max_model_len,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             lookahead=self.compression_config.admission_lookahead,
-            running=lambda: self.running,
+            # Parked requests (waiting for reconstruction passes) hold pages and grow later.
+            running=lambda: [*self.running, *self._parked_now],
         )
         self.reuse = PrefixCachePolicy(self.page_manager, self.compression_config)
         if self.compression_config.reuse == "on" and not self.reuse.enabled:
@@ -70,6 +77,9 @@ class KVCompressScheduler(Scheduler):
         )
         self.num_pages_freed_by_compression = 0
         self.scoring_gate = ScoringGate(reserve.scored_tokens)
+        self._full_token_budget = self.max_num_scheduled_tokens
+        self.passes = PassSchedule()
+        self._parked_now: list[Any] = []  # out of self.running while vLLM schedules
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
@@ -81,15 +91,48 @@ class KVCompressScheduler(Scheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas."""
-        self.scoring_gate.prune(self.requests)
+        """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas
+        and the reconstruction pass chunks this step runs (``engine.pass_schedule``)."""
+        self.passes.prune(self.requests)
+        self.scoring_gate.prune(self.requests, held=self.passes.parked())
         self.admission.prune(self.requests)
         self._order_running_by_recompute_cost()
         freed_before = self.kv_cache_manager.window_freed_pages
-        scheduler_output = super().schedule(*args, **kwargs)
+        passes = self._grant_passes()
+        try:
+            scheduler_output = super().schedule(*args, **kwargs)
+        finally:
+            self._unpark(passes)
         self.figures.window_freed_pages += self.kv_cache_manager.window_freed_pages - freed_before
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
+        attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
+
+    def _grant_passes(self) -> StepPasses:
+        """This step's pass chunks, out of the token budget after one token per decoding
+        request; the parked requests leave ``running`` (and its limits) while vLLM schedules,
+        so their decode waits and no victim is picked among them."""
+        if not self.passes.pending:
+            return StepPasses({}, 0, frozenset())
+        self._parked_now = [r for r in self.running if r.request_id in self.passes.parked()]
+        self.running = [r for r in self.running if r.request_id not in self.passes.parked()]
+        decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        passes = self.passes.grant(self._full_token_budget - decoding)
+        parked = len(self._parked_now)
+        self.max_num_running_reqs -= parked
+        self.max_num_active_reqs -= parked
+        self.max_num_scheduled_tokens = max(decoding, self._full_token_budget - passes.tokens)
+        return passes
+
+    def _unpark(self, passes: StepPasses) -> None:
+        if not passes.parked:
+            return
+        parked = len(self._parked_now)
+        self.max_num_running_reqs += parked
+        self.max_num_active_reqs += parked
+        self.max_num_scheduled_tokens = self._full_token_budget
+        self.running.extend(self._parked_now)
+        self._parked_now = []
 
     def _order_running_by_recompute_cost(self) -> None:
         """vLLM preempts the last running request (first-come-first-served): make it the
@@ -139,7 +182,8 @@ class KVCompressScheduler(Scheduler):
         self.kv_cache_manager.unfileable = set(failed)
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
-            self.scoring_gate.prune(self.requests)
+            self.passes.add(report.passes_pending, self.requests)
+            self.scoring_gate.prune(self.requests, held=self.passes.parked())
             if failed:
                 self._finish_with_error(failed, outputs)
         finally:

@@ -19,6 +19,7 @@ No vLLM imports: the gate sees requests through the attributes it reads.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from kvcompress.config import KVCompressionConfig
@@ -124,11 +125,15 @@ class ScoringGate:
         self.peak_tokens = max(self.peak_tokens, self.tokens_in_flight)
         return num_new
 
-    def prune(self, live_requests: dict[str, Any]) -> None:
-        """Drop requests no longer mid-window: done with their prompt, gone, preempted
+    def prune(self, live_requests: dict[str, Any],
+              held: Collection[str] = frozenset()) -> None:
+        """Drop requests no longer mid-window: done with their prompt (and not ``held``:
+        parked for reconstruction passes, their accumulators live on), gone, preempted
         (their computed tokens restart at 0) or whose granted chunk was not scheduled."""
         for request_id, (request, window_start, prompt_len) in list(self.scoring.items()):
             computed = request.num_computed_tokens
+            if live_requests.get(request_id) is request and request_id in held:
+                continue
             if (live_requests.get(request_id) is not request or computed >= prompt_len
                     or computed <= window_start):
                 del self.scoring[request_id]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -38,6 +39,20 @@ from kvcompress.policies.selection import PAD_INDEX
 from kvcompress.step import KVMover, StepBatch
 
 logger = get_logger(__name__)
+
+
+class CompletingPrompts(Protocol):
+    """What compacting prompts reads of a batch: a ``StepBatch``, or the requests whose
+    last reconstruction pass ran (``worker_reconstruction.CompletedPasses``)."""
+
+    req_ids: list[str]
+    logical_after: np.ndarray
+    failures: dict[str, str]
+
+    @property
+    def completing_prompt(self) -> list[int]: ...
+
+    def fail(self, request_ids: list[str], reason: str) -> None: ...
 
 
 @dataclass
@@ -98,7 +113,7 @@ def compress_step(
 
 def compact_completed_prompts(
     state: WorkerKVState,
-    step: StepBatch,
+    step: CompletingPrompts,
     pool: torch.Tensor,
     mover: KVMover,
     stats: CompactionStats | None = None,
@@ -346,7 +361,7 @@ def _carry_scores(scores: torch.Tensor, kept: torch.Tensor, rows: np.ndarray) ->
     return carried.view_as(scores)
 
 
-def _apply(state: WorkerKVState, step: StepBatch, compactions: dict[str, Compaction],
+def _apply(state: WorkerKVState, step: CompletingPrompts, compactions: dict[str, Compaction],
            moves: MoveBatch, pool: torch.Tensor, mover: KVMover) -> None:
     """Run the moves, then shrink the tables; the scheduler frees the pages only after
     this step. If the batched moves fail (and may be retried: ``raise_if_fatal``), each
@@ -433,7 +448,8 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
 
 
 def _plan_isolated(
-    state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str], step: StepBatch,
+    state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str],
+    step: CompletingPrompts,
     adopters: bool = False,
 ) -> list[tuple[list[str], tuple[torch.Tensor, torch.Tensor]]]:
     """(request ids, (counts, indices)) of every batch of requests whose planning worked,
@@ -469,7 +485,7 @@ def _plan_isolated(
     return planned
 
 
-def _record_failure(step: StepBatch, request_ids: list[str], stage: str,
+def _record_failure(step: CompletingPrompts, request_ids: list[str], stage: str,
                     error: Exception) -> None:
     logger.exception("kvcompress: %s failed for request(s) %s", stage, request_ids)
     step.fail(request_ids, f"{stage} failed: {error!r}")

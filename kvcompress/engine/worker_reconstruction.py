@@ -1,7 +1,7 @@
 """Reconstruction passes: query-agnostic scores for a prompt about to be compressed.
 
 After the forward in which a prompt completes, and before it is compacted, the model runs
-once more over "repeat the previous context" followed by a chunk of that very prompt, at
+over "repeat the previous context" followed by each chunk of that very prompt, at
 the positions after it (KVzip, Kim et al., NeurIPS 2025). Each pass's queries attend to the
 whole prompt in the request's own pages and to the pass's own earlier tokens, whose K/V go
 to scratch slots: the tail of each row's last page and then the pool's scratch pages
@@ -13,13 +13,16 @@ attention backend turns the pass's attention into scores
 The scores do not depend on the question at the prompt's end, so a cache kept for reuse
 answers later questions too. Cost: the prompt once more through the model, in chunks of
 ``--kv-reconstruct-chunk`` tokens (each chunk attends to the whole prompt), plus the
-repeat instruction per chunk. No vLLM imports: the runner supplies the forward.
+repeat instruction per chunk. The chunks are scheduled work: the prompt's step registers
+them (``Reconstructor.register``), the scheduler grants some each step within its token
+budget while the request waits (``engine.pass_schedule``), and the prompt is compacted in
+the step its last chunk ran. No vLLM imports: the runner supplies the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +46,24 @@ class ReconstructionPass:
 
 
 @dataclass
+class CompletedPasses:
+    """The requests whose last pass ran in a step (none of them in its batch), as
+    ``worker_compaction.compact_completed_prompts`` reads a step: each completes its prompt."""
+
+    req_ids: list[str]
+    logical_after: np.ndarray  # [R] vLLM's computed tokens at the end of each prompt
+    failures: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def completing_prompt(self) -> list[int]:
+        return list(range(len(self.req_ids)))
+
+    def fail(self, request_ids: list[str], reason: str) -> None:
+        for request_id in request_ids:
+            self.failures.setdefault(request_id, reason)
+
+
+@dataclass
 class _Chunk:
     request_id: str
     tokens: list[int]
@@ -50,7 +71,8 @@ class _Chunk:
 
 
 class Reconstructor:
-    """Builds the passes of the requests whose prompt completed in a step."""
+    """Chunks the passes of the requests whose prompt completed, and builds those the
+    scheduler grants each step (``engine.pass_schedule``)."""
 
     def __init__(self, state: WorkerKVState, repeat_ids: Sequence[int], chunk: int) -> None:
         layout = state.layout
@@ -68,17 +90,20 @@ class Reconstructor:
         self.first_scratch_page = layout.total_pages
         # Its own table cache: the step's kept class tables stay as they are.
         self.tables = PageTableCache(layout.num_rows, layout.page_size, state.to_device)
+        # Registered requests' chunks not yet run, and vLLM's computed tokens at the end of
+        # their prompt (what their compaction reports).
+        self.pending: dict[str, list[_Chunk]] = {}
+        self.logical_len: dict[str, int] = {}
 
-    def passes(self, step: StepBatch, request_ids: Sequence[str],
-               prompt_tokens: Callable[[str], Sequence[int]]) -> Iterator[ReconstructionPass]:
-        """The passes of ``request_ids`` (requests of ``step`` whose prompt completed), their
-        score accumulators allocated first. The prompt's new segment is reconstructed (an
-        adopter's adopted context was scored when it was kept), in chunks; chunks of
-        different requests share a pass while its tokens and every row's scratch pages
-        allow. Run each pass before taking the next: their page tables share one table."""
+    def register(self, step: StepBatch, request_ids: Sequence[str],
+                 prompt_tokens: Callable[[str], Sequence[int]]) -> dict[str, list[int]]:
+        """Chunk the passes of ``request_ids`` (requests of ``step`` whose prompt completed)
+        and allocate their score accumulators; they run when the scheduler grants them
+        (``passes``). Returns each request's chunks' token counts, in order. The prompt's new
+        segment is reconstructed (an adopter's adopted context was scored when it was kept)."""
         batch_index = {request_id: index for index, request_id in enumerate(step.req_ids)}
-        pending: list[list[_Chunk]] = []  # per request, its chunks in order
         layout = self.state.layout
+        registered: dict[str, list[int]] = {}
         for request_id in request_ids:
             request = self.state.requests[request_id]
             request.query_agnostic = True
@@ -91,11 +116,41 @@ class Reconstructor:
             segment = list(prompt_tokens(request_id))[request.adopted_len : request.prompt_len]
             context = step.host_lengths_after[batch_index[request_id]]  # what the forward wrote
             starts = range(0, len(segment), self.chunk)
-            pending.append([_Chunk(request_id, self.repeat_ids + segment[s : s + self.chunk],
-                                   context) for s in starts])
+            chunks = [_Chunk(request_id, self.repeat_ids + segment[s : s + self.chunk], context)
+                      for s in starts]
+            self.pending[request_id] = chunks
+            self.logical_len[request_id] = int(step.logical_after[batch_index[request_id]])
+            registered[request_id] = [len(chunk.tokens) for chunk in chunks]
         self.state.note_scores_held()
-        while any(pending):
-            yield self._pass(self._pack(pending))
+        return registered
+
+    def passes(self, grants: Mapping[str, int]) -> Iterator[ReconstructionPass]:
+        """The passes of this step's granted chunks (request id -> how many of its next
+        ones): chunks of different requests share a pass while its tokens and every row's
+        scratch pages allow. Run each pass before taking the next: their page tables share
+        one table. A grant for a request not registered here (dropped) is skipped."""
+        granted = [self.pending[request_id][:count] for request_id, count in grants.items()
+                   if request_id in self.pending]
+        for request_id, count in grants.items():
+            if request_id in self.pending:
+                del self.pending[request_id][:count]
+        while any(granted):
+            yield self._pass(self._pack(granted))
+
+    def done(self, request_id: str) -> bool:
+        """Whether every pass of a registered request has run (then it is compacted)."""
+        return request_id in self.logical_len and not self.pending.get(request_id)
+
+    def completed(self, request_ids: Sequence[str]) -> CompletedPasses:
+        """``request_ids`` (all ``done``) as the batch their compaction runs on."""
+        return CompletedPasses(list(request_ids), np.array(
+            [self.logical_len[request_id] for request_id in request_ids], dtype=np.int64))
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests compacted, failed, finished or preempted: no pass of theirs runs."""
+        for request_id in request_ids:
+            self.pending.pop(request_id, None)
+            self.logical_len.pop(request_id, None)
 
     def _pack(self, pending: list[list[_Chunk]]) -> list[_Chunk]:
         """The next chunk of as many requests as fit one pass (greedy, in order)."""

@@ -20,8 +20,12 @@ import torch
 from kvcompress.config import KVCompressionConfig
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine.messages import WorkerReport, page_deltas
-from kvcompress.engine.worker_compaction import CompactionStats, compress_step
+from kvcompress.engine.messages import Compaction, WorkerReport, page_deltas, pass_grants
+from kvcompress.engine.worker_compaction import (
+    CompactionStats,
+    compact_completed_prompts,
+    compress_step,
+)
 from kvcompress.engine.worker_expected import ExpectedScorer
 from kvcompress.engine.worker_moves import copy_pages
 from kvcompress.engine.worker_reconstruction import ReconstructionPass, Reconstructor
@@ -72,6 +76,13 @@ class PagedKVRuntime:
         self._runner: Any = None
         self.reconstructor: Reconstructor | None = None
         self._reconstructing: list[str] = []  # this step's requests scored by a pass
+        # Reconstruction passes as scheduled work (``engine.pass_schedule``): this step's
+        # grants, and until the step's report the chunks registered, the requests whose
+        # last chunk ran and those whose passes failed.
+        self._pass_grants: dict[str, int] = {}
+        self._passes_registered: dict[str, list[int]] = {}
+        self._passes_done: list[str] = []
+        self._pass_failures: dict[str, str] = {}
         self.expected_scorer: ExpectedScorer | None = None
         self.surrogate: ScoreSurrogate | None = None
 
@@ -125,6 +136,10 @@ class PagedKVRuntime:
         self.step, self._metadata = None, None
         self.state.drop(scheduler_output.finished_req_ids)
         self.state.drop(scheduler_output.preempted_req_ids or ())
+        if self.reconstructor is not None:
+            self.reconstructor.forget(scheduler_output.finished_req_ids)
+            self.reconstructor.forget(scheduler_output.preempted_req_ids or ())
+        self._pass_grants = pass_grants(scheduler_output)
         self.state.apply_deltas(page_deltas(scheduler_output, self.rank))
         self._copy_adopted_pages()
 
@@ -251,19 +266,27 @@ class PagedKVRuntime:
 
     def reconstruct(self, forward: Callable[[ReconstructionPass, PagedAttentionMetadata],
                                             None]) -> None:
-        """After the step's forward, before ``end_step`` compacts: run the reconstruction
-        passes of the requests whose prompt completed with ``--kv-scoring reconstruct``.
-        ``forward(pass, metadata)`` runs the model over the pass with ``metadata`` for every
-        attention layer. A request whose pass fails is failed alone (the scheduler ends it);
-        the others go on."""
-        step = self.step
-        if step is None or not self._reconstructing or self.reconstructor is None:
+        """After the step's forward, before ``end_step`` compacts: register the passes of the
+        requests whose prompt completed with ``--kv-scoring reconstruct`` (they are compacted
+        once their last pass ran, not in this step), then run the pass chunks the scheduler
+        granted this step (``engine.pass_schedule``). ``forward(pass, metadata)`` runs the
+        model over a pass with ``metadata`` for every attention layer. A request whose pass
+        fails is failed alone (the scheduler ends it); the others go on."""
+        reconstructor = self.reconstructor
+        if reconstructor is None:
             return
-        requests = [request_id for request_id in self._reconstructing
-                    if request_id not in step.failures]
-        passes = self.reconstructor.passes(
-            step, requests, lambda request_id: self._runner.requests[request_id].prompt_token_ids)
-        for reconstruction in passes:
+        step = self.step
+        if step is not None and self._reconstructing:
+            requests = [request_id for request_id in self._reconstructing
+                        if request_id not in step.failures]
+            registered = reconstructor.register(
+                step, requests,
+                lambda request_id: self._runner.requests[request_id].prompt_token_ids)
+            self._passes_registered.update(registered)
+            step.completing_prompt = [index for index in step.completing_prompt
+                                      if step.req_ids[index] not in registered]
+        grants, self._pass_grants = self._pass_grants, {}
+        for reconstruction in reconstructor.passes(grants):
             metadata = PagedAttentionMetadata(
                 step=reconstruction.step,
                 num_actual_tokens=len(reconstruction.input_ids),
@@ -273,7 +296,10 @@ class PagedKVRuntime:
             )
             forward(reconstruction, metadata)
             for request_id, reason in reconstruction.step.failures.items():  # its requests
-                step.fail([request_id], reason)
+                self._pass_failures.setdefault(request_id, reason)
+        reconstructor.forget(self._pass_failures)
+        self._passes_done += [request_id for request_id in grants
+                              if reconstructor.done(request_id)]
 
     def _ends_this_step(self, request_id: str) -> bool:
         """Whether the request samples its last token (``max_tokens``) in this step: its
@@ -290,15 +316,24 @@ class PagedKVRuntime:
         generated parts over their decode budget evicted. The report also names the requests
         whose compression failed in this step, which the scheduler ends with an error."""
         step, self.step, self._metadata = self.step, None, None
-        if step is None:
+        passes_done, self._passes_done = self._passes_done, []
+        failures, self._pass_failures = self._pass_failures, {}
+        registered, self._passes_registered = self._passes_registered, {}
+        if step is None and not (passes_done or failures or registered):
             return WorkerReport()
-        self.state.finish_step(step)
-        if self.expected_scorer is not None:
-            with step.score_timer.measure():
-                self._score_expected(step)
+        compactions = {}
+        if step is not None:
+            self.state.finish_step(step)
+            if self.expected_scorer is not None:
+                with step.score_timer.measure():
+                    self._score_expected(step)
         with self.compaction_timer.measure() as measurement:
-            compactions = compress_step(self.state, step, self.pool, self.kernel, self.stats,
-                                        self.kernel.page_format)
+            if step is not None:
+                compactions = compress_step(self.state, step, self.pool, self.kernel,
+                                            self.stats, self.kernel.page_format)
+                failures.update(step.failures)
+            if passes_done:
+                compactions.update(self._compact_reconstructed(passes_done, failures))
             if not compactions:
                 measurement.discard()  # a step with nothing to compact reports no time
         # On CUDA these are the seconds of stages the device finished by now (this step's or
@@ -307,7 +342,20 @@ class PagedKVRuntime:
         seconds = self.compaction_timer.take()
         self.stats.score_seconds += score_seconds
         self.stats.seconds += seconds
-        return WorkerReport(compactions, step.failures, score_seconds, seconds)
+        return WorkerReport(compactions, failures, score_seconds, seconds,
+                            passes_pending=registered)
+
+    def _compact_reconstructed(self, request_ids: list[str],
+                               failures: dict[str, str]) -> dict[str, Compaction]:
+        """Compact the prompts whose last reconstruction pass ran in this step (parked: not
+        in the step's batch); failures join ``failures``."""
+        assert self.reconstructor is not None
+        completed = self.reconstructor.completed(request_ids)
+        self.reconstructor.forget(request_ids)
+        compactions = compact_completed_prompts(self.state, completed, self.pool, self.kernel,
+                                                self.stats)
+        failures.update(completed.failures)
+        return compactions
 
     def collect_stats(self) -> CompactionStats:
         """``stats`` with every measured stage counted (waits for the device's pending

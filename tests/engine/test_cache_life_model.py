@@ -44,6 +44,7 @@ from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_runtime
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import REPORT_ATTR
+from kvcompress.engine.pass_schedule import PassSchedule
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
@@ -133,7 +134,8 @@ class CacheLife:
             kv_cache_manager=self.kv, page_manager=self.pages, reuse=self.reuse,
             log_stats=False, check_pages_every_step=True, requests=self.requests,
             num_pages_freed_by_compression=0,
-            scoring_gate=SimpleNamespace(prune=lambda requests: None))
+            scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
+            passes=PassSchedule())
 
         def update_from_output(self, scheduler_output, model_runner_output):
             for request_id, num_new in scheduler_output.num_scheduled_tokens.items():

@@ -18,6 +18,12 @@ from tests.paged_cases import model_softmax
 LAYERS, HEADS, GROUP, DIM, PAGE = 3, 2, 3, 16, 8
 
 
+def all_passes(reconstructor: Reconstructor, step, request_ids, prompt_tokens):
+    """Register the requests' passes and run every chunk at once (one grant)."""
+    registered = reconstructor.register(step, request_ids, prompt_tokens)
+    return reconstructor.passes({r: len(chunks) for r, chunks in registered.items()})
+
+
 def make_state(lengths: list[int], chunk: int, repeat: int, spare_pages: int = 5):
     """One request whose rows hold ``lengths`` prompt slots, pages in a shuffled pool with
     scratch pages for ``chunk + repeat`` tokens per row after them."""
@@ -76,7 +82,7 @@ def test_scores_match_dense_reference(page_format, softmax):
     scale = DIM**-0.5
     passes = 0
     # One at a time, as the runtime runs them: a pass's tables hold until the next is built.
-    for one in reconstructor.passes(step, ["r"], lambda _: prompt):
+    for one in all_passes(reconstructor, step, ["r"], lambda _: prompt):
         passes += 1
         batch = one.step
         tokens = len(one.input_ids)
@@ -114,7 +120,7 @@ def test_pass_writes_only_its_rows_tails_and_scratch():
     request = state.requests["r"]
     reconstructor = Reconstructor(state, [1, 2, 3, 4], chunk=13)
     step = _completed_step(state, lengths)
-    (one,) = reconstructor.passes(step, ["r"], lambda _: list(range(13)))
+    (one,) = all_passes(reconstructor, step, ["r"], lambda _: list(range(13)))
     slots = one.step.slot_mapping.numpy()  # [T, rows]
     assert slots.shape == (4 + 13, layout.num_rows)
     tokens = slots.shape[0]
@@ -178,7 +184,7 @@ def test_short_prompts_share_one_pass_without_sharing_slots():
         logical_after=np.array([11, 6]), host_lengths_before=after - 1,
         host_lengths_after=after, completing_prompt=[0, 1])
     reconstructor = Reconstructor(state, [7, 8], chunk=24)
-    (one,) = list(reconstructor.passes(step, ["a", "b"], lambda name: list(range(100, 111))))
+    (one,) = list(all_passes(reconstructor, step, ["a", "b"], lambda name: list(range(100, 111))))
     assert one.request_ids == ["a", "b"]
     assert one.step.query_start_loc == [0, 13, 21]
     assert one.positions.tolist() == list(range(11, 24)) + list(range(6, 14))
@@ -218,7 +224,8 @@ def test_hybrid_keeps_the_window_scores_apart_from_the_passes():
     window = torch.rand(LAYERS, HEADS, 12)
     request.window_scores = window
     step = _completed_step(state, lengths)
-    passes = Reconstructor(state, [1, 2], chunk=16).passes(step, ["r"], lambda _: list(range(12)))
+    passes = all_passes(Reconstructor(state, [1, 2], chunk=16), step, ["r"],
+                        lambda _: list(range(12)))
     one = next(passes)
     assert request.query_scores is window
     assert request.window_scores is not window and float(request.window_scores.abs().sum()) == 0
@@ -244,3 +251,31 @@ def _completed_step(state: WorkerKVState, lengths: list[int]):
         tables=None, slot_mapping=torch.zeros(1, state.layout.num_rows, dtype=torch.long),
         logical_after=np.array([request.prompt_len]), host_lengths_before=after - 1,
         host_lengths_after=after, completing_prompt=[0])
+
+
+def test_granted_chunks_run_step_by_step_as_they_would_at_once():
+    """Passes are scheduled work: chunks granted one step at a time are the same passes as
+    all granted at once; the request is done after its last, and a forgotten request's
+    grant runs nothing."""
+    lengths = [21] * 6
+    prompt = list(range(500, 521))
+    layout, state = make_state(lengths, chunk=7, repeat=3)
+    reconstructor = Reconstructor(state, [101, 102, 103], chunk=7)
+    step = _completed_step(state, lengths)
+    at_once = [(one.input_ids.tolist(), one.positions.tolist())
+               for one in all_passes(reconstructor, step, ["r"], lambda _: prompt)]
+    assert len(at_once) == 3
+    registered = reconstructor.register(step, ["r"], lambda _: prompt)
+    assert registered == {"r": [10, 10, 10]}
+    assert reconstructor.logical_len["r"] == int(step.logical_after[0])
+    one_by_one = []
+    for _ in range(3):
+        assert not reconstructor.done("r")
+        (one,) = reconstructor.passes({"r": 1})
+        one_by_one.append((one.input_ids.tolist(), one.positions.tolist()))
+    assert one_by_one == at_once
+    assert reconstructor.done("r")
+    completed = reconstructor.completed(["r"])
+    assert completed.completing_prompt == [0] and completed.logical_after.tolist() == [21]
+    reconstructor.forget(["r"])
+    assert not reconstructor.done("r") and list(reconstructor.passes({"r": 2})) == []
