@@ -90,3 +90,7 @@ _.prefill_s
 # threshold eviction) from the workers' stats dicts.
 _.prompt_rows_planned
 _.prompt_rows_kept
+
+# PageFill's definition, row by row: tests/paging/test_page_manager.py checks the summaries
+# admission reads (of_summaries) against it.
+_.of_lengths

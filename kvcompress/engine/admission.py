@@ -13,6 +13,13 @@ pages over the coming steps:
   and the admission lookahead, whichever is smallest);
 - it frees everything when it ends, ``remaining_steps`` after its prompt at the latest.
 
+What a prompt keeps per row is known before its scores only where each row keeps its
+layer's budget. Where the policy spreads a total over rows by score (model-wide sharing,
+Ada-KV's heads), each row keeping at least its window and rounded up to whole pages, the
+request is counted at the worst spread (``budget_spread``); where tensor-parallel ranks
+compacted differently, at the rank that holds most at each step. Those are the
+trajectory's ``alternatives``: its pages at each step are the most any of them takes.
+
 A prefill is admitted when the peak of the sum over the running requests and itself stays
 within the pool. Requests that stop early (EOS) only make the peak lower.
 
@@ -35,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.budget_spread import worst_spreads
 from kvcompress.paging import PageManager, ShardedPageManager
-from kvcompress.paging.page_table import fill_of_lengths, pages_for_lengths
+from kvcompress.paging.page_table import fill_of_lengths, most_of_fills, pages_for_lengths
 from kvcompress.policies.budgets import layer_budgets
 
 # What ``trajectories`` reads of every request, in one pass.
@@ -55,6 +63,19 @@ class Trajectory:
     remaining_steps: int  # steps after the prompt until the request ends at the latest
     # Pages of rows that do not grow after the prompt (sliding-window rows at their bound).
     fixed_pages: int = 0
+    # [k, growing rows]: other rows the request may hold instead of ``kept_lengths`` (other
+    # ranks' compactions, other spreads of a shared budget); it is counted at the most
+    # pages any of them takes at each step.
+    alternatives: np.ndarray | None = None
+
+    def fill(self, page_size: int) -> tuple[int, np.ndarray]:
+        """``fill_of_lengths`` of the growing rows, at each growth the most any outcome
+        takes."""
+        outcomes = self.kept_lengths[None]
+        if self.alternatives is not None:
+            outcomes = np.concatenate([outcomes, self.alternatives])
+        pages, free_below = most_of_fills(*fill_of_lengths(outcomes, page_size))
+        return int(pages), free_below
 
 
 @dataclass(frozen=True)
@@ -71,21 +92,18 @@ class Trajectories:
     growing_rows: int
 
     @classmethod
-    def from_rows(cls, held_pages: np.ndarray, prefill_steps: np.ndarray,
-                  kept_lengths: np.ndarray, growth_tokens: np.ndarray,
-                  remaining_steps: np.ndarray, fixed_pages: np.ndarray,
-                  page_size: int) -> Trajectories:
-        """From ``Trajectory``'s fields as arrays (``kept_lengths [n, growing rows]``)."""
-        kept, free_below = fill_of_lengths(kept_lengths, page_size)
-        return cls(held_pages, prefill_steps, growth_tokens, remaining_steps,
-                   kept + fixed_pages, free_below, kept_lengths.shape[1])
-
-    @classmethod
     def stack(cls, trajectories: Sequence[Trajectory], page_size: int) -> Trajectories:
         """At least one trajectory (the number of growing rows comes from them)."""
-        columns = {f.name: np.array([getattr(t, f.name) for t in trajectories], dtype=np.int64)
-                   for f in fields(Trajectory)}
-        return cls.from_rows(**columns, page_size=page_size)
+        def column(name: str) -> np.ndarray:
+            return np.array([getattr(t, name) for t in trajectories], dtype=np.int64)
+
+        fills = [t.fill(page_size) for t in trajectories]
+        kept = np.array([pages + t.fixed_pages for (pages, _), t in zip(fills, trajectories)],
+                        dtype=np.int64)
+        return cls(column("held_pages"), column("prefill_steps"), column("growth_tokens"),
+                   column("remaining_steps"), kept,
+                   np.stack([free_below for _, free_below in fills]),
+                   len(trajectories[0].kept_lengths))
 
     @classmethod
     def concat(cls, parts: Sequence[Trajectories]) -> Trajectories:
@@ -261,8 +279,8 @@ class AdmissionPlanner:
         eviction = config.decode_eviction
         request_id = request.request_id
         if tokens - computed <= 1 and computed >= prompt_len and request_id in self.pages:
-            # Decoding: its rows as they are now.
-            lengths = self.pages.physical_lengths(request_id)
+            # Decoding: its rows as they are now, on each rank.
+            outcomes = self.pages.physical_lengths_by_rank(request_id)
             generated = computed - prompt_len
             held = self.pages.owned_pages(request_id)
             prefill_steps = 0
@@ -280,20 +298,22 @@ class AdmissionPlanner:
                 held = self.pages.pages_needed_for_sequence(request_id, tokens,
                                                             self.max_num_batched_tokens)
             if adoption is None:
-                lengths = self._kept_after_prompt(config, prompt_len) + generated
+                outcomes = self._kept_after_prompt(config, prompt_len, generated)
             else:  # the adopted rows stay; only the new part of the prompt is compacted
                 hit, adopted_rows = adoption
-                lengths = adopted_rows + self._kept_after_prompt(config, prompt_len - hit)
-                lengths = lengths + generated
+                outcomes = self._kept_after_prompt(config, prompt_len - hit,
+                                                   adopted_rows + generated)
                 computed = max(computed, hit)  # vLLM counts the adopted tokens as computed
             prefill_steps = -(-(tokens - computed) // self.max_num_batched_tokens)
         growth = min(remaining, self.lookahead)
         if eviction is not None:
             growth = min(growth, eviction.headroom(generated))
-        assert len(lengths) == layout.num_rows
+        assert outcomes.shape[1] == layout.num_rows
         sliding = layout.row_windows > 0
-        return Trajectory(held, prefill_steps, lengths[~sliding], int(growth), remaining,
-                          int(self._sliding_pages(lengths[sliding])))
+        growing = outcomes[:, ~sliding]
+        return Trajectory(held, prefill_steps, growing[0], int(growth), remaining,
+                          int(self._sliding_pages(outcomes[:, sliding].max(axis=0))),
+                          growing[1:] if len(outcomes) > 1 else None)
 
     def _sliding_pages(self, sliding_lengths: np.ndarray) -> np.ndarray:
         """Pages of the sliding-window rows (the last axis of ``sliding_lengths``) from now
@@ -333,17 +353,38 @@ class AdmissionPlanner:
             self._configs[request.request_id] = config
         return config
 
-    def _kept_after_prompt(self, config: KVCompressionConfig, prompt_len: int) -> np.ndarray:
-        """Per-row tokens of the prompt once it is compacted (its layer budgets). A score
-        threshold keeps a number no one knows before the scores: under a budget or ratio
-        the budgets bound it, without one the whole prompt is counted (the worker's report
-        of what it kept frees the rest after the step, as for every compaction)."""
+    def _kept_after_prompt(self, config: KVCompressionConfig, prompt_len: int,
+                           offsets: np.ndarray | int) -> np.ndarray:
+        """``[outcomes, rows]``: per-row tokens once the prompt is compacted, ``offsets``
+        (what the rows hold besides: adopted context, generated tokens) included. The first
+        outcome keeps the layer budgets; where the policy spreads a total over rows by
+        score, the worst spreads follow (``budget_spread``). A score threshold keeps a
+        number no one knows before the scores: under a budget or ratio the budgets bound
+        it, without one the whole prompt is counted (the worker's report of what it kept
+        frees the rest after the step, as for every compaction)."""
         layout = self.pages.layout
+        heads = layout.num_kv_heads
+        offsets = np.broadcast_to(np.asarray(offsets, dtype=np.int64), (layout.num_rows,))
         kept = np.full(layout.num_layers, prompt_len, dtype=np.int64)
         layers = layout.compressed_layers  # sliding-window layers: not the policy's
-        if layers and config.compresses(prompt_len) and config.policy.capped:
-            per_layer = layer_budgets(config.method, len(layers), prompt_len, config.budget,
-                                      config.ratio, config.window, config.beta,
-                                      config.policy.budget_shape)
-            kept[list(layers)] = np.minimum(np.asarray(per_layer, dtype=np.int64), prompt_len)
-        return np.repeat(kept, layout.num_kv_heads)
+        if not (layers and config.compresses(prompt_len) and config.policy.capped):
+            return (np.repeat(kept, heads) + offsets)[None]
+        policy = config.policy
+        per_layer = np.minimum(np.asarray(layer_budgets(
+            config.method, len(layers), prompt_len, config.budget, config.ratio, config.window,
+            config.beta, policy.budget_shape), dtype=np.int64), prompt_len)
+        kept[list(layers)] = per_layer
+        budgets = np.repeat(kept, heads) + offsets
+        if policy.budget_sharing == "model":  # (auto: a window-scored prompt shares less)
+            totals = np.array([heads * per_layer.sum()])
+        elif policy.compression_method.shares_layer_budget:
+            totals = heads * per_layer
+        else:
+            return budgets[None]  # every row keeps its layer's budget
+        # Each row keeps its window (Ada-KV's head floor is more: counted at the window).
+        floors = np.full(len(totals), min(config.window, prompt_len))
+        rows = layout.compressed_rows
+        spreads = np.repeat(budgets[None], layout.page_size, axis=0)
+        spreads[:, rows] = worst_spreads(offsets[rows].reshape(len(totals), -1), floors,
+                                         prompt_len, totals, layout.page_size)
+        return np.concatenate([budgets[None], spreads])

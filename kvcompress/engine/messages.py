@@ -19,6 +19,9 @@ from kvcompress.paging import PageTableDelta
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
 PASS_GRANTS_ATTR = "kvcompress_pass_grants"
 REPORT_ATTR = "kvcompress_report"
+# The reason a rank gives for a request it failed because another rank did (ranks agree
+# on failures before the steps' collectives); merged reports keep the other rank's.
+FAILED_ON_ANOTHER_RANK = "failed on another tensor-parallel rank"
 
 
 @dataclass
@@ -82,6 +85,16 @@ def merge_compactions(compactions: dict[str, Compaction],
         compactions[request_id] = compaction if earlier is None else earlier.then(compaction)
 
 
+def _merged_failures(reports: list[WorkerReport]) -> dict[str, str]:
+    """Every rank's failures, each with the reason of a rank where it failed first-hand."""
+    failures: dict[str, str] = {}
+    for report in reports:
+        for request_id, reason in report.failures.items():
+            if failures.get(request_id, FAILED_ON_ANOTHER_RANK) == FAILED_ON_ANOTHER_RANK:
+                failures[request_id] = reason
+    return failures
+
+
 def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
     """One report of every tensor-parallel rank's, in rank order: compactions join their
     rows rank-major; a request that failed on any rank failed. Times are the slowest
@@ -89,8 +102,7 @@ def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
     if len(reports) == 1:
         return reports[0]
     merged = WorkerReport(
-        failures={request_id: reason for report in reports
-                  for request_id, reason in report.failures.items()},
+        failures=_merged_failures(reports),
         score_seconds=max(report.score_seconds for report in reports),
         compaction_seconds=max(report.compaction_seconds for report in reports),
         # Every rank chunks the same prompt alike; rank 0's chunks are the ones granted.

@@ -4,6 +4,7 @@ attached to the runner's output."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from copy import copy
 from typing import Any
@@ -69,6 +70,8 @@ class PagedKVRunnerMixin:
         runtime = PagedKVRuntime(config, layout, layer_names, kernel, page_dtype, self.device,
                                  rank=get_tensor_model_parallel_rank())
         runtime.bind_runner(self)
+        if get_tensor_model_parallel_world_size() > 1:
+            runtime.agree_on_failures = _failed_on_any_rank
         if layout.scratch_pages:
             self._enable_reconstruction(runtime, config)
         elif config.reserves_reconstruction:
@@ -200,6 +203,15 @@ def _gather_over_ranks(report: WorkerReport) -> WorkerReport:
     reports: list[Any] = [None] * group.world_size
     torch.distributed.all_gather_object(reports, report, group=group.cpu_group)
     return merge_rank_reports(reports)
+
+
+def _failed_on_any_rank(failed: Collection[str]) -> set[str]:
+    """The requests that failed on any tensor-parallel rank, given this rank's: what every
+    rank must leave out of a step's collectives (reconstruction passes)."""
+    group = get_tp_group()
+    gathered: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(gathered, sorted(failed), group=group.cpu_group)
+    return set().union(*gathered)
 
 
 def require_v1_model_runner(uses_v2_model_runner: bool) -> None:

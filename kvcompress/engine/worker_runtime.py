@@ -11,7 +11,7 @@ metadata builder finds it through ``kvcompress.step.runtime_for``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,13 @@ import torch
 from kvcompress.config import KVCompressionConfig
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine.messages import Compaction, WorkerReport, page_deltas, pass_grants
+from kvcompress.engine.messages import (
+    FAILED_ON_ANOTHER_RANK,
+    Compaction,
+    WorkerReport,
+    page_deltas,
+    pass_grants,
+)
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
     compact_completed_prompts,
@@ -85,6 +91,9 @@ class PagedKVRuntime:
         self._pass_failures: dict[str, str] = {}
         self.expected_scorer: ExpectedScorer | None = None
         self.surrogate: ScoreSurrogate | None = None
+        # The requests that failed on any tensor-parallel rank, from this rank's: every
+        # rank calls it at the same point of a step (the runner sets it under TP).
+        self.agree_on_failures: Callable[[Collection[str]], set[str]] = set
 
     def enable_reconstruction(self, repeat_ids: list[int], chunk: int) -> None:
         """Score ``--kv-scoring reconstruct`` prompts by reconstruction passes of ``chunk``
@@ -277,8 +286,14 @@ class PagedKVRuntime:
             return
         step = self.step
         if step is not None and self._reconstructing:
+            # A pass holds the model's all-reduces: every rank must register (and so run)
+            # the same passes, so a request that failed on one rank (a copy, its settings)
+            # is left out on all.
+            failed = self.agree_on_failures([request_id for request_id in self._reconstructing
+                                             if request_id in step.failures])
+            step.fail(sorted(failed), FAILED_ON_ANOTHER_RANK)  # no-op where it failed here
             requests = [request_id for request_id in self._reconstructing
-                        if request_id not in step.failures]
+                        if request_id not in failed]
             registered = reconstructor.register(
                 step, requests,
                 lambda request_id: self._runner.requests[request_id].prompt_token_ids)

@@ -64,6 +64,10 @@ class PageManager:
         """Per-row physical tokens of the slots reserved for the request."""
         return self.tables.physical_lengths(request_id)
 
+    def physical_lengths_by_rank(self, request_id: str) -> np.ndarray:
+        """``[1, rows]``: one rank (``ShardedPageManager`` has more)."""
+        return self.physical_lengths(request_id)[None]
+
     def lengths_and_owned_pages(self, request_ids: Sequence[str]) -> tuple[np.ndarray,
                                                                          np.ndarray]:
         return self.tables.lengths_and_owned_pages(request_ids)

@@ -38,6 +38,16 @@ def fill_of_lengths(lengths: np.ndarray, page_size: int) -> tuple[np.ndarray, np
     return pages.sum(axis=1, dtype=np.int64), free_below
 
 
+def most_of_fills(pages: np.ndarray, free_below: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``fill_of_lengths`` of alternative outcomes (``pages [k, ...]``, ``free_below [k, ...,
+    page_size + 1]``) as one fill that takes, after any growth, the most pages any outcome
+    takes then: outcome ``a`` takes ``pages[a] + (d // page_size) * rows +
+    free_below[a, d % page_size]`` after ``d`` more tokens per row, so the most is the
+    same form over the slot-wise maximum."""
+    most = (np.asarray(pages)[..., None] + free_below).max(axis=0)
+    return most[..., 0], most - most[..., :1]
+
+
 class HeadPageTable:
     """Page ids per row (``pages[row, :num_pages[row]]``), growing on demand.
 

@@ -24,6 +24,7 @@ import numpy as np
 from kvcompress.paging.layout import PageLayout
 from kvcompress.paging.page_fill import PageFill
 from kvcompress.paging.page_manager import PageManager
+from kvcompress.paging.page_table import most_of_fills
 from kvcompress.paging.request_tables import PageTableDelta
 
 
@@ -65,6 +66,10 @@ class ShardedPageManager:
             return self.shards[0].physical_lengths(request_id)
         return np.max([shard.physical_lengths(request_id) for shard in self.shards], axis=0)
 
+    def physical_lengths_by_rank(self, request_id: str) -> np.ndarray:
+        """``[ranks, rows]``: each rank's rows (what admission counts rank by rank)."""
+        return np.stack([shard.physical_lengths(request_id) for shard in self.shards])
+
     def lengths_and_owned_pages(self, request_ids: Sequence[str]) -> tuple[np.ndarray,
                                                                          np.ndarray]:
         """``physical_lengths`` and ``owned_pages`` of many requests in one call: per row of
@@ -76,12 +81,17 @@ class ShardedPageManager:
                 np.max([owned for _, owned in per_rank], axis=0))
 
     def page_fill(self, request_ids: Sequence[str]) -> PageFill:
-        """``PageFill`` of the longest of each row over the ranks (ranks only differ after a
-        compaction that depends on what each rank scored), and the most pages a rank holds."""
+        """Per request the rank that takes the most pages after any growth (ranks only
+        differ after a compaction that depends on what each rank scored: the longest of
+        each row over the ranks would count up to every rank's spread at once), and the
+        most pages a rank holds."""
         if len(self.shards) == 1:
             return self.shards[0].page_fill(request_ids)
-        lengths, owned = self.lengths_and_owned_pages(request_ids)
-        return PageFill.of_lengths(lengths, owned, self.layout)
+        fills = [shard.page_fill(request_ids) for shard in self.shards]
+        full_pages, free_below = most_of_fills(np.stack([fill.full_pages for fill in fills]),
+                                               np.stack([fill.free_below for fill in fills]))
+        return PageFill(np.max([fill.owned_pages for fill in fills], axis=0), full_pages,
+                        free_below, np.max([fill.sliding_lengths for fill in fills], axis=0))
 
     def adoption(self, request_id: str) -> tuple[int, np.ndarray] | None:
         """What the request took from a cached entry: the logical tokens, and per row of one

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,7 +36,9 @@ def simulated_peak(trajectories: list[Trajectory], page_size: int) -> int:
                 total += t.held_pages
                 continue
             grown = min(step - t.prefill_steps, t.growth_tokens)
-            total += int((-(-(t.kept_lengths + grown) // page_size)).sum()) + t.fixed_pages
+            outcomes = [t.kept_lengths, *([] if t.alternatives is None else t.alternatives)]
+            total += max(int((-(-(rows + grown) // page_size)).sum())
+                         for rows in outcomes) + t.fixed_pages
         peak = max(peak, total)
     return peak
 
@@ -363,3 +365,67 @@ def test_batched_trajectories_and_admission_match_the_reference(seed, sliding, r
         room = layout.total_pages - peak
         assert plan.admits(new, reserve_pages=room)
         assert not plan.admits(new, reserve_pages=room + 1)
+
+
+# --------------------------------- budgets spread over rows: model-wide sharing, Ada-KV, ranks
+def rank_simulated_peak(trajectories: list[Trajectory], outcomes: list[list[np.ndarray]],
+                        page_size: int) -> int:
+    """The peak the fullest rank reaches, step by step, when request ``i``'s rows end its
+    prompt at ``outcomes[i][rank]`` (what the policy kept on that rank) instead of the
+    planner's ``kept_lengths``."""
+    ranks = len(outcomes[0])
+    return max(simulated_peak([replace(t, kept_lengths=rows[rank], alternatives=None)
+                               for t, rows in zip(trajectories, outcomes)], page_size)
+               for rank in range(ranks))
+
+
+@st.composite
+def row_scores(draw, prompt: int, rows: int) -> torch.Tensor:
+    """Window scores of one rank's rows: a level per row (drawn: the rows a model-wide
+    budget favours) plus a little noise, so shared budgets land anywhere between whole rows
+    and page-sized slivers."""
+    levels = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows)),
+                          dtype=torch.float32)
+    noise = torch.rand((rows, prompt),
+                       generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
+    return (levels[:, None] + 0.1 * noise).view(2, rows // 2, prompt)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), ranks=st.sampled_from([1, 2, 4]),
+       sharing=st.sampled_from(["model", "layer"]),
+       method=st.sampled_from(["pyramidkv", "adakv", "snapkv"]), page=st.sampled_from([4, 8]))
+def test_admission_bounds_every_rank_and_spread_of_the_budget(data, ranks, sharing, method,
+                                                              page):
+    """Whatever the policy keeps on each rank (model-wide sharing and Ada-KV spread a total
+    over rows, each row at least its window and rounded up to whole pages; ranks spread it
+    by their own scores), no rank's pages ever exceed the peak admission planned with."""
+    config = KVCompressionConfig.from_mapping({
+        "kv_compression": method, "kv_budget": 16, "kv_window": 4, "kv_page_size": page,
+        "kv_budget_sharing": sharing})
+    layout = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=page,
+                        dtype_bytes=2, total_pages=50_000)
+    pages = ShardedPageManager(layout, ranks) if ranks > 1 else PageManager(layout)
+    plan = AdmissionPlanner(pages, config, max_model_len=400, max_num_batched_tokens=16,
+                            lookahead=data.draw(st.sampled_from([3, 40, 512])),
+                            running=lambda: [])
+    requests, outcomes = [], []
+    for index in range(data.draw(st.integers(1, 4))):
+        prompt = data.draw(st.integers(1, 90))
+        output = data.draw(st.integers(0, 20))  # > 0: resumed after preemption
+        requests.append(FakeRequest(f"r{index}", prompt, output + data.draw(st.integers(0, 60)),
+                                    num_output_tokens=output))
+        kept = []
+        for _ in range(ranks):
+            scores = data.draw(row_scores(prompt, layout.num_rows))
+            counts = plan_keep(config.policy, [prompt], [scores], num_layers=2,
+                               num_kv_heads=2).counts.reshape(-1).numpy()
+            kept.append(counts + output)  # a resumed request's outputs are kept whole
+        outcomes.append(kept)
+    planned = [plan.trajectory(r) for r in requests]
+    peak = peak_pages(Trajectories.stack(planned, page))
+    assert peak >= rank_simulated_peak(planned, outcomes, page)
+    assert peak == peak_pages(plan.trajectories(requests))
+    if sharing == "layer" and method != "adakv":
+        # Every row keeps its layer's budget: the bound is the simulation itself.
+        assert peak == rank_simulated_peak(planned, outcomes, page)

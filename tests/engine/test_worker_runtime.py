@@ -4,6 +4,7 @@ of being replaced by the engine's."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.config import KVCompressionConfig
+from kvcompress.engine.messages import merge_rank_reports
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 
@@ -206,3 +208,73 @@ def test_an_adopters_step_end_to_end_compacts_only_its_new_prompt_tokens():
     assert runtime.state.requests["long"].prompt_kept.tolist() == long.physical_lengths.tolist()
     for (rid, row), keys in context.items():
         assert torch.equal(row_keys(runtime, rid, row, len(keys)), keys), (rid, row)
+
+
+# ------------------------------------------------------- tensor parallelism: same passes
+class TwoRanks:
+    """What the tensor-parallel group does for ``agree_on_failures``: each rank hands in
+    the requests that failed there, all get every rank's (two threads, one per rank)."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.handed: list[set[str]] = [set(), set()]
+
+    def agree(self, rank: int):
+        def failed_on_any_rank(failed):
+            self.handed[rank] = set(failed)
+            self.barrier.wait()
+            agreed = self.handed[0] | self.handed[1]
+            self.barrier.wait()
+            return agreed
+        return failed_on_any_rank
+
+
+class RecordingReconstructor:
+    """Records which requests each rank registers passes for (a pass holds all-reduces:
+    ranks that run different ones hang)."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] | None = None
+
+    def register(self, step, requests, prompt_tokens):
+        self.requests = list(requests)
+        return {request_id: [1] for request_id in requests}
+
+    def passes(self, grants):
+        return iter(())
+
+    def forget(self, request_ids):
+        pass
+
+
+def test_ranks_agree_on_failures_before_building_reconstruction_passes():
+    """Rank 0 fails request "a" locally (e.g. copying its adopted pages): both ranks must
+    leave it out of their passes, and rank 1 fails it too, naming rank 0's reason once
+    the reports are merged."""
+    group = TwoRanks()
+    runtimes, reconstructors = [], []
+    for rank in range(2):
+        runtime = runtime_with({"a": {}, "b": {}})
+        runtime.build_attention_metadata(
+            SimpleNamespace(num_reqs=2, query_start_loc_cpu=torch.tensor([0, 20, 40])))
+        runtime.reconstructor = RecordingReconstructor()
+        runtime._reconstructing = ["a", "b"]
+        runtime.agree_on_failures = group.agree(rank)
+        runtimes.append(runtime)
+        reconstructors.append(runtime.reconstructor)
+    runtimes[0].step.fail(["a"], "copying the adopted pages failed: device fault")
+    threads = [threading.Thread(target=runtime.reconstruct, args=(lambda *_: None,))
+               for runtime in runtimes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert [r.requests for r in reconstructors] == [["b"], ["b"]]
+    assert "a" in runtimes[1].step.failures
+    merged = merge_rank_reports([runtime.end_step() for runtime in runtimes])
+    assert merged.failures["a"] == "copying the adopted pages failed: device fault"
+
+
+def test_one_rank_agrees_with_itself():
+    runtime = runtime_with({"a": {}})
+    assert runtime.agree_on_failures({"a"}) == {"a"}

@@ -25,4 +25,5 @@ ADAKV = CompressionMethod(
     needs_scores=True,
     select=select_shared_by_heads,
     shape_setting="adakv_totals",
+    shares_layer_budget=True,
 )

@@ -66,6 +66,8 @@ class CompressionMethod:
     select: the token selection, see SelectTokens.
     shape_setting: the PolicySettings field that chooses the budget shape instead of
         ``budget_shape`` (the default), or None when the shape is fixed.
+    shares_layer_budget: whether the heads of a layer share its total by score, so that a
+        head keeps more or less than the layer budget (admission counts the worst spread).
     """
 
     name: str
@@ -74,6 +76,7 @@ class CompressionMethod:
     needs_scores: bool
     select: SelectTokens
     shape_setting: str | None = None
+    shares_layer_budget: bool = False
 
     def __post_init__(self) -> None:
         check_choice("budget_shape", self.budget_shape, BUDGET_SHAPES)
