@@ -90,3 +90,7 @@ _.prefill_s
 # threshold eviction) from the workers' stats dicts.
 _.prompt_rows_planned
 _.prompt_rows_kept
+
+# The torch reference of expected scoring, all keys at once: the chunked reading of
+# engine/worker_expected.py is tested against it (tests/attention, tests/engine).
+expected_scores
