@@ -94,3 +94,7 @@ _.prompt_rows_kept
 # PageFill's definition, row by row: tests/paging/test_page_manager.py checks the summaries
 # admission reads (of_summaries) against it.
 _.of_lengths
+
+# The torch reference of expected scoring, all keys at once: the chunked reading of
+# engine/worker_expected.py is tested against it (tests/attention, tests/engine).
+expected_scores

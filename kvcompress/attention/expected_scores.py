@@ -42,26 +42,54 @@ def mean_rotation(inv_freq: torch.Tensor, start: int, head_dim: int, *,
     return rotation.float()
 
 
+def rotated_profile(means: torch.Tensor, covariances: torch.Tensor, rotation: torch.Tensor,
+                    num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's profile of its ``Hq`` query heads grouped by KV head: rotated means
+    ``[H, G, D]``, the covariances ``[H, G, D, D]`` as profiled (a view: ``R S R^T`` is
+    applied to the keys instead, ``k^T R S R^T k = (R^T k)^T S (R^T k)``, so no rotated copy
+    of every query head's matrix is made) and the rotation."""
+    group = means.shape[0] // num_kv_heads
+    mean = (means.float() @ rotation.T).view(num_kv_heads, group, -1)
+    cov = covariances.float()
+    return mean, cov.view(num_kv_heads, group, *cov.shape[1:]), rotation
+
+
+def expected_logits(keys: torch.Tensor, profile: tuple[torch.Tensor, torch.Tensor,
+                                                       torch.Tensor],
+                    scale: float) -> torch.Tensor:
+    """``[H, G, n]`` fp32 logits of ``keys [H, D, n]`` under a ``rotated_profile``. Builds
+    an ``[H, G, D, n]`` product: callers bound ``n`` (``worker_expected``)."""
+    mean, cov, rotation = profile
+    keys = keys.float()
+    linear = torch.matmul(mean, keys)  # [H, G, n]
+    turned = torch.matmul(rotation.T, keys)[:, None]  # R^T k: [H, 1, D, n]
+    # k^T R S R^T k per key: (S R^T k) . R^T k, batched over heads and their query heads.
+    quadratic = (torch.matmul(cov, turned) * turned).sum(2)  # [H, G, n]
+    return linear.mul_(scale).add_(quadratic, alpha=0.5 * scale * scale)
+
+
+def expected_probabilities(logits: torch.Tensor, lengths: torch.Tensor,
+                           group_reduce: str = "mean") -> torch.Tensor:
+    """``logits [H, G, S]`` (overwritten) softmax-normalized over each row's first
+    ``lengths[h]`` keys, reduced over the group -> ``[H, S]`` (0 past a row's length)."""
+    width = logits.shape[-1]
+    past = torch.arange(width, device=logits.device)[None, :] >= lengths.to(logits.device)[:, None]
+    logits.masked_fill_(past[:, None, :], float("-inf"))
+    top = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, neginf=0.0)  # an empty row
+    probabilities = logits.sub_(top).exp_()
+    probabilities.div_(probabilities.sum(dim=-1, keepdim=True)).nan_to_num_(0.0)
+    if group_reduce == "max":
+        return probabilities.amax(dim=1)
+    return probabilities.mean(dim=1)
+
+
 def expected_scores(keys: torch.Tensor, lengths: torch.Tensor, means: torch.Tensor,
                     covariances: torch.Tensor, rotation: torch.Tensor, scale: float,
                     group_reduce: str = "mean") -> torch.Tensor:
     """``keys [H, D, S]`` (rotated, as cached) of the ``H`` KV heads of one layer, row ``h``
     holding ``lengths[h]`` keys; ``means [Hq, D]`` / ``covariances [Hq, D, D]`` the layer's
     profile of its ``Hq = H * group`` query heads. Returns ``[H, S]`` fp32: each key's
-    expected attention (0 past a row's length)."""
-    num_kv_heads, _, width = keys.shape
-    group = means.shape[0] // num_kv_heads
-    keys = keys.float()
-    mean = (means.float() @ rotation.T).view(num_kv_heads, group, -1)  # [H, G, D]
-    cov = rotation @ covariances.float() @ rotation.T  # [Hq, D, D]
-    cov = cov.view(num_kv_heads, group, *cov.shape[1:])
-    linear = torch.matmul(mean, keys)  # [H, G, S]
-    # k^T S k per key: (S k) . k, batched over heads and their query heads.
-    quadratic = (torch.matmul(cov, keys[:, None]) * keys[:, None]).sum(2)  # [H, G, S]
-    logits = scale * linear + 0.5 * scale * scale * quadratic
-    past = torch.arange(width, device=keys.device)[None, :] >= lengths.to(keys.device)[:, None]
-    logits.masked_fill_(past[:, None, :], float("-inf"))
-    probabilities = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # an empty row: zeros
-    if group_reduce == "max":
-        return probabilities.amax(dim=1)
-    return probabilities.mean(dim=1)
+    expected attention (0 past a row's length). All keys at once: the reference the
+    engine's chunked reading (``worker_expected``) is tested against."""
+    profile = rotated_profile(means, covariances, rotation, keys.shape[0])
+    return expected_probabilities(expected_logits(keys, profile, scale), lengths, group_reduce)

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from typing import Any
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.policies.plan import MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
+from kvcompress.policies.plan import PLAN_BYTES_PER_SCORE, workspace_scores
 
 SCORE_BYTES = 4  # fp32 accumulators
 # Tokens of a reconstruction pass's instruction the scratch pages are sized for (longer
@@ -48,17 +48,27 @@ def scored_token_reserve(max_model_len: int, max_num_batched_tokens: int) -> int
     return max_model_len + max_num_batched_tokens
 
 
+def workspace_bytes(num_kv_heads: int, longest_prompt: int) -> int:
+    """The workspace reserved for the compression path's temporaries: PLAN_BYTES_PER_SCORE
+    bytes per score of one layer of the longest prompt (at least MAX_BLOCK_ELEMENTS)."""
+    return workspace_scores(num_kv_heads, longest_prompt) * PLAN_BYTES_PER_SCORE
+
+
 def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
-                   longest_prompt: int, accumulators: int = 1) -> int:
+                   longest_prompt: int, accumulators: int = 1,
+                   scoring_workspace: int = 0) -> int:
     """Bytes taken from the KV-cache memory for ``scored_tokens`` prompt tokens of
     accumulators over every (layer, KV head) row (``accumulators`` of them per prompt:
-    hybrid scoring keeps two), plus the planning workspace: plans run in padded blocks of at
-    most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or one layer of one
-    request when that alone is larger."""
+    hybrid scoring keeps two), plus one workspace the compression path's temporaries share
+    (they never run at once: scoring inside the forward, planning after it): plans run in
+    padded blocks of at most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or
+    one layer of one request when that alone is larger; a reconstruction pass's scoring
+    needs ``scoring_workspace`` bytes per layer, whatever the prompt
+    (``attention.reconstruction_scores.SCORING_WORKSPACE_BYTES``)."""
     scores = scored_tokens * num_layers * num_kv_heads
-    largest_block = max(MAX_BLOCK_ELEMENTS, num_kv_heads * longest_prompt)
-    return (scores * SCORE_BYTES * accumulators
-            + min(2 * scores, largest_block) * PLAN_BYTES_PER_SCORE)
+    planning = min(2 * scores * PLAN_BYTES_PER_SCORE,
+                   workspace_bytes(num_kv_heads, longest_prompt))
+    return scores * SCORE_BYTES * accumulators + max(planning, scoring_workspace)
 
 
 # Per generated offset of a request's decode scores: its fp32 accumulator, and the step's

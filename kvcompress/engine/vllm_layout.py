@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvcompress.attention.reconstruction_scores import SCORING_WORKSPACE_BYTES
 from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
     MAX_REPEAT_TOKENS,
@@ -147,7 +148,8 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     score_bytes = 0 if reserve is None else reserved_bytes(
         reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
         # without scratch pages a reconstruction's hybrid is scored by its window alone
-        1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators)
+        1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators,
+        SCORING_WORKSPACE_BYTES if scratch else 0)
     request_bytes = 0 if reserve is None else reserve.decode_request_bytes(
         len(layers), spec.num_kv_heads)
     decode_requests = 0 if not request_bytes else min(reserve.decode_requests, _runnable_requests(

@@ -33,6 +33,15 @@ def soft_cap_logits(logits: torch.Tensor, soft_cap: float | None) -> torch.Tenso
     return capped.masked_fill(logits == NEG_INF, NEG_INF)
 
 
+def soft_cap_logits_(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """``soft_cap_logits`` in place (fp32 ``logits``), for scoring loops whose blocks are
+    bounded by their temporaries: a byte per logit for the mask instead of three copies."""
+    if not soft_cap:
+        return logits
+    masked = logits == NEG_INF
+    return logits.div_(soft_cap).tanh_().mul_(soft_cap).masked_fill_(masked, NEG_INF)
+
+
 def attention_probs(logits: torch.Tensor, soft_cap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 attention probabilities over the last dimension, as the model computes them.

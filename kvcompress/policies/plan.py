@@ -28,6 +28,12 @@ MAX_BLOCK_ELEMENTS = 1 << 16
 PLAN_BYTES_PER_SCORE = 40
 
 
+def workspace_scores(num_kv_heads: int, prompt_len: int) -> int:
+    """Scores of the workspace the engine reserves for a prompt of ``prompt_len`` (or any
+    shorter), PLAN_BYTES_PER_SCORE bytes each: one layer's, at least MAX_BLOCK_ELEMENTS."""
+    return max(MAX_BLOCK_ELEMENTS, num_kv_heads * prompt_len)
+
+
 @dataclass(frozen=True)
 class KeepPlan:
     """Tokens kept per (request, layer, KV head), window included.

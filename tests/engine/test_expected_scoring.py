@@ -29,7 +29,9 @@ def make_profile(generator: torch.Generator) -> QueryProfile:
 @pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT],
                          ids=["transposed", "row"])
 @pytest.mark.parametrize("sliding", [False, True], ids=["full", "middle-layer-slides"])
-def test_scores_from_pages_match_dense_keys(page_format, sliding):
+@pytest.mark.parametrize("max_elements", [None, 1], ids=["one-chunk", "page-chunks"])
+def test_scores_from_pages_match_dense_keys(page_format, sliding, max_elements):
+    """Also when the keys are read a page at a time (``max_elements``)."""
     lengths = [21, 21, 17, 30, 9, 21]
     needed = [-(-length // PAGE) for length in lengths]
     total = sum(needed) + 3
@@ -53,8 +55,8 @@ def test_scores_from_pages_match_dense_keys(page_format, sliding):
         page_format.write_tokens(pool, keys, values, slots + positions % PAGE)
         dense.append(keys)
     profile = make_profile(generator)
-    scores = ExpectedScorer(profile, layout, torch.device("cpu")).score(request, pool,
-                                                                        page_format)
+    scores = ExpectedScorer(profile, layout, torch.device("cpu")).score(
+        request, pool, page_format, max_elements)
     width = request.score_width()
     assert scores.shape == (LAYERS, HEADS, width) == (LAYERS, HEADS, 30)
     rotation = mean_rotation(profile.inv_freq, request.prompt_len, DIM)

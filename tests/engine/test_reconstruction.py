@@ -58,9 +58,11 @@ def dense_reference(queries, keys, context, scale, soft_cap=None, sinks=None):
 @pytest.mark.parametrize("page_format", [CPU_PAGE_FORMAT, GPU_PAGE_FORMAT],
                          ids=["transposed", "row"])
 @pytest.mark.parametrize("softmax", [None, "soft_cap", "sinks"])
-def test_scores_match_dense_reference(page_format, softmax):
+@pytest.mark.parametrize("max_elements", [None, 64], ids=["one-block", "page-chunks"])
+def test_scores_match_dense_reference(page_format, softmax, max_elements):
     """Rows of unequal length (an adopter's), two chunks combined by max, GQA, soft-cap and
-    sinks: every stored score equals the loop reference's, nothing past a row's prompt."""
+    sinks: every stored score equals the loop reference's, nothing past a row's prompt; so
+    does a scoring walking the keys a page and the queries one at a time."""
     lengths = [21, 21, 17, 30, 9, 21]
     layout, state = make_state(lengths, chunk=7, repeat=3)
     request = state.requests["r"]
@@ -75,6 +77,7 @@ def test_scores_match_dense_reference(page_format, softmax):
         page_format.write_tokens(pool, keys, values, slots + positions % PAGE)
         dense[row] = keys
     kwargs = {} if softmax is None else model_softmax(softmax, HEADS * GROUP)
+    chunking = {} if max_elements is None else {"max_elements": max_elements}
     reconstructor = Reconstructor(state, [101, 102, 103], chunk=7)
     step = _completed_step(state, lengths)
     prompt = list(range(max(lengths)))
@@ -96,7 +99,7 @@ def test_scores_match_dense_reference(page_format, softmax):
                                      batch.slot_mapping[:, rows].reshape(-1))
             (window,) = batch.window_queries
             accumulate_reconstruction_scores(query, pool, page_format, batch, window, layer,
-                                             scale, **kwargs)
+                                             scale, **kwargs, **chunking)
             for head in range(HEADS):
                 row = layer * HEADS + head
                 context = lengths[row]

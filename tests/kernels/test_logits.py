@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcompress.kernels import attention_lse, attention_probs, soft_cap_logits
+from kvcompress.kernels.logits import soft_cap_logits_
 
 NEG_INF = float("-inf")
 
@@ -55,3 +56,13 @@ def test_a_row_that_sees_nothing_gives_its_whole_mass_to_the_sink():
     assert torch.equal(probs, torch.zeros(2, 5))
     torch.testing.assert_close(attention_lse(logits, sinks=torch.tensor([1.0, -4.0])),
                                torch.tensor([1.0, -4.0]))
+
+
+@pytest.mark.parametrize("soft_cap", [None, 0.0, 5.0])
+def test_soft_cap_in_place_equals_the_definition(soft_cap):
+    """The in-place soft cap (reconstruction scoring's bounded blocks) is the same
+    function, masked logits staying masked."""
+    logits = torch.randn(3, 7, generator=torch.Generator().manual_seed(0)) * 20
+    logits[1, 2] = float("-inf")
+    expected = soft_cap_logits(logits, soft_cap)
+    assert soft_cap_logits_(logits.clone(), soft_cap).equal(expected)
