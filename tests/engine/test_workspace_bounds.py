@@ -118,7 +118,8 @@ def test_reconstruction_scoring_of_a_long_prompt_stays_in_its_workspace():
                      logical_after=np.array([RECONSTRUCTED]), host_lengths_before=after - 1,
                      host_lengths_after=after, completing_prompt=[0])
     reconstructor = Reconstructor(state, repeat, chunk=chunk)
-    one = next(iter(reconstructor.passes(step, ["r"], lambda _: list(range(RECONSTRUCTED)))))
+    reconstructor.register(step, ["r"], lambda _: list(range(RECONSTRUCTED)))
+    one = next(iter(reconstructor.passes({"r": 1})))
     (window,) = one.step.window_queries
     query = torch.randn(len(one.input_ids), HEADS * GROUP, DIM, dtype=torch.bfloat16)
     with LiveBytes() as memory:
