@@ -9,14 +9,15 @@ first come first served, out of the step's token budget after the decoding reque
 token each, as a prefill chunk takes it. A pass token costs more than a prefill token: its
 query is also scored against every key of the prompt, outside the attention kernel
 (``attention.reconstruction_scores``), so a chunk of ``T`` tokens over ``S`` prompt keys
-counts ``T * (1 + S / KEYS_PER_PREFILL_TOKEN)`` tokens (``chunk_cost``): measured on a
-2-core AMD EPYC with the embedded model (fp32), scoring a pass token against 2,000 keys
-cost about 1.3 prefill tokens. The constant depends on the model's shape and the
-platform; it has not been measured on a GPU. While any chunk waits at least one
-runs per step, so passes always progress; a chunk is never larger than vLLM's batch
-(``scoring_memory.reconstruction_chunk``). The worker runs exactly the granted chunks after
-the step's forward and compacts the prompt in the step its last chunk ran; the request
-decodes from the next step on.
+counts ``T * (1 + S / KEYS_PER_PREFILL_TOKEN)`` tokens (``chunk_cost``), and the worker cuts
+a long prompt's passes into chunks that count no more than the budget (``pass_chunk``).
+Measured on a 2-core AMD EPYC with the embedded model (fp32, 2,048-token budget): a pass
+token cost about 3 prefill tokens at 1,500 prompt keys and 5.4 at 4,000. The constant
+depends on the model's shape and the platform; it has not been measured on a GPU.
+While any chunk waits at least one runs per step, so passes always progress; a chunk is
+never larger than vLLM's batch (``scoring_memory.reconstruction_chunk``). The worker runs
+exactly the granted chunks after the step's forward and compacts the prompt in the step
+its last chunk ran; the request decodes from the next step on.
 
 Before, every pass ran inside the step in which its prompt completed: every decoding
 request of that step waited for the whole prompt once more through the model.
@@ -45,13 +46,23 @@ class StepPasses:
 
 
 # Prompt keys whose scoring costs one pass token as much as a prefill token's forward.
-KEYS_PER_PREFILL_TOKEN = 1500
+KEYS_PER_PREFILL_TOKEN = 1000
+# Fewest prompt tokens per pass: below it the instruction and the per-pass work dominate.
+MIN_PASS_CHUNK = 64
 
 
 def chunk_cost(tokens: int, keys: int) -> int:
     """Budget tokens a pass chunk of ``tokens`` counts, its queries scored against ``keys``
     prompt keys."""
     return math.ceil(tokens * (1 + keys / KEYS_PER_PREFILL_TOKEN))
+
+
+def pass_chunk(configured: int, budget: int, keys: int, instruction: int) -> int:
+    """Prompt tokens per pass for a prompt of ``keys`` tokens: ``configured``
+    (--kv-reconstruct-chunk), or fewer so that a pass (its ``instruction`` tokens included)
+    counts no more than the step's ``budget``; never under ``MIN_PASS_CHUNK``."""
+    fits = int(budget / (1 + keys / KEYS_PER_PREFILL_TOKEN)) - instruction
+    return max(1, min(configured, max(MIN_PASS_CHUNK, fits)))
 
 
 class PassSchedule:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvcompress.engine.pass_schedule import pass_chunk
 from kvcompress.engine.scoring_memory import MAX_REPEAT_TOKENS
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import HeadPageTable
@@ -74,8 +75,12 @@ class Reconstructor:
     """Chunks the passes of the requests whose prompt completed, and builds those the
     scheduler grants each step (``engine.pass_schedule``)."""
 
-    def __init__(self, state: WorkerKVState, repeat_ids: Sequence[int], chunk: int) -> None:
+    def __init__(self, state: WorkerKVState, repeat_ids: Sequence[int], chunk: int,
+                 budget: int | None = None) -> None:
+        """``chunk``: the most prompt tokens per pass; ``budget``: the scheduler's token
+        budget, which a long prompt's passes are cut to fit (``pass_schedule.pass_chunk``)."""
         layout = state.layout
+        self.budget = budget
         self.state = state
         self.repeat_ids = list(repeat_ids)[:MAX_REPEAT_TOKENS]
         # Row r's scratch pages: [first + r * per_row, first + (r + 1) * per_row).
@@ -115,9 +120,10 @@ class Reconstructor:
                     dtype=torch.float32))
             segment = list(prompt_tokens(request_id))[request.adopted_len : request.prompt_len]
             context = step.host_lengths_after[batch_index[request_id]]  # what the forward wrote
-            starts = range(0, len(segment), self.chunk)
-            chunks = [_Chunk(request_id, self.repeat_ids + segment[s : s + self.chunk], context)
-                      for s in starts]
+            size = self.chunk if self.budget is None else pass_chunk(
+                self.chunk, self.budget, int(context.max()), len(self.repeat_ids))
+            chunks = [_Chunk(request_id, self.repeat_ids + segment[s : s + size], context)
+                      for s in range(0, len(segment), size)]
             self.pending[request_id] = chunks
             self.logical_len[request_id] = int(step.logical_after[batch_index[request_id]])
             registered[request_id] = [len(chunk.tokens) for chunk in chunks]

@@ -121,7 +121,7 @@ class PagedKVRunnerMixin:
         batched = self.vllm_config.scheduler_config.max_num_batched_tokens
         runtime.enable_reconstruction(
             tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False),
-            reconstruction_chunk(config.reconstruct_chunk, batched))
+            reconstruction_chunk(config.reconstruct_chunk, batched), batched)
 
     def _enable_expected_scoring(self, runtime: PagedKVRuntime, config: KVCompressionConfig,
                                  layout: PageLayout, layer_names: list[str]) -> None:

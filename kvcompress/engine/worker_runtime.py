@@ -95,12 +95,15 @@ class PagedKVRuntime:
         # rank calls it at the same point of a step (the runner sets it under TP).
         self.agree_on_failures: Callable[[Collection[str]], set[str]] = set
 
-    def enable_reconstruction(self, repeat_ids: list[int], chunk: int) -> None:
-        """Score ``--kv-scoring reconstruct`` prompts by reconstruction passes of ``chunk``
-        prompt tokens after ``repeat_ids`` (the instruction, tokenized). Without scratch
-        pages (a model with sliding-window layers) they are scored by their window."""
+    def enable_reconstruction(self, repeat_ids: list[int], chunk: int,
+                              budget: int | None = None) -> None:
+        """Score ``--kv-scoring reconstruct`` prompts by reconstruction passes of at most
+        ``chunk`` prompt tokens after ``repeat_ids`` (the instruction, tokenized), fewer
+        where a pass over a long prompt would count more than the step's token ``budget``.
+        Without scratch pages (a model with sliding-window layers) they are scored by their
+        window."""
         if self.layout.scratch_pages:
-            self.reconstructor = Reconstructor(self.state, repeat_ids, chunk)
+            self.reconstructor = Reconstructor(self.state, repeat_ids, chunk, budget)
 
     def enable_expected_scoring(self, profile: QueryProfile,
                                 key_scales: tuple[float, ...] = ()) -> None:

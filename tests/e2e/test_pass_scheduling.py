@@ -51,8 +51,9 @@ def test_decodes_keep_their_pace_while_a_long_prompt_is_reconstructed(tiny_llama
         harness.add("long", long_prompt, greedy(8))
         harness.run_until_done()
         pass_steps = [step for step in steps if step[2]]
-        # 1500 tokens in chunks of 96 (16 chunks), a few per step: spread over steps.
-        assert sum(step[2] for step in pass_steps) == -(-1500 // CHUNK)
+        # 1500 tokens in chunks of at most 96 (fewer where a pass would count more than the
+        # budget), spread over steps.
+        assert sum(step[2] for step in pass_steps) >= -(-1500 // CHUNK)
         assert len(pass_steps) >= 4, [step[:3] for step in steps]
         for scheduled, pass_tokens, chunks, parked, ids in pass_steps:
             assert scheduled + pass_tokens <= BUDGET or chunks == 1, (scheduled, pass_tokens)

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcompress.engine.pass_schedule import KEYS_PER_PREFILL_TOKEN, PassSchedule, chunk_cost
+from kvcompress.engine.pass_schedule import (
+    KEYS_PER_PREFILL_TOKEN,
+    MIN_PASS_CHUNK,
+    PassSchedule,
+    chunk_cost,
+    pass_chunk,
+)
 
 
 @dataclass
@@ -76,9 +82,14 @@ def test_every_chunk_is_granted_once_in_order_and_steps_stay_in_budget(chunks, b
 
 def test_a_chunk_costs_more_the_more_prompt_keys_it_scores():
     assert chunk_cost(100, 0) == 100
+    # The worker's chunks for a long prompt count about the budget; short ones keep theirs.
+    assert pass_chunk(512, 2048, 500, 9) == 512
+    assert pass_chunk(512, 2048, 4000, 9) == 2048 // 5 - 9
+    assert chunk_cost(2048 // 5, 4000) <= 2048
+    assert pass_chunk(512, 2048, 200_000, 9) == MIN_PASS_CHUNK
     assert chunk_cost(100, KEYS_PER_PREFILL_TOKEN) == 200
     assert chunk_cost(512, 4 * KEYS_PER_PREFILL_TOKEN) == 2560
     schedule = PassSchedule()
     schedule.add({"a": [100, 100]}, {"a": FakeRequest(num_computed_tokens=3000)})
-    assert list(schedule.pending["a"]) == [300, 300]  # 3000 keys: each token counts 3
-    assert schedule.grant(650).grants == {"a": 2}
+    assert list(schedule.pending["a"]) == [400, 400]  # 3000 keys: each token counts 4
+    assert schedule.grant(850).grants == {"a": 2}
