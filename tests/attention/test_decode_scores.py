@@ -24,10 +24,11 @@ from tests.paged_cases import build_case, model_softmax
 
 LAYERS, HEADS, GROUP, HEAD_SIZE = 2, 2, 2, 32
 SCALE = HEAD_SIZE**-0.5
-# The engine's decode budget + interval bound what requests may score (its reserve).
+# The engine's decode budget + interval bound what requests may score (its reserve), and its
+# decode policy what each may hold (anchors: two accumulators, room for every policy).
 ENGINE = KVCompressionConfig.from_mapping(
     {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4, "kv_decode_budget": 16,
-     "kv_decode_interval": 8})
+     "kv_decode_interval": 8, "kv_decode_policy": "anchors"})
 H2O = ENGINE.with_request_overrides(
     {"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_decode_interval": 8})
 SNAPKV = H2O.with_request_overrides({"kv_decode_policy": "snapkv"})
@@ -208,7 +209,7 @@ def test_attention_layers_collect_decode_scores():
 def test_anchors_collect_the_mass_of_the_newest_window_offsets_apart():
     case = decode_case(GPU_PAGE_FORMAT, seed=7)
     request = case.state.requests["req0"]
-    request.config = H2O.with_request_overrides({"kv_decode_policy": "anchors"})
+    request.config = ENGINE.with_request_overrides({"kv_decode_policy": "anchors"})
     case.state.prepare_decode_scoring(case.step)
     assert request.anchor_scores is not None and not request.anchor_scores.any()
     earlier = torch.rand(LAYERS, HEADS, 24, generator=torch.Generator().manual_seed(8))
@@ -279,8 +280,8 @@ def test_anchors_are_scored_every_step_whatever_the_sampling():
     get any anchor mass."""
     case = decode_case(GPU_PAGE_FORMAT, seed=7)
     anchors = case.state.requests["req0"]
-    anchors.config = H2O.with_request_overrides({"kv_decode_policy": "anchors",
-                                                 "kv_decode_score_every": 4})
+    anchors.config = ENGINE.with_request_overrides({"kv_decode_policy": "anchors",
+                                                    "kv_decode_score_every": 4})
     case.step.decode_queries, case.step.decode_scoring = [], None
     case.state.prepare_decode_scoring(case.step)
     # 11 generated tokens after this step (not a multiple of 4): scored, counting once
