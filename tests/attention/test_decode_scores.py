@@ -124,8 +124,11 @@ def test_a_step_scores_only_decoding_requests_whose_policy_scores_it():
         kept = request.prompt_kept.reshape(LAYERS, HEADS)
         assert (plan.prompt_kept[:, number].numpy() == kept).all()
         assert (plan.lengths[:, number].numpy() == lengths).all()
-    assert plan.offsets.tolist() == list(range(22))  # the longest generated part
-    assert plan.key_positions.shape == (48,)  # the longest row (41) in 16-token pages
+    # by page-table class (every width its own here, narrowest first): request 3's widest
+    # row 31 keys (2 pages), request 0's 41 (3); the pages each holds per layer, its own
+    # rows only (no row padded to another's)
+    assert [group.host_numbers.tolist() for group in plan.groups] == [[1], [0]]
+    assert [group.host_pages.tolist() for group in plan.groups] == [[[4], [4]], [[4], [5]]]
     unscored = [case.state.requests[f"req{i}"].decode_scores for i in (1, 2, 4)]
     assert unscored == [None, None, None]
 
@@ -404,14 +407,14 @@ def test_fused_decode_scores_on_the_step_device_match_the_torch_pass(monkeypatch
     kernel = TritonPagedKernel(case.layout, torch.float32,
                                use_triton=True if device == "cpu" else None)
     step = case.step
-    plan = replace(step.decode_scoring, **{
+    tables = step.tables.to(torch.device(device))
+    plan = replace(step.decode_scoring, tables=tables, **{
         name: getattr(step.decode_scoring, name).to(device)
-        for name in ("tokens", "page_ids", "lengths", "key_positions", "prompt_kept", "offsets",
-                     "mass")})
+        for name in ("tokens", "lengths", "prompt_kept", "mass")})
     moved = replace(step, num_new_tokens=step.num_new_tokens.to(device),
                     lengths_before=step.lengths_before.to(device),
                     slot_mapping=step.slot_mapping.to(device),
-                    tables=step.tables.to(torch.device(device)), decode_scoring=plan)
+                    tables=tables, decode_scoring=plan)
     args = kernel.prepare(moved)
     assert kernel.fuses_decode_scores(args, plan)
     pool, query = case.pool.to(device), case.query.to(device)
