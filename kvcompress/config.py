@@ -625,24 +625,44 @@ class KVCompressionConfig:
     @property
     def decode_score_capacity(self) -> int:
         """Generated offsets a request's decode-score accumulator may hold on this engine
-        (0: none): the engine's --kv-decode-budget + --kv-decode-interval, what the score
-        reserve taken from the KV-cache memory is sized for (``engine.scoring_memory``)."""
-        if not self.enabled or self.decode_budget is None:
+        (0: none): the engine's --kv-decode-budget + --kv-decode-interval where its
+        --kv-decode-policy scores, what the score reserve taken from the KV-cache memory is
+        sized for (``engine.scoring_memory``). A policy that scores nothing (window)
+        reserves nothing."""
+        return self.decode_eviction.capacity if self.decode_score_accumulators else 0
+
+    @property
+    def decode_score_accumulators(self) -> int:
+        """Accumulators each scored request holds on this engine: 0 where its decode policy
+        scores nothing, 2 for anchors (its anchor mass apart), else 1."""
+        eviction = self.decode_eviction
+        if eviction is None or not eviction.method.needs_scores:
             return 0
-        return self.decode_budget + self.decode_interval
+        return 2 if eviction.method.scores_anchors else 1
 
     def _check_decode_score_capacity(self, request: KVCompressionConfig) -> None:
-        """A request whose decode policy scores must fit its accumulator in the engine's
-        reserve: budget + interval at most the engine's."""
+        """A request whose decode policy scores must fit its accumulators in the engine's
+        reserve: budget + interval at most the engine's, and anchors' second accumulator
+        only where the engine keeps one."""
         eviction = request.decode_eviction
         if eviction is None or not eviction.method.needs_scores:
             return
         capacity = self.decode_score_capacity
+        if capacity and request.decode_score_accumulators > self.decode_score_accumulators:
+            detail = (f"got {eviction.method.name} on a server started with "
+                      f"--kv-decode-policy {self.decode_policy}; allowed: a policy with one "
+                      "score accumulator (h2o, snapkv, rkv), or anchors on a server started "
+                      "with --kv-decode-policy anchors (its reserve holds anchors' second "
+                      "accumulator)")
+            raise KVCompressionConfigError(
+                f"invalid per-request setting 'kv_decode_policy': {detail}", "kv_decode_policy",
+                detail)
         if eviction.capacity <= capacity:
             return
         if not capacity:
             allowed = ("a scored decode policy needs a server started with --kv-decode-budget "
-                       "(its budget + interval size the decode-score reserve)")
+                       "and a scoring --kv-decode-policy (its budget + interval size the "
+                       "decode-score reserve; window reserves none)")
         else:
             allowed = (f"kv_decode_budget + kv_decode_interval <= {capacity} (the server's "
                        "--kv-decode-budget + --kv-decode-interval, what its decode-score "

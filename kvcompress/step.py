@@ -128,34 +128,62 @@ GQA_REDUCE_CODES = ("mean", "max", "sum")
 
 
 @dataclass
+class DecodeClassGroup:
+    """The scored requests of one page-table class of the step
+    (``BatchPageTables.classes[table]``), in plan order."""
+
+    table: int
+    numbers: torch.Tensor  # [m] int64 on the device: their requests in the plan, ascending
+    positions: torch.Tensor  # [m] int64 on the device: their columns in the class's table
+    host_numbers: np.ndarray  # [m] int64: ``numbers`` on the host
+    host_pages: np.ndarray  # [L, m] int64: pages each holds over its H rows of each layer
+
+
+@dataclass
 class DecodeScoring:
     """What every layer's decode scoring needs, built once per step on the device
     (``engine.decode_plan``) so that no layer copies from the host or indexes by a mask:
-    request ``i`` is ``StepBatch.decode_queries[i]``; ``S = P * page_size`` key positions,
-    ``W`` the most generated offsets any of them scores. Each layer writes its scores into
-    ``mass``; ``commit`` adds them into the accumulators once the forward is done."""
+    request ``i`` is ``StepBatch.decode_queries[i]``, ``W`` the most generated offsets any
+    of them scores. Ragged: nothing is padded to the longest row; the rows' pages are read
+    from the step's own page tables. Each layer writes its scores into ``mass``; ``commit``
+    adds them into the accumulators once the forward is done."""
 
     tokens: torch.Tensor  # [n] int64: each request's query token in the step
-    page_ids: torch.Tensor  # [L, n, H, P] int64: each row's first P pages (past them: unread)
-    lengths: torch.Tensor  # [L, n, H] int64: each row's keys, this step's token included
-    key_positions: torch.Tensor  # [S] int64: 0 .. S - 1
-    prompt_kept: torch.Tensor  # [L, n, H] int64: each row's prompt part (its first generated key)
-    offsets: torch.Tensor  # [W] int64: 0 .. W - 1
+    lengths: torch.Tensor  # [L, n, H] int32: each row's keys, this step's token included
+    prompt_kept: torch.Tensor  # [L, n, H] int32: each row's prompt part (its first generated key)
     # The requests' --kv-gqa-reduce, or "mixed": then ``reduce_codes [n]`` int64 holds each
     # one's index in GQA_REDUCE_CODES.
     group_reduce: str
     reduce_codes: torch.Tensor | None
-    mass: torch.Tensor  # [n, L, H, W] fp32: this step's scores, zero where not scored
+    # [n, L, H, W] fp32: this step's scores, zero where not scored (a view of the worker's
+    # buffer, kept between steps)
+    mass: torch.Tensor
+    tables: BatchPageTables  # the step's page tables (the torch pass reads the rows' pages)
+    groups: list[DecodeClassGroup]  # the requests by page-table class
 
     def subset(self, numbers: list[int]) -> DecodeScoring:
         """The plan of requests ``numbers`` only (after some failed), in that order."""
-        index = torch.as_tensor(numbers, dtype=torch.int64).to(self.tokens.device)
+        device = self.tokens.device
+        index = torch.as_tensor(numbers, dtype=torch.int64).to(device)
+        renumbered = {old: new for new, old in enumerate(numbers)}
+        groups = []
+        for group in self.groups:
+            kept = [member for member, number in enumerate(group.host_numbers.tolist())
+                    if number in renumbered]
+            if not kept:
+                continue
+            host = np.array([renumbered[int(group.host_numbers[m])] for m in kept])
+            order = np.argsort(host, kind="stable")  # plan order stays ascending
+            kept_index = torch.as_tensor(np.asarray(kept)[order]).to(device)
+            groups.append(DecodeClassGroup(
+                group.table, torch.as_tensor(host[order]).to(device),
+                group.positions.index_select(0, kept_index), host[order],
+                group.host_pages[:, np.asarray(kept)[order]]))
         return DecodeScoring(
-            self.tokens.index_select(0, index), self.page_ids.index_select(1, index),
-            self.lengths.index_select(1, index), self.key_positions,
-            self.prompt_kept.index_select(1, index), self.offsets, self.group_reduce,
+            self.tokens.index_select(0, index), self.lengths.index_select(1, index),
+            self.prompt_kept.index_select(1, index), self.group_reduce,
             None if self.reduce_codes is None else self.reduce_codes.index_select(0, index),
-            self.mass.index_select(0, index))
+            self.mass.index_select(0, index), self.tables, groups)
 
     def commit(self, decodes: list[DecodeQueries]) -> None:
         """Add this step's scores into each request's accumulator (``decodes[i]`` is request

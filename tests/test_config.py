@@ -173,10 +173,14 @@ def test_bad_request_overrides_name_the_field(overrides, message):
 def test_decode_eviction_is_off_by_default_and_resolved_per_request():
     assert ENGINE.decode_eviction is None
     assert "decode=" not in ENGINE.describe()
-    # a scored policy fits the decode-score reserve of a server with a decode budget
+    # a scored policy fits the decode-score reserve of a server with a decode budget and a
+    # scoring decode policy; the window policy reserves none
     budgeted = ENGINE.with_request_overrides({"kv_decode_budget": 64})
-    assert budgeted.decode_score_capacity == 128
-    h2o = budgeted.with_request_overrides({"kv_decode_policy": "h2o"})
+    assert budgeted.decode_score_capacity == 0
+    scoring = KVCompressionConfig.from_mapping({**budgeted.to_mapping(),
+                                                "kv_decode_policy": "snapkv"})
+    assert scoring.decode_score_capacity == 128
+    h2o = scoring.with_request_overrides({"kv_decode_policy": "h2o"})
     rule = h2o.decode_eviction
     assert (rule.method.name, rule.budget, rule.interval, rule.recent) == ("h2o", 64, 64, 8)
     assert "decode=h2o/64+64" in h2o.describe()

@@ -10,23 +10,26 @@ layer's share of the request's scores at generated offsets ``0 ..``. Exact: the 
 probabilities the model's softmax gives (tests compare with a dense loop).
 
 This is a second pass over the scored requests' keys (K only) per layer, on top of the
-platform kernel's attention. What it costs per layer is a fixed handful of batched torch
-operations over all scored requests at once, padded to the longest row: every index it reads
-(query tokens, page ids, masks, generated positions) was built once for the step
-(``kvcompress.step.DecodeScoring``, ``engine.decode_plan``), and the layer's scores go into
-the step's ``mass`` buffer, added into the accumulators once per step (``commit``).
+platform kernel's attention. It is ragged: each row's own pages, read from the step's page
+tables (``kvcompress.step.DecodeScoring``, ``engine.decode_plan``), are gathered flat, the
+softmax of each row runs over its own pages (a segmented max and sum), and nothing is padded
+to the longest row. What it costs per layer is a fixed handful of batched torch operations
+per page-table class of the scored requests (chunked when their keys are many); the layer's
+scores go into the step's ``mass`` buffer, added into the accumulators once per step
+(``commit``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kvcompress.kernels.logits import attention_probs
+from kvcompress.kernels.logits import soft_cap_logits
 from kvcompress.paging.page_format import PageFormat
-from kvcompress.step import GQA_REDUCE_CODES, DecodeScoring
+from kvcompress.step import GQA_REDUCE_CODES, DecodeClassGroup, DecodeScoring
 
-# Keys gathered at once ([requests, kv_heads, keys, head_size] elements); larger batches are
-# scored in chunks of requests.
+# Keys gathered at once (pages x page_size x head_size elements); larger batches are scored in
+# chunks of requests.
 MAX_GATHERED_ELEMENTS = 1 << 24
 
 
@@ -38,54 +41,112 @@ def score_decode_layer(query: torch.Tensor, pool: torch.Tensor, page_format: Pag
     layer]``: ``query [T, Hq, D]`` is the step's, the pool already holds this step's keys.
     ``soft_cap`` / ``sinks [Hq]``: the layer's softmax. Overwrites (never adds), so scoring a
     layer again after a failure is harmless."""
-    _, count, num_heads, num_pages = plan.page_ids.shape
-    first, stop, _ = requests.indices(count)
-    keys_per_request = num_heads * num_pages * pool.shape[2] * query.shape[-1]
-    chunk = max(1, MAX_GATHERED_ELEMENTS // keys_per_request)
-    for start in range(first, stop, chunk):
-        part = slice(start, min(stop, start + chunk))
-        plan.mass[part, layer] = _layer_mass(query, pool, page_format, plan, layer, part,
-                                             scale, soft_cap, sinks)
+    first, stop, _ = requests.indices(plan.mass.shape[0])
+    most_pages = max(1, MAX_GATHERED_ELEMENTS // (pool.shape[2] * query.shape[-1]))
+    for group in plan.groups:
+        picked = np.flatnonzero((group.host_numbers >= first) & (group.host_numbers < stop))
+        if not len(picked):
+            continue
+        # numbers ascend within a group, so the picked members are consecutive
+        for start, end in _chunks(group.host_pages[layer], int(picked[0]),
+                                  int(picked[-1]) + 1, most_pages):
+            _score_members(query, pool, page_format, plan, layer, scale, group,
+                           slice(start, end), int(group.host_pages[layer, start:end].sum()),
+                           soft_cap, sinks)
 
 
-def _layer_mass(query: torch.Tensor, pool: torch.Tensor, page_format: PageFormat,
-                plan: DecodeScoring, layer: int, part: slice, scale: float,
-                soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """``[n, H, W]`` scores of requests ``part`` in ``layer``."""
-    pages = plan.page_ids[layer, part]  # [n, H, P], contiguous
-    count, num_heads, _ = pages.shape
-    head_size = query.shape[-1]
-    keys = page_format.gather_key_pages(pool, pages).float()  # [n, H, P, D, page]
-    grouped = query.index_select(0, plan.tokens[part]).float() * scale
-    grouped = grouped.view(count, num_heads, 1, -1, head_size)  # [n, H, 1, G, D]
-    # page by page, so keys are never transposed: [n, H, P, G, page] -> [n, H, G, S]
-    logits = torch.matmul(grouped, keys).transpose(2, 3).flatten(3)
-    beyond = plan.key_positions >= plan.lengths[layer, part, :, None, None]  # [n, H, 1, S]
+def _chunks(pages: np.ndarray, first: int, stop: int, most_pages: int) -> list[tuple[int, int]]:
+    """Consecutive runs of members ``[first, stop)`` holding at most ``most_pages`` pages
+    together (a member alone may hold more)."""
+    chunks, start, held = [], first, 0
+    for member in range(first, stop):
+        if member > start and held + pages[member] > most_pages:
+            chunks.append((start, member))
+            start, held = member, 0
+        held += int(pages[member])
+    chunks.append((start, stop))
+    return chunks
+
+
+def _score_members(query: torch.Tensor, pool: torch.Tensor, page_format: PageFormat,
+                   plan: DecodeScoring, layer: int, scale: float, group: DecodeClassGroup,
+                   part: slice, total: int, soft_cap: float | None,
+                   sinks: torch.Tensor | None) -> None:
+    """The scores of ``group``'s members ``part``, holding ``total`` pages in ``layer``."""
+    device = query.device
+    numbers, positions = group.numbers[part], group.positions[part]
+    count, num_heads, page_size = numbers.shape[0], plan.lengths.shape[2], pool.shape[2]
+    rows = count * num_heads  # member-major, then head
+    lengths = plan.lengths[layer].index_select(0, numbers).flatten().long()  # [rows]
+    counts = (lengths + (page_size - 1)) // page_size
+    row_of = torch.repeat_interleave(torch.arange(rows, device=device), counts,
+                                     output_size=total)  # [total]: each page's row
+    starts = counts.cumsum(0) - counts  # each row's first page among the total
+    page_in_row = torch.arange(total, device=device) - starts[row_of]
+    # the page ids from the class's table [layer rows, requests, width]
+    table = plan.tables.classes[group.table].tables
+    _, width_requests, width = table.shape
+    flat = ((layer * num_heads + row_of % num_heads) * width_requests
+            + positions[row_of // num_heads]) * width + page_in_row
+    page_ids = table.reshape(-1).index_select(0, flat)
+    keys = page_format.gather_key_pages(pool, page_ids).float()  # [total, D, page]
+    grouped = query.index_select(0, plan.tokens.index_select(0, numbers)).float() * scale
+    grouped = grouped.view(rows, -1, query.shape[-1])  # [rows, G, D]
+    logits = soft_cap_logits(torch.bmm(grouped.index_select(0, row_of), keys), soft_cap)
+    key_positions = page_in_row[:, None] * page_size + torch.arange(page_size, device=device)
+    beyond = key_positions >= lengths.index_select(0, row_of)[:, None]  # [total, page]
     # an added bias, not masked_fill_: a broadcast mask there is ~10x slower on CPU
-    logits += torch.where(beyond, float("-inf"), 0.0)
-    sink_logits = None if sinks is None else sinks.view(num_heads, -1)
-    probs = attention_probs(logits, soft_cap, sink_logits)  # [n, H, G, S]
-    per_key = _combine_query_heads(probs, plan, part)  # [n, H, S]
+    logits += torch.where(beyond, float("-inf"), 0.0)[:, None, :]
+    probs = _segment_softmax(logits, row_of, rows, num_heads, sinks)  # [total, G, page]
+    per_key = _combine_query_heads(probs, plan, numbers.index_select(0, row_of // num_heads))
     # the generated keys [prompt_kept, length) at offsets 0 ..; zero past the row
-    positions = plan.prompt_kept[layer, part, :, None] + plan.offsets  # [n, H, W]
-    held = positions < plan.lengths[layer, part, :, None]
-    mass = per_key.gather(-1, positions.clamp_(max=per_key.shape[-1] - 1))
-    return torch.where(held, mass, 0.0)
+    kept = plan.prompt_kept[layer].index_select(0, numbers).flatten().long()
+    wanted = kept[:, None] + torch.arange(plan.mass.shape[-1], device=device)  # [rows, W]
+    held = wanted < lengths[:, None]
+    flat_keys = (starts[:, None] + wanted // page_size) * page_size + wanted % page_size
+    mass = per_key.flatten()[flat_keys.clamp_(max=total * page_size - 1)]
+    plan.mass.select(1, layer).index_copy_(
+        0, numbers, torch.where(held, mass, 0.0).view(count, num_heads, -1))
 
 
-def _combine_query_heads(probs: torch.Tensor, plan: DecodeScoring, part: slice) -> torch.Tensor:
-    """``probs [n, H, G, S]`` -> ``[n, H, S]``, each request's query heads combined as its
-    --kv-gqa-reduce says (``GQA_REDUCE_CODES``; picked by ``torch.where`` when they differ).
-    Sums, not ``mean``: a reduction over the middle dimension is several times slower."""
-    group = probs.shape[2]
+def _segment_softmax(logits: torch.Tensor, row_of: torch.Tensor, rows: int, num_heads: int,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """``logits [pages, G, page]`` (capped, -inf past each row) -> each row's softmax over
+    all of its pages (``row_of [pages]``), a sink per query head in the denominator, as
+    ``kernels.logits.attention_probs`` over the row's keys alone. A row always holds a key
+    (this step's), so every row's max is finite."""
+    group = logits.shape[1]
+    by_row = row_of[:, None].expand(-1, group)
+    top = torch.full((rows, group), float("-inf"), device=logits.device)
+    top.scatter_reduce_(0, by_row, logits.amax(dim=-1), "amax")
+    sink = None
+    if sinks is not None:
+        sink = sinks.float().view(1, num_heads, group).expand(rows // num_heads, -1, -1)
+        sink = sink.reshape(rows, group)
+        top = torch.maximum(top, sink)
+    weights = torch.exp(logits - top.index_select(0, row_of)[..., None])
+    denominator = torch.zeros((rows, group), device=logits.device)
+    denominator.index_add_(0, row_of, weights.sum(dim=-1))
+    if sink is not None:
+        denominator += torch.exp(sink - top)
+    return weights.div_(denominator.index_select(0, row_of)[..., None])
+
+
+def _combine_query_heads(probs: torch.Tensor, plan: DecodeScoring,
+                         numbers: torch.Tensor) -> torch.Tensor:
+    """``probs [pages, G, page]`` -> ``[pages, page]``, each request's query heads combined
+    as its --kv-gqa-reduce says (``GQA_REDUCE_CODES``; picked by ``torch.where`` when they
+    differ; ``numbers [pages]``: each page's request). Sums, not ``mean``: a reduction over
+    the middle dimension is several times slower."""
+    group = probs.shape[1]
     if plan.group_reduce == "max":
-        return probs.amax(dim=2)
-    summed = probs.sum(dim=2)
+        return probs.amax(dim=1)
+    summed = probs.sum(dim=1)
     if plan.group_reduce == "sum":
         return summed
     if plan.group_reduce == "mean":
         return summed.mul_(1.0 / group)
-    codes = plan.reduce_codes[part, None, None]
+    codes = plan.reduce_codes.index_select(0, numbers)[:, None]
     chosen = torch.where(codes == GQA_REDUCE_CODES.index("mean"), summed * (1.0 / group),
                          summed)
-    return torch.where(codes == GQA_REDUCE_CODES.index("max"), probs.amax(dim=2), chosen)
+    return torch.where(codes == GQA_REDUCE_CODES.index("max"), probs.amax(dim=1), chosen)

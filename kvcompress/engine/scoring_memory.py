@@ -71,18 +71,24 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
     return scores * SCORE_BYTES * accumulators + max(planning, scoring_workspace)
 
 
-# Per generated offset of a request's decode scores: its fp32 accumulator, and the step's
-# fp32 scores before they are added to it (``step.DecodeScoring.mass``).
-DECODE_SCORE_BYTES = 2 * SCORE_BYTES
+# Per generated offset of a request's decode scores: each of its fp32 accumulators (anchors
+# keeps two), and the step's fp32 scores before they are added to them (the worker's
+# ``step.DecodeScoring.mass`` buffer).
+DECODE_STEP_SCORES = 1
 
 
 def decode_reserved_bytes(max_num_seqs: int, num_layers: int, num_kv_heads: int,
-                          capacity: int) -> int:
-    """Bytes taken from the KV-cache memory for decode scores (h2o / snapkv): every running
-    request (at most ``max_num_seqs``; a preempted or finished one drops its accumulator) may
-    hold ``[layers, kv_heads, capacity]`` of them, ``capacity`` the engine's decode budget +
-    interval, which no request may exceed (``KVCompressionConfig.decode_score_capacity``)."""
-    return max_num_seqs * num_layers * num_kv_heads * capacity * DECODE_SCORE_BYTES
+                          capacity: int, accumulators: int = 1) -> int:
+    """Bytes taken from the KV-cache memory for decode scores (h2o / snapkv / rkv /
+    anchors): every running request (at most ``max_num_seqs``; a preempted or finished one
+    drops its accumulators) may hold ``accumulators`` of ``[layers, kv_heads, capacity]``
+    and its share of the step's scores, ``capacity`` the engine's decode budget + interval,
+    which no request may exceed (``KVCompressionConfig.decode_score_capacity``). A policy
+    without scores has no accumulators and reserves nothing."""
+    if not accumulators:
+        return 0
+    per_offset = (accumulators + DECODE_STEP_SCORES) * SCORE_BYTES
+    return max_num_seqs * num_layers * num_kv_heads * capacity * per_offset
 
 
 def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:

@@ -80,9 +80,11 @@ class ScoringReserve:
     longest_prompt: int
     reconstruction_tokens: int = 0
     accumulators: int = 1
-    # Decode scores: requests that may hold them at once, and offsets each (0: none).
+    # Decode scores: requests that may hold them at once, offsets each (0: none) and
+    # accumulators each (2 for anchors; 0: the decode policy scores nothing).
     decode_requests: int = 0
     decode_capacity: int = 0
+    decode_accumulators: int = 1
 
     @classmethod
     def of(cls, vllm_config: Any) -> ScoringReserve:
@@ -90,7 +92,8 @@ class ScoringReserve:
         batched = vllm_config.scheduler_config.max_num_batched_tokens
         config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
         decode = {"decode_requests": vllm_config.scheduler_config.max_num_seqs,
-                  "decode_capacity": config.decode_score_capacity}
+                  "decode_capacity": config.decode_score_capacity,
+                  "decode_accumulators": config.decode_score_accumulators}
         if not config.reserves_reconstruction:
             # hybrid-surrogate keeps the window's scores apart from the surrogate's
             accumulators = 2 if config.loads_surrogate and config.scores_window else 1
@@ -101,8 +104,10 @@ class ScoringReserve:
                    **decode)
 
     def decode_request_bytes(self, num_layers: int, num_kv_heads: int) -> int:
-        """One running request's decode-score accumulator at the capacity."""
-        return decode_reserved_bytes(1, num_layers, num_kv_heads, self.decode_capacity)
+        """One running request's decode scores at the capacity: its accumulators and its
+        share of the step's scores."""
+        return decode_reserved_bytes(1, num_layers, num_kv_heads, self.decode_capacity,
+                                     self.decode_accumulators)
 
 
 def default_page_size(dtype: torch.dtype, head_size: int, fp8_pages: bool = False) -> int:

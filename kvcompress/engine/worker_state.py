@@ -112,6 +112,8 @@ class WorkerKVState:
         self.score_timer = StageTimer(device)
         # Adopters' page copies (src, dst page ids, int64) not yet run on the pool.
         self._copies: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # The decode scoring's per-step scores (``_step_mass``), kept between steps.
+        self._mass_buffer: torch.Tensor | None = None
         self.tables = PageTableCache(layout.num_rows, layout.page_size,
                                      lambda tensor: self.to_device(tensor),
                                      min_class_pages=min_class_pages, class_spread=class_spread)
@@ -382,10 +384,25 @@ class WorkerKVState:
                           anchor_steps=request.config.decode_eviction.recent)
             for index, request, generated_after, every in picked
         ]
+        width = max(decode.num_generated for decode in step.decode_queries)
+        capacity = max(request.decode_scores.shape[-1] for _, request, _, _ in picked)
         step.decode_scoring = plan_decode_scoring(
             layout, step, step.decode_queries,
-            [request.table.pages for _, request, _, _ in picked],
-            np.stack([request.prompt_kept for _, request, _, _ in picked]), self.to_device)
+            np.stack([request.prompt_kept for _, request, _, _ in picked]),
+            self._step_mass(len(picked), width, capacity), self.to_device)
+
+    def _step_mass(self, count: int, width: int, capacity: int) -> torch.Tensor:
+        """The step's zeroed ``[count, L, H, width]`` fp32 scores: a view of a device buffer
+        kept between steps (made on the device, never copied from the host), grown to
+        ``count`` requests at ``capacity`` offsets when smaller: the decode-score reserve
+        counts that much per running request (``engine.scoring_memory``)."""
+        shape = (count, self.layout.num_layers, self.layout.num_kv_heads, width)
+        needed = count * self.layout.num_layers * self.layout.num_kv_heads
+        if self._mass_buffer is None or self._mass_buffer.numel() < needed * width:
+            self._mass_buffer = None  # let go of the old one first
+            self._mass_buffer = torch.empty(needed * capacity, dtype=torch.float32,
+                                            device=self.device)
+        return self._mass_buffer[:needed * width].view(shape).zero_()
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor -> the runner's device (the only host->device path of a step)."""

@@ -24,10 +24,11 @@ from tests.paged_cases import build_case, model_softmax
 
 LAYERS, HEADS, GROUP, HEAD_SIZE = 2, 2, 2, 32
 SCALE = HEAD_SIZE**-0.5
-# The engine's decode budget + interval bound what requests may score (its reserve).
+# The engine's decode budget + interval bound what requests may score (its reserve), and its
+# decode policy what each may hold (anchors: two accumulators, room for every policy).
 ENGINE = KVCompressionConfig.from_mapping(
     {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4, "kv_decode_budget": 16,
-     "kv_decode_interval": 8})
+     "kv_decode_interval": 8, "kv_decode_policy": "anchors"})
 H2O = ENGINE.with_request_overrides(
     {"kv_decode_policy": "h2o", "kv_decode_budget": 16, "kv_decode_interval": 8})
 SNAPKV = H2O.with_request_overrides({"kv_decode_policy": "snapkv"})
@@ -123,8 +124,11 @@ def test_a_step_scores_only_decoding_requests_whose_policy_scores_it():
         kept = request.prompt_kept.reshape(LAYERS, HEADS)
         assert (plan.prompt_kept[:, number].numpy() == kept).all()
         assert (plan.lengths[:, number].numpy() == lengths).all()
-    assert plan.offsets.tolist() == list(range(22))  # the longest generated part
-    assert plan.key_positions.shape == (48,)  # the longest row (41) in 16-token pages
+    # by page-table class (every width its own here, narrowest first): request 3's widest
+    # row 31 keys (2 pages), request 0's 41 (3); the pages each holds per layer, its own
+    # rows only (no row padded to another's)
+    assert [group.host_numbers.tolist() for group in plan.groups] == [[1], [0]]
+    assert [group.host_pages.tolist() for group in plan.groups] == [[[4], [4]], [[4], [5]]]
     unscored = [case.state.requests[f"req{i}"].decode_scores for i in (1, 2, 4)]
     assert unscored == [None, None, None]
 
@@ -208,7 +212,7 @@ def test_attention_layers_collect_decode_scores():
 def test_anchors_collect_the_mass_of_the_newest_window_offsets_apart():
     case = decode_case(GPU_PAGE_FORMAT, seed=7)
     request = case.state.requests["req0"]
-    request.config = H2O.with_request_overrides({"kv_decode_policy": "anchors"})
+    request.config = ENGINE.with_request_overrides({"kv_decode_policy": "anchors"})
     case.state.prepare_decode_scoring(case.step)
     assert request.anchor_scores is not None and not request.anchor_scores.any()
     earlier = torch.rand(LAYERS, HEADS, 24, generator=torch.Generator().manual_seed(8))
@@ -279,8 +283,8 @@ def test_anchors_are_scored_every_step_whatever_the_sampling():
     get any anchor mass."""
     case = decode_case(GPU_PAGE_FORMAT, seed=7)
     anchors = case.state.requests["req0"]
-    anchors.config = H2O.with_request_overrides({"kv_decode_policy": "anchors",
-                                                 "kv_decode_score_every": 4})
+    anchors.config = ENGINE.with_request_overrides({"kv_decode_policy": "anchors",
+                                                    "kv_decode_score_every": 4})
     case.step.decode_queries, case.step.decode_scoring = [], None
     case.state.prepare_decode_scoring(case.step)
     # 11 generated tokens after this step (not a multiple of 4): scored, counting once
@@ -403,14 +407,14 @@ def test_fused_decode_scores_on_the_step_device_match_the_torch_pass(monkeypatch
     kernel = TritonPagedKernel(case.layout, torch.float32,
                                use_triton=True if device == "cpu" else None)
     step = case.step
-    plan = replace(step.decode_scoring, **{
+    tables = step.tables.to(torch.device(device))
+    plan = replace(step.decode_scoring, tables=tables, **{
         name: getattr(step.decode_scoring, name).to(device)
-        for name in ("tokens", "page_ids", "lengths", "key_positions", "prompt_kept", "offsets",
-                     "mass")})
+        for name in ("tokens", "lengths", "prompt_kept", "mass")})
     moved = replace(step, num_new_tokens=step.num_new_tokens.to(device),
                     lengths_before=step.lengths_before.to(device),
                     slot_mapping=step.slot_mapping.to(device),
-                    tables=step.tables.to(torch.device(device)), decode_scoring=plan)
+                    tables=tables, decode_scoring=plan)
     args = kernel.prepare(moved)
     assert kernel.fuses_decode_scores(args, plan)
     pool, query = case.pool.to(device), case.query.to(device)

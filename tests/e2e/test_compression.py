@@ -276,8 +276,8 @@ def test_admission_reserving_growth_runs_without_preemptions(surrogate_tiny_llam
 
 # Decode eviction for some of the soak's requests (3 and 5 are coprime: every method meets
 # every decode policy).
-# The engine's decode budget (window policy) sizes the decode-score reserve; ``None`` turns a
-# request's decode eviction off.
+# The engine's decode budget (a scoring policy: window reserves none) sizes the decode-score
+# reserve; ``None`` turns a request's decode eviction off.
 DECODE_MIX = [
     {"kv_decode_policy": "h2o", "kv_decode_budget": 48, "kv_decode_interval": 16},
     {"kv_decode_budget": None},
@@ -295,7 +295,7 @@ def test_aborts_preemption_of_compressed_requests_and_finish_leak_nothing(
     harness = EngineHarness(
         surrogate_tiny_llama, {"kv_compression": "snapkv", "kv_budget": 96,
                                "kv_admission_lookahead": 0, "kv_decode_budget": 48,
-                               "kv_decode_interval": 16},
+                               "kv_decode_interval": 16, "kv_decode_policy": "snapkv"},
         # 13 x 128 tokens: one request of max_model_len still fits beside the score and
         # decode-score reserves (the assertions below check the pool stays tight)
         kv_cache_memory_bytes=13 * 128 * BYTES_PER_TOKEN, **TINY,
@@ -415,12 +415,13 @@ def test_per_request_decode_policies_share_a_batch(tiny_llama):
     harness = EngineHarness(
         # the engine's decode budget sizes the decode-score reserve the h2o request uses
         tiny_llama, {"kv_compression": "snapkv", "kv_budget": 48, "kv_decode_budget": 24,
-                     "kv_decode_interval": 8},
+                     "kv_decode_interval": 8, "kv_decode_policy": "h2o"},
         kv_cache_memory_bytes=4096 * BYTES_PER_TOKEN, **TINY,
     )
     requests = {
         "h2o": {"kv_decode_policy": "h2o", "kv_decode_budget": 24, "kv_decode_interval": 8},
-        "window": {"kv_decode_budget": 16, "kv_decode_interval": 4},
+        "window": {"kv_decode_policy": "window", "kv_decode_budget": 16,
+                   "kv_decode_interval": 4},
         "full": {"kv_decode_budget": None},  # no decode budget: keeps every generated token
     }
     try:
@@ -457,7 +458,7 @@ def test_a_preempted_request_resumes_within_its_decode_budget(surrogate_tiny_lla
     harness = EngineHarness(
         surrogate_tiny_llama, {"kv_compression": "snapkv", "kv_budget": 100_000,
                                "kv_admission_lookahead": 0, "kv_decode_budget": budget,
-                               "kv_decode_interval": interval},
+                               "kv_decode_interval": interval, "kv_decode_policy": "h2o"},
         kv_cache_memory_bytes=14 * 128 * BYTES_PER_TOKEN, **TINY,
     )
     decode = {"kv_decode_policy": "h2o", "kv_decode_budget": budget,

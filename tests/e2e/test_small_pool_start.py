@@ -17,7 +17,9 @@ from .harness import EngineHarness, assert_default_scoring, greedy, random_promp
 pytestmark = pytest.mark.slow
 
 SMALL_POOL = dict(max_model_len=1024, kv_cache_memory_bytes=38_000_000)
-COMPRESSION = {"kv_compression": "pyramidkv", "kv_decode_budget": 128}
+# h2o: a scoring decode policy reserves decode scores (window reserves none).
+COMPRESSION = {"kv_compression": "pyramidkv", "kv_decode_budget": 128,
+               "kv_decode_policy": "h2o"}
 # What the refusals below name (checked there): decode scores for at most this many requests.
 FITS_DEFAULT, FITS_HYBRID = 58, 34
 # Long enough for one decode eviction (budget 128 + the default interval of 64).
@@ -50,8 +52,13 @@ def test_the_refusal_names_the_max_num_seqs_that_fits(embedded_model):
 # Every policy runs (each ~10 s here once the model is cached: no need to trim the list).
 @pytest.mark.parametrize("policy", ["window", "h2o", "snapkv", "rkv", "anchors"])
 def test_every_decode_policy_starts_with_the_max_num_seqs_named(embedded_model, policy):
-    harness = EngineHarness(embedded_model, {**COMPRESSION, "kv_decode_policy": policy},
-                            max_num_seqs=FITS_DEFAULT, **SMALL_POOL)
+    """window reserves no decode scores: it starts as it is; anchors reserves a second
+    accumulator per request: fewer fit than h2o's FITS_DEFAULT, as its refusal says."""
+    compression = {**COMPRESSION, "kv_decode_policy": policy}
+    fits = {"window": {}, "anchors": {
+        "max_num_seqs": refused_max_num_seqs(embedded_model, compression)}}.get(
+        policy, {"max_num_seqs": FITS_DEFAULT})
+    harness = EngineHarness(embedded_model, compression, **fits, **SMALL_POOL)
     try:
         assert_default_scoring(harness)
         run_two_short_prompts(harness)

@@ -101,10 +101,10 @@ def test_tp2_exact_budgets_on_every_rank_and_a_fault_on_one_rank_ends_its_reques
     abort and the finished requests free every rank's pages. Then a fault on one rank."""
     window, page, layers, heads = 8, 16, 4, 2  # heads per rank
     engine = {"kv_compression": "pyramidkv", "kv_budget": 48, "kv_window": window,
-              "kv_decode_budget": 16, "kv_decode_interval": 48}
+              "kv_decode_budget": 16, "kv_decode_interval": 48, "kv_decode_policy": "snapkv"}
     harness = EngineHarness(
-        # a decode budget (window) sizing the decode-score reserve, never reached by the
-        # 40 tokens of the requests that keep it
+        # a decode budget (a scoring policy) sizing the decode-score reserve, never reached
+        # by the 40 tokens of the requests that keep it
         tiny_llama_kv4, engine,
         max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16,
         kv_cache_memory_bytes=8192 * 4 * 2 * 2 * 32 * 4, **TP2,

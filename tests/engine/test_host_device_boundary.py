@@ -97,8 +97,10 @@ def test_decode_scoring_is_prepared_without_reading_the_device(emulated_device):
         assert is_on_device(decode.scores)
     plan = case.step.decode_scoring
     assert all(is_on_device(tensor) for tensor in (
-        plan.tokens, plan.page_ids, plan.lengths, plan.key_positions, plan.prompt_kept,
-        plan.offsets, plan.mass))
+        plan.tokens, plan.lengths, plan.prompt_kept,
+        *(tensor for group in plan.groups for tensor in (group.numbers, group.positions))))
+    # the step's scores: a buffer the worker made on its device, never copied from the host
+    assert plan.mass.device == case.state.device and not is_on_device(plan.mass)
     assert DeviceTensor.syncs == 0
 
 

@@ -1,20 +1,24 @@
-"""The scheduler's ScoringGate, the window-score reserve and the decode-score reserve (and
-the per-request bound that keeps it exact), without vLLM."""
+"""The scheduler's ScoringGate, the window-score reserve and the decode-score reserve (against
+what the worker allocates, and the per-request bound that keeps it exact)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
 from kvcompress.engine.scoring_memory import (
-    DECODE_SCORE_BYTES,
     ScoringGate,
-    decode_reserved_bytes,
     reserved_bytes,
     scored_token_reserve,
     scores_prompt,
 )
+from kvcompress.engine.vllm_layout import ScoringReserve
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from kvcompress.policies.decode import DECODE_POLICIES
 from kvcompress.policies.plan import MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
+from tests.paged_cases import build_case
 
 SNAPKV = KVCompressionConfig.from_mapping(
     {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 16}
@@ -105,31 +109,87 @@ def test_decoding_and_unscored_requests_pass_untouched():
     assert gate.limit(FakeRequest("s", 600), streaming, 0, 600) == 600
 
 
-def test_decode_scores_are_reserved_per_running_request_at_the_engine_capacity():
-    engine = KVCompressionConfig.from_mapping(
-        {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 8,
-         "kv_decode_policy": "h2o", "kv_decode_budget": 100, "kv_decode_interval": 28})
-    assert engine.decode_score_capacity == 128
-    assert KVCompressionConfig.from_mapping({"kv_compression": "snapkv"}).decode_score_capacity == 0
-    # 16 requests x 4 layers x 2 heads x 128 offsets: the accumulator and the step's workspace
-    assert decode_reserved_bytes(16, 4, 2, 128) == 16 * 4 * 2 * 128 * DECODE_SCORE_BYTES
-    assert decode_reserved_bytes(16, 4, 2, 0) == 0
-    # requests fit in the engine's capacity whatever their split of it ...
-    fits = engine.with_request_overrides({"kv_decode_policy": "snapkv", "kv_decode_budget": 64,
-                                          "kv_decode_interval": 64})
-    assert fits.decode_eviction.capacity == 128
-    # ... the window policy holds no scores, so it is not bounded
-    window = engine.with_request_overrides({"kv_decode_policy": "window",
-                                            "kv_decode_budget": 500})
-    assert window.decode_eviction.capacity == 528
+def engine_with_decode(policy: str) -> KVCompressionConfig:
+    return KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget": 64, "kv_window": 4,
+         "kv_decode_policy": policy, "kv_decode_budget": 16, "kv_decode_interval": 8})
+
+
+def fake_vllm_config(config: KVCompressionConfig, max_num_seqs: int) -> SimpleNamespace:
+    """What ``ScoringReserve.of`` reads of vLLM's config."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=512),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256,
+                                         max_num_seqs=max_num_seqs),
+        additional_config=config.to_mapping())
+
+
+def score_bytes_held(state, plan) -> int:
+    """Bytes of every fp32 score tensor the worker holds for decode scoring: each request's
+    accumulators and the step's buffers (whole storages, so a buffer larger than the view
+    the step uses counts in full; shared storages once)."""
+    tensors = [tensor for request in state.requests.values()
+               for tensor in (request.decode_scores, request.anchor_scores)]
+    if plan is not None:
+        tensors += [getattr(plan, field.name) for field in fields(plan)]
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in tensors
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("policy", DECODE_POLICIES)
+def test_the_decode_reserve_is_what_the_worker_allocates_for_scored_requests(policy):
+    """Every running request scored at once, its generated part at the capacity (the widest
+    step): the reserve the engine takes from the KV memory equals the score memory the
+    worker then holds, for every decode policy (anchors keeps a second accumulator; window
+    scores nothing and reserves nothing)."""
+    engine = engine_with_decode(policy)
+    requests, layers, heads = 3, 2, 2
+    reserve = ScoringReserve.of(fake_vllm_config(engine, max_num_seqs=requests))
+    capacity = 16 + 8
+    generated = capacity - 1  # this step's token brings it to the capacity
+    lengths = [[40 + generated] * layers * heads] * requests
+    case = build_case(GPU_PAGE_FORMAT, lengths, [1] * requests, num_layers=layers,
+                      num_kv_heads=heads, group=2, head_size=8, page_size=16,
+                      dtype=torch.float32)
+    for request in case.state.requests.values():
+        request.config = engine
+        request.prompt_kept = request.lengths - generated
+    case.state.prepare_decode_scoring(case.step)
+    scored = len(case.step.decode_queries)
+    assert scored == (0 if policy == "window" else requests)
+    held = score_bytes_held(case.state, case.step.decode_scoring)
+    assert held == requests * reserve.decode_request_bytes(layers, heads)
+    assert (held == 0) == (policy == "window")
+
+
+def test_a_request_cannot_score_beyond_what_its_engine_reserved():
+    """The per-request policy must fit the engine's reserve: a window engine reserves no
+    decode scores, an h2o engine one accumulator per request (anchors needs two)."""
+    window = engine_with_decode("window")
+    assert window.decode_score_capacity == 0
+    with pytest.raises(KVCompressionConfigError, match="scoring --kv-decode-policy"):
+        window.with_request_overrides({"kv_decode_policy": "h2o"})
+    window.with_request_overrides({"kv_decode_budget": 500})  # unscored: unbounded
+    h2o = engine_with_decode("h2o")
+    assert h2o.decode_score_capacity == 24
+    for policy in ("snapkv", "rkv"):
+        h2o.with_request_overrides({"kv_decode_policy": policy})
+    with pytest.raises(KVCompressionConfigError, match="--kv-decode-policy anchors") as error:
+        h2o.with_request_overrides({"kv_decode_policy": "anchors"})
+    assert error.value.key == "kv_decode_policy"
+    anchors = engine_with_decode("anchors")
+    for policy in DECODE_POLICIES:
+        anchors.with_request_overrides({"kv_decode_policy": policy})
 
 
 @pytest.mark.parametrize(("engine", "overrides", "message"), [
-    ({"kv_decode_budget": 100, "kv_decode_interval": 28},
+    ({"kv_decode_policy": "h2o", "kv_decode_budget": 100, "kv_decode_interval": 28},
      {"kv_decode_policy": "h2o", "kv_decode_budget": 101},
      r"'kv_decode_budget': got 101 \+ interval 28 .* allowed: kv_decode_budget \+ "
      r"kv_decode_interval <= 128"),
-    ({"kv_decode_budget": 100, "kv_decode_interval": 28},
+    ({"kv_decode_policy": "h2o", "kv_decode_budget": 100, "kv_decode_interval": 28},
      {"kv_decode_policy": "snapkv", "kv_decode_interval": 29},
      r"'kv_decode_budget'.*<= 128"),
     ({}, {"kv_decode_policy": "h2o", "kv_decode_budget": 16},
