@@ -38,6 +38,15 @@ MAX_LOGITS_ELEMENTS = 1 << 22
 SCORING_WORKSPACE_BYTES = 16 * MAX_LOGITS_ELEMENTS
 
 
+def scoring_workspace_bytes(query_heads: int, kv_heads: int, head_dim: int,
+                            pass_tokens: int, longest_prompt: int, page_size: int = 64) -> int:
+    """``SCORING_WORKSPACE_BYTES``, or less where a pass's whole logits and keys are smaller
+    than one block: a small model's passes never build a full one."""
+    keys = longest_prompt + pass_tokens + page_size  # page-aligned chunks round up
+    extent = max(query_heads * pass_tokens, kv_heads * head_dim) * keys
+    return SCORING_WORKSPACE_BYTES * min(MAX_LOGITS_ELEMENTS, extent) // MAX_LOGITS_ELEMENTS
+
+
 def key_chunk(num_kv_heads: int, head_dim: int, page_size: int,
               max_elements: int = MAX_LOGITS_ELEMENTS) -> int:
     """Prompt keys read at once: whole pages, at most ``max_elements / 2`` fp32 key elements

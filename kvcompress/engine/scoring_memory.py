@@ -64,7 +64,7 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
     padded blocks of at most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or
     one layer of one request when that alone is larger; a reconstruction pass's scoring
     needs ``scoring_workspace`` bytes per layer, whatever the prompt
-    (``attention.reconstruction_scores.SCORING_WORKSPACE_BYTES``)."""
+    (``attention.reconstruction_scores.scoring_workspace_bytes``)."""
     scores = scored_tokens * num_layers * num_kv_heads
     planning = min(2 * scores * PLAN_BYTES_PER_SCORE,
                    workspace_bytes(num_kv_heads, longest_prompt))

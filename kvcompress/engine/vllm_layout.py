@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvcompress.attention.reconstruction_scores import SCORING_WORKSPACE_BYTES
+from kvcompress.attention.reconstruction_scores import scoring_workspace_bytes
 from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
     MAX_REPEAT_TOKENS,
@@ -85,6 +85,9 @@ class ScoringReserve:
     decode_requests: int = 0
     decode_capacity: int = 0
     decode_accumulators: int = 1
+    # One layer's reconstruction scoring workspace (bytes; 0 without passes): bounded by the
+    # pass's own extents where they are smaller than its blocks (small models).
+    scoring_workspace: int = 0
 
     @classmethod
     def of(cls, vllm_config: Any) -> ScoringReserve:
@@ -99,9 +102,13 @@ class ScoringReserve:
             accumulators = 2 if config.loads_surrogate and config.scores_window else 1
             return cls(scored_token_reserve(max_model_len, batched), max_model_len,
                        accumulators=accumulators, **decode)
-        return cls(scored_token_reserve(max_model_len, batched), max_model_len,
-                   reconstruction_tokens(config.reconstruct_chunk, batched), accumulators=2,
-                   **decode)
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        pass_tokens = reconstruction_tokens(config.reconstruct_chunk, batched)
+        workspace = scoring_workspace_bytes(
+            model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
+            model.get_head_size(), pass_tokens, max_model_len)
+        return cls(scored_token_reserve(max_model_len, batched), max_model_len, pass_tokens,
+                   accumulators=2, scoring_workspace=workspace, **decode)
 
     def decode_request_bytes(self, num_layers: int, num_kv_heads: int) -> int:
         """One running request's decode scores at the capacity: its accumulators and its
@@ -154,7 +161,7 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
         # without scratch pages a reconstruction's hybrid is scored by its window alone
         1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators,
-        SCORING_WORKSPACE_BYTES if scratch else 0)
+        reserve.scoring_workspace if scratch else 0)
     request_bytes = 0 if reserve is None else reserve.decode_request_bytes(
         len(layers), spec.num_kv_heads)
     decode_requests = 0 if not request_bytes else min(reserve.decode_requests, _runnable_requests(
