@@ -24,6 +24,7 @@ from benchmarks import (
     shared_context,
     shared_prefix,
     step_overhead,
+    streaming_latency,
     throughput,
 )
 from benchmarks.multi_turn import report as multi_turn_report
@@ -112,6 +113,10 @@ def _shared_prefix(report: Report) -> str:
     return shared_prefix.render(report["configs"])
 
 
+def _streaming_latency(report: Report) -> str:
+    return streaming_latency.render(report["rows"])
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("throughput", "Throughput against vanilla vLLM",
             ("throughput_defaults.json", "throughput.json", "throughput_2threads.json",
@@ -170,6 +175,9 @@ SECTIONS: tuple[Section, ...] = (
                                                         "shared_context_sharing.json",
                                                         "shared_context_surrogate.json"),
             _shared_context),
+    Section("streaming_latency", "Streaming latency while long prompts arrive",
+            ("streaming_latency.json", "streaming_latency_inline_passes.json"),
+            _streaming_latency),
     Section("shared_prefix", "A prefix shared by running requests",
             ("shared_prefix.json", "shared_prefix_n4_scoring.json"), _shared_prefix),
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -32,6 +33,9 @@ from kvcompress.paging import ShardedPageManager
 from kvcompress.paging.page_table import pages_for_lengths
 
 logger = get_logger(__name__)
+
+# Waiting requests whose cached prefixes the eviction order protects (a lookup each per step).
+EVICTION_LOOKAHEAD = 64
 
 
 # The private seams we override: a chunk's last size check, and preemption (to count it).
@@ -97,6 +101,7 @@ class KVCompressScheduler(Scheduler):
         self.scoring_gate.prune(self.requests, held=self.passes.parked())
         self.admission.prune(self.requests)
         self._order_running_by_recompute_cost()
+        self._plan_cache_evictions()
         freed_before = self.kv_cache_manager.window_freed_pages
         passes = self._grant_passes()
         try:
@@ -107,6 +112,19 @@ class KVCompressScheduler(Scheduler):
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
+
+    def _plan_cache_evictions(self) -> None:
+        """The prefix-cache entries the first waiting requests will adopt are evicted last,
+        the one needed latest first (``PrefixCache.plan_evictions``): in a round of chat
+        turns the first admitted no longer evict the caches of the turns queued behind."""
+        if not self.reuse.enabled or not len(self.reuse.index):
+            return
+        next_use: dict[int, int] = {}
+        for position, request in enumerate(itertools.islice(self.waiting, EVICTION_LOOKAHEAD)):
+            match = self.reuse.lookup(request)
+            if match is not None:
+                next_use.setdefault(match.entry_id, position)
+        self.page_manager.plan_evictions(next_use)
 
     def _grant_passes(self) -> StepPasses:
         """This step's pass chunks, out of the token budget after one token per decoding

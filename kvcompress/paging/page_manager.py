@@ -135,6 +135,10 @@ class PageManager:
         """Prefix-cache entries, least recently used first."""
         return self.cache.entry_ids()
 
+    def plan_evictions(self, next_use: dict[int, int]) -> None:
+        """``PrefixCache.plan_evictions``."""
+        self.cache.plan_evictions(next_use)
+
     def can_adopt(self, entry_id: int, hit: int, logical_len: int, copy: bool,
                   reserve: int = 0) -> bool:
         return self.cache.can_adopt(entry_id, hit, logical_len, copy, reserve)

@@ -94,6 +94,9 @@ class PrefixCache:
         # Entries this schedule's copies read (until unpin_all), and the pages they hold.
         self._pinned: set[int] = set()
         self._num_pinned = 0
+        # Entries waiting requests will adopt -> how soon (their queue position): evicted
+        # last, the one needed latest first (``plan_evictions``).
+        self._next_use: dict[int, int] = {}
 
     @property
     def num_cached(self) -> int:
@@ -225,10 +228,24 @@ class PrefixCache:
         self.pool.push(pages)
         return len(pages)
 
+    def plan_evictions(self, next_use: dict[int, int]) -> None:
+        """``next_use``: entry -> how soon a waiting request adopts it (0: the next one to
+        be admitted). Such entries are evicted after every other, the one needed latest
+        first (Belady's order over the known queue): the requests admitted first then do not
+        evict the caches of the requests queued behind them (a round of chat turns)."""
+        self._next_use = dict(next_use)
+
+    def eviction_order(self) -> list[int]:
+        """Entries in the order ``evict_for`` drops them: least recently used first among
+        those no waiting request adopts, then those by latest use first."""
+        wanted = [entry_id for entry_id in self._next_use if entry_id in self._entries]
+        unwanted = [entry_id for entry_id in self._entries if entry_id not in self._next_use]
+        return unwanted + sorted(wanted, key=lambda entry_id: -self._next_use[entry_id])
+
     def evict_for(self, count: int) -> None:
-        """Drop entries, least recently used first and never a pinned one, until ``count``
-        pages are free or none is left to drop (``PagePool.reclaim``)."""
-        for entry_id in list(self._entries):
+        """Drop entries in ``eviction_order``, never a pinned one, until ``count`` pages are
+        free or none is left to drop (``PagePool.reclaim``)."""
+        for entry_id in self.eviction_order():
             if self.pool.num_free >= count:
                 break
             if entry_id not in self._pinned:

@@ -214,6 +214,11 @@ class ShardedPageManager:
     def entry_ids(self) -> list[int]:
         return self.shards[0].entry_ids()
 
+    def plan_evictions(self, next_use: dict[int, int]) -> None:
+        """The same eviction order on every rank (``PrefixCache.plan_evictions``)."""
+        for shard in self.shards:
+            shard.plan_evictions(next_use)
+
     def take_evicted_entries(self) -> list[int]:
         """Entries evicted for pages (on any rank) since the last call; gone on every rank."""
         evicted, self._evicted = self._evicted, []

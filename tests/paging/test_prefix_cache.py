@@ -325,3 +325,22 @@ def test_adoption_of_an_unknown_or_uncuttable_entry_is_refused(copy):
     assert not manager.can_adopt(1, 6, 8, copy) and not manager.adopt("x", 1, 6, copy)
     assert "x" not in manager
     manager.check_invariants()
+
+
+def test_entries_waiting_requests_adopt_are_evicted_last_the_latest_needed_first():
+    """Belady's order over the known queue: an entry no waiting request adopts goes first
+    (least recently used first), then the wanted ones, the one needed latest first."""
+    manager = make_manager(total_pages=40)
+    for entry_id in (1, 2, 3, 4):
+        finished(manager, f"r{entry_id}", entry_id, logical=4, prompt_len=4)  # 4 pages each
+    manager.plan_evictions({1: 0, 3: 5, 2: 1})  # 4 is nobody's: it goes first
+    assert manager.cache.eviction_order() == [4, 3, 2, 1]
+    assert manager.allocate("new", 4 * 7)  # 28 pages: 24 free, so one entry goes
+    assert manager.take_evicted_entries() == [4]
+    assert manager.allocate("more", 4 * 2)  # 8 pages: entry 3 (needed latest), then 2
+    assert manager.take_evicted_entries() == [3, 2]
+    assert manager.entry(1) is not None  # the next admitted request's cache survives
+    manager.plan_evictions({})  # the queue moved on: least recently used again
+    assert manager.cache.eviction_order() == [1]
+    manager.check_invariants()
+    assert accounted(manager) == 40
