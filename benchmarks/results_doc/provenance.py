@@ -138,6 +138,16 @@ CHANGES: tuple[Change, ...] = (
             "multi_turn", "multi_turn_recall", "shared_context", "shared_prefix"),
            # the runs that chose it: their `+scoring=surrogate` rows are what auto now runs
            measured_by=("quality_surrogate.json", "shared_context_surrogate.json")),
+    Change("9bbdc34", "2026-12-04T11:09:20+00:00",
+           "admission counts the worst spread of a budget shared model-wide (each row keeps "
+           "at least its window, in whole pages) and each tensor-parallel rank's own pages: "
+           "fewer requests admitted at once where `--kv-budget-sharing auto` is `model` (the "
+           "surrogate's and a reconstruction's scores)",
+           (*COMPRESSED_THROUGHPUT, "multi_turn", "multi_turn_recall", "shared_prefix")),
+    Change("242d21f", "2026-12-04T11:40:34+00:00",
+           "prefix-cache entries that waiting requests will adopt are evicted last, the one "
+           "needed latest first (was least recently used first)",
+           ("multi_turn", "multi_turn_recall", "shared_prefix")),
 )
 
 
