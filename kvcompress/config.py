@@ -618,6 +618,11 @@ class KVCompressionConfig:
         if "kv_budget" in overrides or "kv_compression_ratio" in overrides:
             merged["kv_budget"] = merged["kv_compression_ratio"] = None
         merged.update(overrides)
+        if "kv_decode_budget" in overrides and overrides["kv_decode_budget"] is None \
+                and "kv_decode_policy" not in overrides:
+            # No decode eviction for this request: the engine's decode policy has nothing to
+            # pick (and a scoring one would be refused without a budget).
+            merged["kv_decode_policy"] = DEFAULT_DECODE_POLICY
         resolved = KVCompressionConfig.from_mapping(merged, source="request")
         self._check_decode_score_capacity(resolved)
         return resolved

@@ -189,6 +189,9 @@ def test_decode_eviction_is_off_by_default_and_resolved_per_request():
     assert (window.decode_eviction.method.name, window.decode_eviction.recent) == ("window", 4)
     off = window.with_request_overrides({"kv_compression": "none"})
     assert off.decode_budget == 4 and off.decode_eviction is None  # compression off: kept
+    # a request that turns decode eviction off does not inherit a scoring engine's policy
+    full = h2o.with_request_overrides({"kv_decode_budget": None})
+    assert full.decode_eviction is None and full.decode_policy == "window"
 
 
 def test_request_overrides_need_compression_on_the_engine():

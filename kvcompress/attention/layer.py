@@ -21,6 +21,11 @@ from kvcompress.step import UNSCALED, KVScales, PagedAttentionMetadata
 logger = get_logger(__name__)
 
 
+def _scoring_blocks(elements: int) -> dict[str, int]:
+    """A small pool's smaller scoring blocks (``PageLayout.scoring_elements``; 0: default)."""
+    return {"max_elements": elements} if elements else {}
+
+
 def attend_layer(metadata: PagedAttentionMetadata, layer_index: int, query: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
                  output: torch.Tensor, scale: float, *, soft_cap: float | None = None,
@@ -126,8 +131,9 @@ def _score_reconstruction(metadata: PagedAttentionMetadata, layer_index: int,
                 continue  # failed in an earlier layer: its scores are not used
             try:
                 maybe_fail("reconstruct", [window.prompt_len])
-                accumulate_reconstruction_scores(query, pool, metadata.kernel.page_format,
-                                                 step, window, layer_index, scale, **softmax)
+                accumulate_reconstruction_scores(
+                    query, pool, metadata.kernel.page_format, step, window, layer_index, scale,
+                    **softmax, **_scoring_blocks(step.layout.scoring_elements))
             except Exception as error:
                 raise_if_fatal(error, pool.device, "reconstruction scoring")
                 logger.exception("kvcompress: reconstruction scoring failed for request %s",

@@ -35,7 +35,18 @@ MAX_LOGITS_ELEMENTS = 1 << 22
 # Peak temporary bytes of one layer's scoring, per logits element: the block, its mask and
 # log-sum-exp temporaries; two key chunks (the next is read while the last is let go), each
 # gathered, reordered and widened to fp32. 13.5 measured (tests/engine/test_workspace_bounds.py).
-SCORING_WORKSPACE_BYTES = 16 * MAX_LOGITS_ELEMENTS
+WORKSPACE_BYTES_PER_ELEMENT = 16
+SCORING_WORKSPACE_BYTES = WORKSPACE_BYTES_PER_ELEMENT * MAX_LOGITS_ELEMENTS
+# A small pool's smallest blocks (slower scoring, 1 MiB of workspace).
+MIN_LOGITS_ELEMENTS = 1 << 16
+MIN_SCORING_WORKSPACE_BYTES = WORKSPACE_BYTES_PER_ELEMENT * MIN_LOGITS_ELEMENTS
+
+
+def scoring_elements(workspace_bytes: int) -> int:
+    """The largest logits block that scoring within ``workspace_bytes`` builds (at least
+    MIN_LOGITS_ELEMENTS: reserve ``MIN_SCORING_WORKSPACE_BYTES`` at least)."""
+    return max(MIN_LOGITS_ELEMENTS,
+               min(MAX_LOGITS_ELEMENTS, workspace_bytes // WORKSPACE_BYTES_PER_ELEMENT))
 
 
 def scoring_workspace_bytes(query_heads: int, kv_heads: int, head_dim: int,

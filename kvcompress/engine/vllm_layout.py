@@ -14,7 +14,11 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvcompress.attention.reconstruction_scores import scoring_workspace_bytes
+from kvcompress.attention.reconstruction_scores import (
+    MIN_SCORING_WORKSPACE_BYTES,
+    scoring_elements,
+    scoring_workspace_bytes,
+)
 from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
     MAX_REPEAT_TOKENS,
@@ -157,11 +161,15 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     scratch = 0 if reserve is None or any(windows) else _scratch_tokens(
         reserve.reconstruction_tokens, memory,
         len(layers) * spec.num_kv_heads * 2 * spec.head_size * dtype_bytes)
+    # A pass's scoring workspace, at most a sixteenth of the memory, like its scratch (its
+    # blocks shrink to fit: ``PageLayout.scoring_elements``).
+    workspace = 0 if not scratch else max(MIN_SCORING_WORKSPACE_BYTES,
+                                          min(reserve.scoring_workspace, memory // 16))
     score_bytes = 0 if reserve is None else reserved_bytes(
         reserve.scored_tokens, len(layers), spec.num_kv_heads, reserve.longest_prompt,
         # without scratch pages a reconstruction's hybrid is scored by its window alone
         1 if reserve.reconstruction_tokens and not scratch else reserve.accumulators,
-        reserve.scoring_workspace if scratch else 0)
+        workspace)
     request_bytes = 0 if reserve is None else reserve.decode_request_bytes(
         len(layers), spec.num_kv_heads)
     decode_requests = 0 if not request_bytes else min(reserve.decode_requests, _runnable_requests(
@@ -179,6 +187,7 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
         dtype_bytes=dtype_bytes,
         layer_windows=windows if any(windows) else (),
         scratch_tokens=scratch,
+        scoring_elements=scoring_elements(workspace) if workspace else 0,
     )
 
 

@@ -36,6 +36,9 @@ class PageLayout:
     # requests, this many bytes each (named when a request of max_model_len does not fit).
     decode_score_requests: int = 0
     decode_score_request_bytes: int = 0
+    # Largest logits block a reconstruction pass's scoring builds (elements; 0: its
+    # default): smaller where the pool's memory affords less workspace.
+    scoring_elements: int = 0
 
     def __post_init__(self) -> None:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -100,6 +103,7 @@ class PageLayout:
         scratch_tokens: int = 0,
         decode_score_requests: int = 0,
         decode_score_request_bytes: int = 0,
+        scoring_elements: int = 0,
     ) -> PageLayout:
         """Fit as many pages as the bytes vanilla vLLM would give its KV cache, less
         ``reserved_bytes`` kept for other per-request buffers (window scores), the decode
@@ -121,7 +125,7 @@ class PageLayout:
             )
         return cls(num_layers, num_kv_heads, head_size, page_size, dtype_bytes, total_pages,
                    layer_windows, scratch_pages, decode_score_requests,
-                   decode_score_request_bytes)
+                   decode_score_request_bytes, scoring_elements)
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages one request of ``num_tokens`` uncompressed tokens occupies."""

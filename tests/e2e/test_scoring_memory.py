@@ -3,6 +3,10 @@ reserved, with several prompts at max_model_len scored together."""
 
 import pytest
 
+from kvcompress.attention.reconstruction_scores import (
+    MIN_SCORING_WORKSPACE_BYTES,
+    scoring_workspace_bytes,
+)
 from kvcompress.engine.scoring_memory import (
     reconstruction_tokens,
     reserved_bytes,
@@ -81,9 +85,14 @@ def test_reconstruction_scratch_pages_come_out_of_the_kv_memory(tiny_llama):
         # a pass (its chunk capped so that it fits 64 batched tokens) in every row
         per_row = -(-reconstruction_tokens(48, BATCHED) // layout.page_size)
         assert layout.scratch_pages == 4 * 2 * per_row
-        # two accumulators per scored prompt (hybrid scoring keeps its window's apart)
+        # two accumulators per scored prompt (hybrid scoring keeps its window's apart), and
+        # a pass's scoring workspace (tiny_llama: 4 query heads, 2 KV heads of 32), at most a
+        # sixteenth of the memory
+        workspace = max(MIN_SCORING_WORKSPACE_BYTES, min(memory // 16, scoring_workspace_bytes(
+            4, 2, 32, reconstruction_tokens(48, BATCHED), MAX_MODEL_LEN)))
         reserved = reserved_bytes(scored_token_reserve(MAX_MODEL_LEN, BATCHED), 4, 2,
-                                  MAX_MODEL_LEN, accumulators=2) + layout.scratch_pages * page_bytes
+                                  MAX_MODEL_LEN, accumulators=2, scoring_workspace=workspace
+                                  ) + layout.scratch_pages * page_bytes
         assert manager.total_pages == (memory - reserved) // page_bytes
         outputs = harness.generate(random_prompts([MAX_MODEL_LEN - 2] * 4, seed=21), greedy(2))
         assert all(len(tokens) == 2 for tokens in outputs.values())
