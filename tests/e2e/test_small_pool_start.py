@@ -55,9 +55,12 @@ def test_every_decode_policy_starts_with_the_max_num_seqs_named(embedded_model, 
     """window reserves no decode scores: it starts as it is; anchors reserves a second
     accumulator per request: fewer fit than h2o's FITS_DEFAULT, as its refusal says."""
     compression = {**COMPRESSION, "kv_decode_policy": policy}
-    fits = {"window": {}, "anchors": {
-        "max_num_seqs": refused_max_num_seqs(embedded_model, compression)}}.get(
-        policy, {"max_num_seqs": FITS_DEFAULT})
+    if policy == "window":
+        fits = {}
+    elif policy == "anchors":
+        fits = {"max_num_seqs": refused_max_num_seqs(embedded_model, compression)}
+    else:
+        fits = {"max_num_seqs": FITS_DEFAULT}
     harness = EngineHarness(embedded_model, compression, **fits, **SMALL_POOL)
     try:
         assert_default_scoring(harness)
