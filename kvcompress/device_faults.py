@@ -1,4 +1,4 @@
-"""When the worker may retry after an exception (docs/design.md, "Fault isolation").
+"""When the worker may retry after an exception (docs/design.md, "Compaction").
 
 The compression step contains its failures: a batched stage that raises is retried request
 by request, and a request that fails again is ended alone. That is honest for errors raised
