@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .budgets import layer_budgets
 from .methods.base import SelectionBlock
@@ -26,6 +25,10 @@ MAX_BLOCK_ELEMENTS = 1 << 16
 # Peak temporary bytes per score of a padded block being planned (pooled fp32 copies, int64
 # ranking keys, top-k outputs): 33 measured on CPU, plus headroom. The engine reserves it.
 PLAN_BYTES_PER_SCORE = 40
+# KeepPlan.indices' element: PAD_INDEX is INT32_MAX, and int32 halves the plan, which grows
+# with the prompt times the layers (it is written once, slice by slice, never joined).
+INDEX_DTYPE = torch.int32
+INDEX_BYTES = 4
 
 
 def workspace_scores(num_kv_heads: int, prompt_len: int) -> int:
@@ -39,9 +42,11 @@ class KeepPlan:
     """Tokens kept per (request, layer, KV head), window included.
 
     counts:  LongTensor[R, L, H], tokens kept by each head.
-    indices: LongTensor[R, L, H, K_max], K_max = max(counts) (0 for an empty batch). The first
-             counts[r, l, h] entries are the kept prompt positions, ascending and in
-             [0, prompt_lens[r]); the rest equal PAD_INDEX (2**31 - 1).
+    indices: IntTensor[R, L, H, K_max] (int32: positions and PAD_INDEX fit, and the plan is
+             the largest tensor of the step's device->host transfer), K_max = max(counts) (0
+             for an empty batch). The first counts[r, l, h] entries are the kept prompt
+             positions, ascending and in [0, prompt_lens[r]); the rest equal PAD_INDEX
+             (2**31 - 1).
     prompt_lens: LongTensor[R].
     compressed:  BoolTensor[R], False where the request keeps its whole prompt (nothing to move).
     """
@@ -131,7 +136,8 @@ def _plan_requests(
     """Requests that compress go through padded blocks, the rest keep all."""
     counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
     blocks = []  # (request ids, counts, kept positions)
-    for group in _request_groups(lens, keeps_all, num_layers * num_kv_heads):
+    groups = _request_groups(lens, keeps_all, num_layers * num_kv_heads)
+    for group in groups:
         block_counts, block_kept = _plan_block(
             settings,
             [lens[i] for i in group],
@@ -143,9 +149,14 @@ def _plan_requests(
         blocks.append((torch.tensor(group, device=device), block_counts, block_kept))
 
     whole = [i for i, keep in enumerate(keeps_all) if keep]
+    if groups == [list(range(len(lens)))]:
+        # One block of every request in order (a long prompt alone, the usual case): it is
+        # the plan, not copied again.
+        return blocks[0][1], blocks[0][2]
     max_keep = max([lens[i] for i in whole] + [kept.shape[-1] for _, _, kept in blocks] + [0])
     indices = torch.full(
-        (len(lens), num_layers, num_kv_heads, max_keep), PAD_INDEX, dtype=torch.long, device=device
+        (len(lens), num_layers, num_kv_heads, max_keep), PAD_INDEX, dtype=INDEX_DTYPE,
+        device=device,
     )
     if whole:  # counts = prompt_len, indices = arange(prompt_len)
         whole_ids = torch.tensor(whole, device=device)
@@ -153,10 +164,10 @@ def _plan_requests(
         positions = torch.arange(max_keep, device=device)
         counts[whole_ids] = whole_lens[:, None, None]
         aranges = torch.where(positions < whole_lens[:, None], positions, PAD_INDEX)
-        indices[whole_ids] = aranges[:, None, None, :]
+        indices[whole_ids] = aranges[:, None, None, :].to(INDEX_DTYPE)
     for ids, block_counts, block_kept in blocks:
         counts[ids] = block_counts
-        indices[ids, :, :, : block_kept.shape[-1]] = block_kept
+        indices[ids, :, :, : block_kept.shape[-1]] = block_kept  # both int32
     return counts, indices
 
 
@@ -228,19 +239,34 @@ def _plan_block(
     num_layers = len(per_layer[0])
     layers_at_once = max(1, MAX_BLOCK_ELEMENTS // (len(lens) * num_kv_heads * max(lens)))
     # Shared model-wide, every layer of a request competes: one slice.
-    if layers_at_once >= num_layers or settings.budget_sharing == "model":
-        return _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
-                            slice(0, num_layers))
-    parts = [
-        _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
-                     slice(first, first + layers_at_once))
-        for first in range(0, num_layers, layers_at_once)
-    ]
-    width = max(kept.shape[-1] for _, kept in parts)
-    kept = torch.cat(
-        [F.pad(kept, (0, width - kept.shape[-1]), value=PAD_INDEX) for _, kept in parts], dim=1
-    )
-    return torch.cat([counts for counts, _ in parts], dim=1), kept
+    if settings.budget_sharing == "model":
+        layers_at_once = num_layers
+    counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
+    kept: torch.Tensor | None = None
+    for first in range(0, num_layers, layers_at_once):
+        layers = slice(first, min(first + layers_at_once, num_layers))
+        part_counts, part = _plan_layers(settings, lens, scores, per_layer, num_kv_heads,
+                                         device, layers)
+        counts[:, layers] = part_counts
+        kept = _widened(kept, (len(lens), num_layers, num_kv_heads), part.shape[-1], device)
+        # Written in place: the slices' parts are never held together and joined.
+        kept[:, layers, :, : part.shape[-1]] = part
+        del part
+    assert kept is not None  # num_layers >= 1
+    return counts, kept
+
+
+def _widened(kept: torch.Tensor | None, shape: tuple[int, int, int], width: int,
+             device: torch.device) -> torch.Tensor:
+    """``kept`` (PAD_INDEX-filled where not written yet) at least ``width`` wide. Only a
+    method sharing a layer's budget among its heads can need a later slice wider than the
+    first ones (PyramidKV's widest layers come first): that one step holds the plan twice."""
+    if kept is not None and kept.shape[-1] >= width:
+        return kept
+    wider = torch.full((*shape, width), PAD_INDEX, dtype=INDEX_DTYPE, device=device)
+    if kept is not None:
+        wider[..., : kept.shape[-1]] = kept
+    return wider
 
 
 def _plan_layers(

@@ -55,7 +55,7 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
     method, budget, ratio, window = policy.method, policy.budget, policy.ratio, policy.window
     num_requests = len(lens)
     assert plan.counts.shape == (num_requests, num_layers, num_kv_heads)
-    assert plan.counts.dtype == torch.long and plan.indices.dtype == torch.long
+    assert plan.counts.dtype == torch.long and plan.indices.dtype == torch.int32
     assert plan.indices.shape[:3] == plan.counts.shape
     assert plan.indices.shape[3] == (int(plan.counts.max()) if num_requests else 0)
     assert plan.prompt_lens.tolist() == lens
