@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +12,13 @@ from .methods.base import SelectionBlock
 from .scores import pool_scores
 from .selection import PAD_INDEX
 from .settings import PolicySettings
-from .sharing import model_wide_positions
+from .sharing import (
+    model_wide_counts,
+    model_wide_cutoffs,
+    model_wide_keys,
+    model_wide_positions,
+    model_wide_slice_positions,
+)
 from .threshold import threshold_positions
 from .validation import check_int
 
@@ -238,15 +244,24 @@ def _plan_block(
     """
     num_layers = len(per_layer[0])
     layers_at_once = max(1, MAX_BLOCK_ELEMENTS // (len(lens) * num_kv_heads * max(lens)))
-    # Shared model-wide, every layer of a request competes: one slice.
-    if settings.budget_sharing == "model":
-        layers_at_once = num_layers
-    counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
+    slices = [slice(first, min(first + layers_at_once, num_layers))
+              for first in range(0, num_layers, layers_at_once)]
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None  # model-wide (cut-off, total)
     kept: torch.Tensor | None = None
-    for first in range(0, num_layers, layers_at_once):
-        layers = slice(first, min(first + layers_at_once, num_layers))
+    if settings.budget_sharing == "model" and len(slices) > 1:
+        if settings.score_threshold is None:
+            # Every layer of a request competes: its cut-off key first, slice by slice, and
+            # the widest row it leaves, so the plan is allocated once.
+            cutoff, total, width = _model_wide_cutoffs(settings, lens, scores, per_layer,
+                                                       num_kv_heads, device, slices)
+            shared = cutoff, total
+            kept = _widened(None, (len(lens), num_layers, num_kv_heads), width, device)
+        else:  # a threshold's candidates compete across the request at once: one slice
+            slices = [slice(0, num_layers)]
+    counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
+    for layers in slices:
         part_counts, part = _plan_layers(settings, lens, scores, per_layer, num_kv_heads,
-                                         device, layers)
+                                         device, layers, shared)
         counts[:, layers] = part_counts
         kept = _widened(kept, (len(lens), num_layers, num_kv_heads), part.shape[-1], device)
         # Written in place: the slices' parts are never held together and joined.
@@ -254,6 +269,38 @@ def _plan_block(
         del part
     assert kept is not None  # num_layers >= 1
     return counts, kept
+
+
+def _model_wide_cutoffs(
+    settings: PolicySettings,
+    lens: list[int],
+    scores: list[torch.Tensor] | None,
+    per_layer: list[list[int]],
+    num_kv_heads: int,
+    device: torch.device,
+    slices: list[slice],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each request's model-wide cut-off key and total (``sharing.model_wide_cutoffs``),
+    its scores pooled and ranked a slice of layers at a time, and the most tokens a head
+    keeps then (its window included)."""
+    assert scores is not None  # settings refuse model-wide sharing without scores
+    prefix = torch.tensor(lens, device=device) - settings.window
+    quota = torch.tensor(per_layer, device=device) - settings.window
+    total = quota.sum(dim=1) * num_kv_heads
+
+    def keys_of(layers: slice) -> torch.Tensor:
+        pooled = _pooled_prefix_scores(settings, lens, [score[layers] for score in scores],
+                                       prefix)
+        return model_wide_keys(pooled, layers.start)
+
+    def key_slices() -> Iterator[torch.Tensor]:
+        # Nothing of a slice stays referenced here while its keys are read.
+        return (keys_of(layers) for layers in slices)
+
+    cutoff = model_wide_cutoffs(key_slices, total)
+    selected = [model_wide_counts(keys.view(len(lens), -1, max(lens)), cutoff, total)
+                for keys in key_slices()]
+    return cutoff, total, int(max(int(part.max()) for part in selected)) + settings.window
 
 
 def _widened(kept: torch.Tensor | None, shape: tuple[int, int, int], width: int,
@@ -277,9 +324,11 @@ def _plan_layers(
     num_kv_heads: int,
     device: torch.device,
     layers: slice,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``layers`` of one block: the method selects from each prefix, every head also keeps
-    the window."""
+    the window. ``shared``: model-wide sharing's (cut-off, total) per request, when the
+    request's layers are planned in several slices (``_model_wide_cutoffs``)."""
     window = settings.window
     prefix = torch.tensor(lens, device=device) - window  # selectable positions are [0, prefix)
     # [R, L'] selected tokens per head
@@ -292,6 +341,8 @@ def _plan_layers(
     def within_quota(block: SelectionBlock) -> torch.Tensor:
         if settings.budget_sharing == "model":
             assert block.scores is not None  # settings refuse model-wide sharing without scores
+            if shared is not None:
+                return model_wide_slice_positions(block.scores, layers.start, *shared)
             return model_wide_positions(block.scores, block.quota)
         return settings.compression_method.select(block, settings)
 
