@@ -23,9 +23,10 @@ from collections.abc import Collection
 from typing import Any
 
 from kvcompress.config import KVCompressionConfig
-from kvcompress.policies.plan import PLAN_BYTES_PER_SCORE, workspace_scores
+from kvcompress.policies.plan import INDEX_BYTES, PLAN_BYTES_PER_SCORE, workspace_scores
 
 SCORE_BYTES = 4  # fp32 accumulators
+COUNT_BYTES = 8  # KeepPlan.counts, int64 per (layer, KV head)
 # Tokens of a reconstruction pass's instruction the scratch pages are sized for (longer
 # instructions are cut; ``engine.worker_reconstruction``).
 MAX_REPEAT_TOKENS = 32
@@ -54,6 +55,17 @@ def workspace_bytes(num_kv_heads: int, longest_prompt: int) -> int:
     return workspace_scores(num_kv_heads, longest_prompt) * PLAN_BYTES_PER_SCORE
 
 
+def plan_output_bytes(num_layers: int, num_kv_heads: int, prompt_tokens: int,
+                      accumulators: int = 1) -> int:
+    """What planning ``prompt_tokens`` of prompts holds besides its workspace: the plan
+    itself (``KeepPlan``: an int32 index per kept token of every (layer, KV head) row, at
+    most the whole prompt, and the rows' counts), and with two score sources (hybrid) their
+    rank union, one fp32 per score (``worker_compaction._request_scores``). They grow with
+    the prompt times the layers like the accumulators, and are sized like them."""
+    per_token = INDEX_BYTES + (SCORE_BYTES if accumulators > 1 else 0)
+    return num_layers * num_kv_heads * (prompt_tokens * per_token + COUNT_BYTES)
+
+
 def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
                    longest_prompt: int, accumulators: int = 1,
                    scoring_workspace: int = 0) -> int:
@@ -64,10 +76,15 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
     padded blocks of at most MAX_BLOCK_ELEMENTS scores (padding at most doubles a block), or
     one layer of one request when that alone is larger; a reconstruction pass's scoring
     needs ``scoring_workspace`` bytes per layer, whatever the prompt
-    (``attention.reconstruction_scores.scoring_workspace_bytes``)."""
+    (``attention.reconstruction_scores.scoring_workspace_bytes``). Planning also holds its
+    outputs (``plan_output_bytes``) for every scored prompt token. (Not bounded yet, issue 41
+    item 1: a group of requests planned together pads every request's plan to the group's
+    widest row; hybrid scoring, or a score threshold, shared model-wide plans a request's
+    layers at once.)"""
     scores = scored_tokens * num_layers * num_kv_heads
     planning = min(2 * scores * PLAN_BYTES_PER_SCORE,
                    workspace_bytes(num_kv_heads, longest_prompt))
+    planning += plan_output_bytes(num_layers, num_kv_heads, scored_tokens, accumulators)
     return scores * SCORE_BYTES * accumulators + max(planning, scoring_workspace)
 
 

@@ -436,15 +436,29 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     if not hybrid:
         return accumulators[0]
     prompt = request.new_prompt_tokens(request.prompt_len)
-    prefix = torch.tensor(max(0, prompt - policy.window), device=accumulators[0].device)
-    pooled = [pool_scores(scores[..., :prompt], policy.pooling, policy.pooling_kernel,
-                          lengths=prefix) for scores in accumulators]
-    if policy.score_threshold is not None:
-        # A token passes if either source's score does: the larger of the two (ranks would
-        # lose the scale the threshold is on).
-        return torch.maximum(*pooled) if len(pooled) > 1 else pooled[0]
-    # Shared model-wide, the ranks must compare across rows too.
-    return rank_union(pooled, ranked_dims=3 if policy.budget_sharing == "model" else 1)
+    device = accumulators[0].device
+    prefix = torch.tensor(max(0, prompt - policy.window), device=device)
+
+    def combined(layers: slice) -> torch.Tensor:
+        pooled = [pool_scores(scores[layers, :, :prompt], policy.pooling,
+                              policy.pooling_kernel, lengths=prefix)
+                  for scores in accumulators]
+        if policy.score_threshold is not None:
+            # A token passes if either source's score does: the larger of the two (ranks
+            # would lose the scale the threshold is on).
+            return torch.maximum(*pooled) if len(pooled) > 1 else pooled[0]
+        # Shared model-wide, the ranks must compare across rows too.
+        return rank_union(pooled, ranked_dims=3 if policy.budget_sharing == "model" else 1)
+
+    num_layers = accumulators[0].shape[0]
+    if policy.budget_sharing == "model" and policy.score_threshold is None:
+        return combined(slice(0, num_layers))
+    # Rows are pooled and ranked apart: one layer at a time, into the one output, so the
+    # temporaries are one layer's (the output is reserved: scoring_memory.plan_output_bytes).
+    union = torch.empty((num_layers, accumulators[0].shape[1], prompt), device=device)
+    for layer in range(num_layers):
+        union[layer : layer + 1] = combined(slice(layer, layer + 1))
+    return union
 
 
 def _plan_isolated(

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .budgets import layer_budgets
 from .methods.base import SelectionBlock
 from .scores import pool_scores
 from .selection import PAD_INDEX
 from .settings import PolicySettings
-from .sharing import model_wide_positions
+from .sharing import (
+    model_wide_counts,
+    model_wide_cutoffs,
+    model_wide_keys,
+    model_wide_positions,
+    model_wide_slice_positions,
+)
 from .threshold import threshold_positions
 from .validation import check_int
 
@@ -26,6 +31,10 @@ MAX_BLOCK_ELEMENTS = 1 << 16
 # Peak temporary bytes per score of a padded block being planned (pooled fp32 copies, int64
 # ranking keys, top-k outputs): 33 measured on CPU, plus headroom. The engine reserves it.
 PLAN_BYTES_PER_SCORE = 40
+# KeepPlan.indices' element: PAD_INDEX is INT32_MAX, and int32 halves the plan, which grows
+# with the prompt times the layers (it is written once, slice by slice, never joined).
+INDEX_DTYPE = torch.int32
+INDEX_BYTES = 4
 
 
 def workspace_scores(num_kv_heads: int, prompt_len: int) -> int:
@@ -39,9 +48,11 @@ class KeepPlan:
     """Tokens kept per (request, layer, KV head), window included.
 
     counts:  LongTensor[R, L, H], tokens kept by each head.
-    indices: LongTensor[R, L, H, K_max], K_max = max(counts) (0 for an empty batch). The first
-             counts[r, l, h] entries are the kept prompt positions, ascending and in
-             [0, prompt_lens[r]); the rest equal PAD_INDEX (2**31 - 1).
+    indices: IntTensor[R, L, H, K_max] (int32: positions and PAD_INDEX fit, and the plan is
+             the largest tensor of the step's device->host transfer), K_max = max(counts) (0
+             for an empty batch). The first counts[r, l, h] entries are the kept prompt
+             positions, ascending and in [0, prompt_lens[r]); the rest equal PAD_INDEX
+             (2**31 - 1).
     prompt_lens: LongTensor[R].
     compressed:  BoolTensor[R], False where the request keeps its whole prompt (nothing to move).
     """
@@ -131,7 +142,8 @@ def _plan_requests(
     """Requests that compress go through padded blocks, the rest keep all."""
     counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
     blocks = []  # (request ids, counts, kept positions)
-    for group in _request_groups(lens, keeps_all, num_layers * num_kv_heads):
+    groups = _request_groups(lens, keeps_all, num_layers * num_kv_heads)
+    for group in groups:
         block_counts, block_kept = _plan_block(
             settings,
             [lens[i] for i in group],
@@ -143,9 +155,14 @@ def _plan_requests(
         blocks.append((torch.tensor(group, device=device), block_counts, block_kept))
 
     whole = [i for i, keep in enumerate(keeps_all) if keep]
+    if groups == [list(range(len(lens)))]:
+        # One block of every request in order (a long prompt alone, the usual case): it is
+        # the plan, not copied again.
+        return blocks[0][1], blocks[0][2]
     max_keep = max([lens[i] for i in whole] + [kept.shape[-1] for _, _, kept in blocks] + [0])
     indices = torch.full(
-        (len(lens), num_layers, num_kv_heads, max_keep), PAD_INDEX, dtype=torch.long, device=device
+        (len(lens), num_layers, num_kv_heads, max_keep), PAD_INDEX, dtype=INDEX_DTYPE,
+        device=device,
     )
     if whole:  # counts = prompt_len, indices = arange(prompt_len)
         whole_ids = torch.tensor(whole, device=device)
@@ -153,10 +170,10 @@ def _plan_requests(
         positions = torch.arange(max_keep, device=device)
         counts[whole_ids] = whole_lens[:, None, None]
         aranges = torch.where(positions < whole_lens[:, None], positions, PAD_INDEX)
-        indices[whole_ids] = aranges[:, None, None, :]
+        indices[whole_ids] = aranges[:, None, None, :].to(INDEX_DTYPE)
     for ids, block_counts, block_kept in blocks:
         counts[ids] = block_counts
-        indices[ids, :, :, : block_kept.shape[-1]] = block_kept
+        indices[ids, :, :, : block_kept.shape[-1]] = block_kept  # both int32
     return counts, indices
 
 
@@ -227,20 +244,76 @@ def _plan_block(
     """
     num_layers = len(per_layer[0])
     layers_at_once = max(1, MAX_BLOCK_ELEMENTS // (len(lens) * num_kv_heads * max(lens)))
-    # Shared model-wide, every layer of a request competes: one slice.
-    if layers_at_once >= num_layers or settings.budget_sharing == "model":
-        return _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
-                            slice(0, num_layers))
-    parts = [
-        _plan_layers(settings, lens, scores, per_layer, num_kv_heads, device,
-                     slice(first, first + layers_at_once))
-        for first in range(0, num_layers, layers_at_once)
-    ]
-    width = max(kept.shape[-1] for _, kept in parts)
-    kept = torch.cat(
-        [F.pad(kept, (0, width - kept.shape[-1]), value=PAD_INDEX) for _, kept in parts], dim=1
-    )
-    return torch.cat([counts for counts, _ in parts], dim=1), kept
+    slices = [slice(first, min(first + layers_at_once, num_layers))
+              for first in range(0, num_layers, layers_at_once)]
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None  # model-wide (cut-off, total)
+    kept: torch.Tensor | None = None
+    if settings.budget_sharing == "model" and len(slices) > 1:
+        if settings.score_threshold is None:
+            # Every layer of a request competes: its cut-off key first, slice by slice, and
+            # the widest row it leaves, so the plan is allocated once.
+            cutoff, total, width = _model_wide_cutoffs(settings, lens, scores, per_layer,
+                                                       num_kv_heads, device, slices)
+            shared = cutoff, total
+            kept = _widened(None, (len(lens), num_layers, num_kv_heads), width, device)
+        else:  # a threshold's candidates compete across the request at once: one slice
+            slices = [slice(0, num_layers)]
+    counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
+    for layers in slices:
+        part_counts, part = _plan_layers(settings, lens, scores, per_layer, num_kv_heads,
+                                         device, layers, shared)
+        counts[:, layers] = part_counts
+        kept = _widened(kept, (len(lens), num_layers, num_kv_heads), part.shape[-1], device)
+        # Written in place: the slices' parts are never held together and joined.
+        kept[:, layers, :, : part.shape[-1]] = part
+        del part
+    assert kept is not None  # num_layers >= 1
+    return counts, kept
+
+
+def _model_wide_cutoffs(
+    settings: PolicySettings,
+    lens: list[int],
+    scores: list[torch.Tensor] | None,
+    per_layer: list[list[int]],
+    num_kv_heads: int,
+    device: torch.device,
+    slices: list[slice],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each request's model-wide cut-off key and total (``sharing.model_wide_cutoffs``),
+    its scores pooled and ranked a slice of layers at a time, and the most tokens a head
+    keeps then (its window included)."""
+    assert scores is not None  # settings refuse model-wide sharing without scores
+    prefix = torch.tensor(lens, device=device) - settings.window
+    quota = torch.tensor(per_layer, device=device) - settings.window
+    total = quota.sum(dim=1) * num_kv_heads
+
+    def keys_of(layers: slice) -> torch.Tensor:
+        pooled = _pooled_prefix_scores(settings, lens, [score[layers] for score in scores],
+                                       prefix)
+        return model_wide_keys(pooled, layers.start)
+
+    def key_slices() -> Iterator[torch.Tensor]:
+        # Nothing of a slice stays referenced here while its keys are read.
+        return (keys_of(layers) for layers in slices)
+
+    cutoff = model_wide_cutoffs(key_slices, total)
+    selected = [model_wide_counts(keys.view(len(lens), -1, max(lens)), cutoff, total)
+                for keys in key_slices()]
+    return cutoff, total, int(max(int(part.max()) for part in selected)) + settings.window
+
+
+def _widened(kept: torch.Tensor | None, shape: tuple[int, int, int], width: int,
+             device: torch.device) -> torch.Tensor:
+    """``kept`` (PAD_INDEX-filled where not written yet) at least ``width`` wide. Only a
+    method sharing a layer's budget among its heads can need a later slice wider than the
+    first ones (PyramidKV's widest layers come first): that one step holds the plan twice."""
+    if kept is not None and kept.shape[-1] >= width:
+        return kept
+    wider = torch.full((*shape, width), PAD_INDEX, dtype=INDEX_DTYPE, device=device)
+    if kept is not None:
+        wider[..., : kept.shape[-1]] = kept
+    return wider
 
 
 def _plan_layers(
@@ -251,9 +324,11 @@ def _plan_layers(
     num_kv_heads: int,
     device: torch.device,
     layers: slice,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``layers`` of one block: the method selects from each prefix, every head also keeps
-    the window."""
+    the window. ``shared``: model-wide sharing's (cut-off, total) per request, when the
+    request's layers are planned in several slices (``_model_wide_cutoffs``)."""
     window = settings.window
     prefix = torch.tensor(lens, device=device) - window  # selectable positions are [0, prefix)
     # [R, L'] selected tokens per head
@@ -266,6 +341,8 @@ def _plan_layers(
     def within_quota(block: SelectionBlock) -> torch.Tensor:
         if settings.budget_sharing == "model":
             assert block.scores is not None  # settings refuse model-wide sharing without scores
+            if shared is not None:
+                return model_wide_slice_positions(block.scores, layers.start, *shared)
             return model_wide_positions(block.scores, block.quota)
         return settings.compression_method.select(block, settings)
 

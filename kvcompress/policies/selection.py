@@ -23,10 +23,20 @@ def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
     inverted position fills the low 32. Unique keys make topk deterministic. -0.0 is folded into
     +0.0 first so equal scores tie. (NaN is not supported.)
     """
-    bits = (scores.float() + 0.0).view(torch.int32)
-    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
     positions = torch.arange(scores.shape[-1], device=scores.device)
-    return (monotone << 32) | (0xFFFFFFFF - positions)
+    # The low 32 bits are zero: adding the inverted position is or-ing it in.
+    return score_keys(scores).add_(0xFFFFFFFF - positions)
+
+
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """``ranking_keys``' high half: int64, the monotone fp32 bits shifted up 32, the low 32
+    bits zero. Computed in place on one copy (keys of a long prompt's rows are large)."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # a copy: modified in place below
+    # Negative floats order backwards: flip every bit but the sign.
+    bits ^= (bits < 0).to(torch.int32).mul_(0x7FFFFFFF)
+    keys = bits.long()
+    del bits
+    return keys.bitwise_left_shift_(32)
 
 
 def _ranked_top(keys: torch.Tensor, quota: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +156,9 @@ def mask_to_indices(mask: torch.Tensor, max_keep: int, pad: int = PAD_INDEX) -> 
     Linear time: each kept position goes to slot (number kept before it); dropped positions go to
     a spare slot that is cut off.
     """
-    slots = mask.long().cumsum(dim=-1) - 1
-    slots = torch.where(mask, slots, max_keep)
+    slots = mask.cumsum(dim=-1)  # int64; in place from here (a long prompt's rows are large)
+    slots -= 1
+    slots.masked_fill_(~mask, max_keep)
     positions = torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape)
     out = torch.full((*mask.shape[:-1], max_keep + 1), pad, dtype=torch.long, device=mask.device)
     out.scatter_(-1, slots, positions)

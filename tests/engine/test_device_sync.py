@@ -15,6 +15,7 @@ from kvcompress import device_faults
 from kvcompress.attention.layer import attend_layer
 from kvcompress.device_faults import is_device_fault, may_retry, raise_if_fatal
 from kvcompress.device_timing import StageTimer
+from kvcompress.engine import host_transfer
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.faults import InjectedFault
 from tests import sync_debug
@@ -26,23 +27,40 @@ CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------------ one transfer
-def test_to_host_brings_every_device_tensor_over_in_one_copy():
+@pytest.fixture
+def emulated_transfer(monkeypatch):
+    """to_host's device path on DeviceTensors: a plain host buffer for the pinned one, the
+    wait on the copies counted as the synchronisation it is."""
+    def wait(device):
+        DeviceTensor.syncs += 1
+
+    monkeypatch.setattr(host_transfer, "_on_device", is_on_device)
+    monkeypatch.setattr(host_transfer, "_pinned",
+                        lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(host_transfer, "_wait", wait)
+
+
+def test_to_host_brings_every_device_tensor_over_in_one_copy(emulated_transfer):
     DeviceTensor.syncs = 0
     counts = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
     indices = torch.arange(24).view(2, 3, 4)
     empty = torch.zeros(0, 5, dtype=torch.long)
     on_host = torch.tensor([7, 8], dtype=torch.int16)
-    parts = to_host([on_device(counts), on_device(indices), on_device(empty), on_host])
+    odd = torch.arange(5, dtype=torch.int32)  # 20 bytes: the next tensor's offset is aligned
+    narrowed = torch.arange(24).view(4, 6)[:, :3]  # not contiguous
+    parts = to_host([on_device(counts), on_device(odd), on_device(indices), on_device(empty),
+                     on_host, on_device(narrowed)])
     assert DeviceTensor.syncs == 1
-    for part, expected in zip(parts, (counts, indices, empty, on_host)):
+    for part, expected in zip(parts, (counts, odd, indices, empty, on_host, narrowed)):
         assert not is_on_device(part)
         assert part.dtype == expected.dtype and torch.equal(part, expected)
+    assert parts[4] is on_host  # already on the host: not copied
 
 
-def test_to_host_copies_nothing_without_device_tensors():
+def test_to_host_copies_nothing_without_device_tensors(emulated_transfer):
     DeviceTensor.syncs = 0
     kept = torch.arange(6).view(2, 3)
-    assert torch.equal(to_host([kept])[0], kept)
+    assert to_host([kept])[0] is kept
     assert to_host([]) == []
     assert DeviceTensor.syncs == 0
 

@@ -9,7 +9,10 @@ import torch
 
 from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
 from kvcompress.engine.scoring_memory import (
+    COUNT_BYTES,
+    SCORE_BYTES,
     ScoringGate,
+    plan_output_bytes,
     reserved_bytes,
     scored_token_reserve,
     scores_prompt,
@@ -17,7 +20,7 @@ from kvcompress.engine.scoring_memory import (
 from kvcompress.engine.vllm_layout import ScoringReserve
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
 from kvcompress.policies.decode import DECODE_POLICIES
-from kvcompress.policies.plan import MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
+from kvcompress.policies.plan import INDEX_BYTES, MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
 from tests.paged_cases import build_case
 
 SNAPKV = KVCompressionConfig.from_mapping(
@@ -45,15 +48,22 @@ def test_scored_prompts_are_those_compacted_with_window_scores():
 
 def test_reserve_counts_accumulators_and_a_bounded_planning_workspace():
     assert scored_token_reserve(4096, 512) == 4608
-    # 4 layers x 2 heads: the planning workspace is that of every score held, padded
-    assert reserved_bytes(100, 4, 2, 90) == 100 * 8 * 4 + 2 * 100 * 8 * PLAN_BYTES_PER_SCORE
-    # ... but never more than the largest block planned at once
+    # 4 layers x 2 heads: the planning workspace is that of every score held, padded, and
+    # the plans of every scored token (an int32 index per score, int64 counts per row)
+    plans = 100 * 8 * INDEX_BYTES + 8 * COUNT_BYTES
+    assert plan_output_bytes(4, 2, 100) == plans
+    assert reserved_bytes(100, 4, 2, 90) == (
+        100 * 8 * 4 + 2 * 100 * 8 * PLAN_BYTES_PER_SCORE + plans)
+    # ... hybrid: two accumulators, and the union of their ranks while planning
+    assert plan_output_bytes(4, 2, 100, accumulators=2) == plans + 100 * 8 * SCORE_BYTES
+    # ... but the workspace is never more than the largest block planned at once
     huge = reserved_bytes(1 << 20, 32, 2, MAX_BLOCK_ELEMENTS // 4)
-    assert huge == (1 << 26) * 4 + MAX_BLOCK_ELEMENTS * PLAN_BYTES_PER_SCORE
+    assert huge == ((1 << 26) * 4 + MAX_BLOCK_ELEMENTS * PLAN_BYTES_PER_SCORE
+                    + plan_output_bytes(32, 2, 1 << 20))
     # ... which is one layer of one request when that alone is larger than a block
     longest = MAX_BLOCK_ELEMENTS
     assert reserved_bytes(1 << 20, 32, 8, longest) == (
-        (1 << 28) * 4 + 8 * longest * PLAN_BYTES_PER_SCORE)
+        (1 << 28) * 4 + 8 * longest * PLAN_BYTES_PER_SCORE + plan_output_bytes(32, 8, 1 << 20))
 
 
 def test_a_chunk_stops_short_of_its_window_while_others_fill_the_reserve():

@@ -55,7 +55,7 @@ def check_invariants(plan: KeepPlan, policy: PolicySettings, lens, num_layers, n
     method, budget, ratio, window = policy.method, policy.budget, policy.ratio, policy.window
     num_requests = len(lens)
     assert plan.counts.shape == (num_requests, num_layers, num_kv_heads)
-    assert plan.counts.dtype == torch.long and plan.indices.dtype == torch.long
+    assert plan.counts.dtype == torch.long and plan.indices.dtype == torch.int32
     assert plan.indices.shape[:3] == plan.counts.shape
     assert plan.indices.shape[3] == (int(plan.counts.max()) if num_requests else 0)
     assert plan.prompt_lens.tolist() == lens
@@ -281,6 +281,26 @@ def test_a_request_larger_than_a_block_is_planned_in_layer_slices(monkeypatch, m
     monkeypatch.setattr(plan_module, "MAX_BLOCK_ELEMENTS", layers_at_once * 2 * 90)
     split = plan_keep(policy, lens, scores, num_layers=5, num_kv_heads=2)
     assert torch.equal(whole.counts, split.counts) and torch.equal(whole.indices, split.indices)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "adakv"])
+@pytest.mark.parametrize("layers_at_once", [1, 2])
+@pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "ties"])
+def test_model_wide_sharing_of_a_request_larger_than_a_block_is_exact(
+        monkeypatch, method, layers_at_once, levels):
+    """In layer slices, the request's cut-off key is found first (a digit per pass): the
+    same plan as ranking its whole [L, H, S] at once, ties included."""
+    lens, shape = [90, 61, 12], {"num_layers": 5, "num_kv_heads": 2}
+    scores = random_scores(lens, 5, 2, seed=7, levels=levels)
+    for budget in (24, 70):
+        policy = PolicySettings(method, budget=budget, window=4, budget_sharing="model")
+        whole = plan_keep(policy, lens, scores, **shape)
+        monkeypatch.setattr(plan_module, "MAX_BLOCK_ELEMENTS", layers_at_once * 2 * 90)
+        split = plan_keep(policy, lens, scores, **shape)
+        monkeypatch.undo()
+        assert torch.equal(whole.counts, split.counts)
+        assert torch.equal(whole.indices, split.indices)
+        assert kept_lists(split) == ref_plan(policy, lens, scores, **shape)
 
 
 def test_empty_batch():
