@@ -98,3 +98,16 @@ _.of_lengths
 # The torch reference of expected scoring, all keys at once: the chunked reading of
 # engine/worker_expected.py is tested against it (tests/attention, tests/engine).
 expected_scores
+
+# benchmarks/streaming_latency.py: the Row's fields are read through dataclasses.asdict.
+_.itl_median_ms
+_.itl_max_ms
+_.long_ttft_s
+_.output_tokens_per_s
+_.ratio_p99_vs_first
+# engine/pass_schedule.py: budget tokens granted over the engine's life (tests read it).
+_.tokens_granted
+# engine/scheduler.py: vLLM's Scheduler reads these limits while the parked requests are
+# out of running.
+_.max_num_running_reqs
+_.max_num_active_reqs

@@ -59,3 +59,17 @@ def _targets_cpu(args: tuple, kwargs: dict) -> bool:
         or (isinstance(target, torch.device) and target.type == "cpu")
         for target in targets
     )
+
+
+def emulate_transfers(monkeypatch: Any) -> None:
+    """``engine.host_transfer.to_host``'s device path on DeviceTensors: a plain host buffer
+    for the pinned one, the wait on the copies counted as the synchronisation it is."""
+    from kvcompress.engine import host_transfer
+
+    def wait(device: torch.device) -> None:
+        DeviceTensor.syncs += 1
+
+    monkeypatch.setattr(host_transfer, "_on_device", is_on_device)
+    monkeypatch.setattr(host_transfer, "_pinned",
+                        lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    monkeypatch.setattr(host_transfer, "_wait", wait)

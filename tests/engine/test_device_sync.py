@@ -15,11 +15,10 @@ from kvcompress import device_faults
 from kvcompress.attention.layer import attend_layer
 from kvcompress.device_faults import is_device_fault, may_retry, raise_if_fatal
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine import host_transfer
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.faults import InjectedFault
 from tests import sync_debug
-from tests.device_emulation import DeviceTensor, is_on_device, on_device
+from tests.device_emulation import DeviceTensor, emulate_transfers, is_on_device, on_device
 from tests.engine.test_worker_runtime import adopting_runtime
 
 CUDA = torch.device("cuda")
@@ -29,15 +28,7 @@ CPU = torch.device("cpu")
 # ------------------------------------------------------------------ one transfer
 @pytest.fixture
 def emulated_transfer(monkeypatch):
-    """to_host's device path on DeviceTensors: a plain host buffer for the pinned one, the
-    wait on the copies counted as the synchronisation it is."""
-    def wait(device):
-        DeviceTensor.syncs += 1
-
-    monkeypatch.setattr(host_transfer, "_on_device", is_on_device)
-    monkeypatch.setattr(host_transfer, "_pinned",
-                        lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-    monkeypatch.setattr(host_transfer, "_wait", wait)
+    emulate_transfers(monkeypatch)
 
 
 def test_to_host_brings_every_device_tensor_over_in_one_copy(emulated_transfer):

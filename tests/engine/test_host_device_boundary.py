@@ -23,9 +23,15 @@ from kvcompress.engine.worker_compaction import (
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import KeepPlan, plan_keep
-from tests.device_emulation import DeviceTensor, is_on_device, on_device
+from tests.device_emulation import DeviceTensor, emulate_transfers, is_on_device, on_device
 from tests.engine.test_worker_compaction import labelled_case, token_ids_in_slots
 from tests.paged_cases import build_case
+
+
+@pytest.fixture(autouse=True)
+def emulated_transfers(monkeypatch):
+    """to_host moves DeviceTensors as it moves CUDA tensors (tests.device_emulation)."""
+    emulate_transfers(monkeypatch)
 
 
 @pytest.fixture
