@@ -21,7 +21,7 @@ SMALL_POOL = dict(max_model_len=1024, kv_cache_memory_bytes=38_000_000)
 COMPRESSION = {"kv_compression": "pyramidkv", "kv_decode_budget": 128,
                "kv_decode_policy": "h2o"}
 # What the refusals below name (checked there): decode scores for at most this many requests.
-FITS_DEFAULT, FITS_HYBRID = 58, 34
+FITS_DEFAULT, FITS_HYBRID = 50, 18
 # Long enough for one decode eviction (budget 128 + the default interval of 64).
 NEW_TOKENS = 200
 
