@@ -79,6 +79,7 @@ class KVCompressScheduler(Scheduler):
             self.admission, self.scheduler_config.max_num_batched_tokens, self.reuse,
             log_stats=self.log_stats, waiting=lambda: self.waiting,
         )
+        self._cap_running_at_decode_reserve(layout)
         self.num_pages_freed_by_compression = 0
         self.scoring_gate = ScoringGate(reserve.scored_tokens)
         self._full_token_budget = self.max_num_scheduled_tokens
@@ -93,6 +94,20 @@ class KVCompressScheduler(Scheduler):
             layout.total_pages, layout.page_size, layout.num_layers, layout.num_kv_heads,
             layout.token_capacity,
         )
+
+    def _cap_running_at_decode_reserve(self, layout: Any) -> None:
+        """A running request may hold decode scores, and a small pool reserves them for fewer
+        requests than --max-num-seqs (``vllm_layout.page_layout``): no more run at once."""
+        reserved = layout.decode_score_requests
+        if layout.decode_score_request_bytes and reserved < self.max_num_running_reqs:
+            logger.warning(
+                "kvcompress: decode scores (--kv-decode-budget %d) are reserved for %d running "
+                "requests, so at most %d run at once (--max-num-seqs %d); give the KV cache "
+                "more memory or lower --kv-decode-budget to run more",
+                self.compression_config.decode_budget, reserved, reserved,
+                self.max_num_running_reqs)
+            self.max_num_running_reqs = reserved
+            self.max_num_active_reqs = min(self.max_num_active_reqs, reserved)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas

@@ -89,6 +89,8 @@ class ScoringReserve:
     decode_requests: int = 0
     decode_capacity: int = 0
     decode_accumulators: int = 1
+    # The largest prefill chunk (0: max_model_len): a sliding row's peak (``row_tokens_bound``).
+    max_chunk: int = 0
     # One layer's reconstruction scoring workspace (bytes; 0 without passes): bounded by the
     # pass's own extents where they are smaller than its blocks (small models).
     scoring_workspace: int = 0
@@ -99,6 +101,7 @@ class ScoringReserve:
         batched = vllm_config.scheduler_config.max_num_batched_tokens
         config = KVCompressionConfig.from_mapping(vllm_config.additional_config)
         decode = {"decode_requests": vllm_config.scheduler_config.max_num_seqs,
+                  "max_chunk": batched,
                   "decode_capacity": config.decode_score_capacity,
                   "decode_accumulators": config.decode_score_accumulators}
         if not config.reserves_reconstruction:
@@ -175,20 +178,33 @@ def page_layout(kv_cache_config: KVCacheConfig, page_size: int | None,
     decode_requests = 0 if not request_bytes else min(reserve.decode_requests, _runnable_requests(
         memory - score_bytes, len(layers) * spec.num_kv_heads,
         2 * page_size * spec.head_size * dtype_bytes, request_bytes))
-    return PageLayout.for_memory(
-        kv_cache_bytes=memory,
-        reserved_bytes=score_bytes,
-        decode_score_requests=decode_requests,
-        decode_score_request_bytes=request_bytes,
-        num_layers=len(layers),
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        page_size=page_size,
-        dtype_bytes=dtype_bytes,
-        layer_windows=windows if any(windows) else (),
-        scratch_tokens=scratch,
-        scoring_elements=scoring_elements(workspace) if workspace else 0,
-    )
+
+    def layout_for(decode_requests: int) -> PageLayout:
+        return PageLayout.for_memory(
+            kv_cache_bytes=memory,
+            reserved_bytes=score_bytes,
+            decode_score_requests=decode_requests,
+            decode_score_request_bytes=request_bytes,
+            num_layers=len(layers),
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            page_size=page_size,
+            dtype_bytes=dtype_bytes,
+            layer_windows=windows if any(windows) else (),
+            scratch_tokens=scratch,
+            scoring_elements=scoring_elements(workspace) if workspace else 0,
+        )
+
+    layout = layout_for(decode_requests)
+    if decode_requests and reserve is not None and reserve.longest_prompt:
+        # Decode scores for fewer running requests (the scheduler runs no more) rather than
+        # too few pages for one request of max_model_len: a small pool still starts.
+        missing = layout.pages_for_longest_request(
+            reserve.longest_prompt, reserve.max_chunk) - layout.total_pages
+        fitting = layout.decode_requests_fitting(missing) if missing > 0 else decode_requests
+        if 0 < fitting < decode_requests:
+            layout = layout_for(fitting)
+    return layout
 
 
 def _runnable_requests(bytes_left: int, num_rows: int, page_bytes: int,

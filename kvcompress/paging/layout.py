@@ -135,8 +135,7 @@ class PageLayout:
         """A request of ``max_model_len`` tokens must fit uncompressed (prefill comes before
         compression), or it would wait forever: every row rounds up to whole pages, a
         sliding row holds at most its window plus a chunk (``row_tokens_bound``)."""
-        rows = self.row_tokens_bound(max_model_len, max_chunk or max_model_len)
-        needed = int((-(-rows // self.page_size)).sum())
+        needed = self.pages_for_longest_request(max_model_len, max_chunk)
         if needed > self.total_pages:
             sliding = (" (sliding-window rows: their window plus a prefill chunk)"
                        if self.has_sliding_layers else "")
@@ -151,13 +150,24 @@ class PageLayout:
                 + self._decode_reserve_hint(needed - self.total_pages)
             )
 
+    def pages_for_longest_request(self, max_model_len: int, max_chunk: int | None = None) -> int:
+        """Pages one uncompressed request of ``max_model_len`` tokens holds at its peak."""
+        rows = self.row_tokens_bound(max_model_len, max_chunk or max_model_len)
+        return int((-(-rows // self.page_size)).sum())
+
+    def decode_requests_fitting(self, missing_pages: int) -> int:
+        """Requests whose decode scores may be reserved once ``missing_pages`` more pages are
+        needed (0: none, even at one request)."""
+        freed_per_request = self.decode_score_request_bytes / self.page_bytes
+        return max(0, self.decode_score_requests
+                   - int(np.ceil(missing_pages / freed_per_request)))
+
     def _decode_reserve_hint(self, missing_pages: int) -> str:
         """What the decode-score reserve takes, and the --max-num-seqs that frees enough."""
         if not self.decode_score_requests:
             return ""
         reserved = self.decode_score_requests * self.decode_score_request_bytes
-        freed_per_request = self.decode_score_request_bytes / self.page_bytes
-        fitting = self.decode_score_requests - int(np.ceil(missing_pages / freed_per_request))
+        fitting = self.decode_requests_fitting(missing_pages)
         fix = (f"--max-num-seqs {fitting} fits, or a smaller --kv-decode-budget"
                if fitting >= 1 else "a smaller --kv-decode-budget")
         return (f" (or {fix}: {reserved // self.page_bytes} pages' worth are decode scores of "

@@ -3,12 +3,11 @@ memory (vLLM makes 1536 bf16 tokens of it), ~50-token prompts that are never com
 
 Every decode policy was refused at start: 630 pages of reconstruction scratch under the old
 default scoring, and decode-score accumulators reserved for max_num_seqs requests though the
-pool runs ~60 at most. The default (the surrogate) reserves no scratch, and decode scores
-are now reserved only for requests the pool can run; still, its score accumulator and
-those decode scores leave fewer pages than one request of max_model_len needs (5760). So the
-refusal names the --max-num-seqs that fits, and with it every decode policy starts and runs."""
-
-import re
+pool runs ~60 at most. Then the default (the surrogate) reserved no scratch and decode scores
+were reserved only for requests the pool can run, but those still left fewer pages than one
+request of max_model_len needs (5760): the start was refused, naming the --max-num-seqs that
+fits. Now the reserve shrinks to the requests that leave room for that one request, and the
+scheduler runs no more at once: every decode policy starts as it was configured."""
 
 import pytest
 
@@ -20,17 +19,21 @@ SMALL_POOL = dict(max_model_len=1024, kv_cache_memory_bytes=38_000_000)
 # h2o: a scoring decode policy reserves decode scores (window reserves none).
 COMPRESSION = {"kv_compression": "pyramidkv", "kv_decode_budget": 128,
                "kv_decode_policy": "h2o"}
-# What the refusals below name (checked there): decode scores for at most this many requests.
+# The running requests a 38 MB pool reserves decode scores for, beside one max_model_len
+# request (h2o; explicit hybrid also reserves reconstruction scratch). The start was refused
+# above these (an --max-num-seqs this large was named as the fix).
 FITS_DEFAULT, FITS_HYBRID = 50, 18
 # Long enough for one decode eviction (budget 128 + the default interval of 64).
 NEW_TOKENS = 200
 
 
-def refused_max_num_seqs(model: str, compression: dict) -> int:
-    """Starts the engine expecting the refusal; the --max-num-seqs it says fits."""
-    with pytest.raises(ValueError, match=r"needs 5760 .*--max-num-seqs \d+ fits") as refusal:
-        EngineHarness(model, compression, **SMALL_POOL)
-    return int(re.search(r"--max-num-seqs (\d+) fits", str(refusal.value)).group(1))
+def running_cap(harness: EngineHarness) -> int:
+    """The decode scores reserved, and the running requests the scheduler allows: equal."""
+    layout = harness.page_manager.shards[0].layout
+    assert harness.scheduler.max_num_running_reqs == layout.decode_score_requests
+    assert harness.scheduler.max_num_active_reqs <= layout.decode_score_requests
+    layout.check_holds_one_request(SMALL_POOL["max_model_len"])
+    return layout.decode_score_requests
 
 
 def run_two_short_prompts(harness: EngineHarness) -> None:
@@ -41,39 +44,55 @@ def run_two_short_prompts(harness: EngineHarness) -> None:
     assert not manager.request_ids() and manager.num_available == manager.total_pages
 
 
-def test_the_refusal_names_the_max_num_seqs_that_fits(embedded_model):
-    """Defaults otherwise: refused, naming the decode-score reserve and the fix. Explicit
-    hybrid scoring also reserves scratch (a sixteenth of the memory), so fewer fit."""
-    assert refused_max_num_seqs(embedded_model, COMPRESSION) == FITS_DEFAULT
-    assert refused_max_num_seqs(embedded_model, {**COMPRESSION,
-                                                 "kv_scoring": "hybrid"}) == FITS_HYBRID
-
-
 # Every policy runs (each ~10 s here once the model is cached: no need to trim the list).
 @pytest.mark.parametrize("policy", ["window", "h2o", "snapkv", "rkv", "anchors"])
-def test_every_decode_policy_starts_with_the_max_num_seqs_named(embedded_model, policy):
-    """window reserves no decode scores: it starts as it is; anchors reserves a second
-    accumulator per request: fewer fit than h2o's FITS_DEFAULT, as its refusal says."""
-    compression = {**COMPRESSION, "kv_decode_policy": policy}
-    if policy == "window":
-        fits = {}
-    elif policy == "anchors":
-        fits = {"max_num_seqs": refused_max_num_seqs(embedded_model, compression)}
-    else:
-        fits = {"max_num_seqs": FITS_DEFAULT}
-    harness = EngineHarness(embedded_model, compression, **fits, **SMALL_POOL)
+def test_every_decode_policy_starts_on_a_small_pool(embedded_model, policy):
+    """window reserves no decode scores and runs max_num_seqs; the scored policies run as
+    many requests as their reserve holds (anchors keeps a second accumulator: fewer)."""
+    harness = EngineHarness(embedded_model, {**COMPRESSION, "kv_decode_policy": policy},
+                            **SMALL_POOL)
     try:
         assert_default_scoring(harness)
+        if policy == "window":
+            assert harness.page_manager.shards[0].layout.decode_score_requests == 0
+            scheduler = harness.scheduler
+            assert scheduler.max_num_running_reqs == scheduler.scheduler_config.max_num_seqs
+        elif policy == "anchors":
+            assert 0 < running_cap(harness) < FITS_DEFAULT
+        else:
+            assert running_cap(harness) == FITS_DEFAULT
         run_two_short_prompts(harness)
     finally:
         harness.shutdown()
 
 
-def test_explicit_hybrid_scoring_starts_with_the_max_num_seqs_named(embedded_model):
+def test_explicit_hybrid_scoring_starts_on_a_small_pool(embedded_model):
     harness = EngineHarness(embedded_model, {**COMPRESSION, "kv_scoring": "hybrid"},
-                            max_num_seqs=FITS_HYBRID, **SMALL_POOL)
+                            **SMALL_POOL)
     try:
         assert harness.page_manager.shards[0].layout.scratch_pages > 0
+        assert running_cap(harness) == FITS_HYBRID
         run_two_short_prompts(harness)
+    finally:
+        harness.shutdown()
+
+
+def test_the_running_cap_holds_when_more_requests_arrive(embedded_model):
+    """More requests than the cap arrive at once, short enough that the pool's pages would
+    run them all (a page per row each): no step runs more than the reserve covers, and all
+    finish with every page back."""
+    harness = EngineHarness(embedded_model, COMPRESSION, **SMALL_POOL)
+    try:
+        cap = running_cap(harness)
+        manager = harness.page_manager
+        assert manager.total_pages // manager.shards[0].layout.num_rows > cap + 4
+        for request_id, tokens in random_prompts([4] * (cap + 4), seed=7).items():
+            harness.add(request_id, tokens, greedy(8))
+        most_running = 0
+        while harness.engine.has_unfinished_requests():
+            harness.step()
+            most_running = max(most_running, len(harness.scheduler.running))
+        assert most_running == cap
+        assert not manager.request_ids() and manager.num_available == manager.total_pages
     finally:
         harness.shutdown()

@@ -111,6 +111,25 @@ def test_the_decode_score_reserve_covers_only_requests_the_pool_can_run():
     assert layout.total_pages >= runnable * rows  # each of them runs, a page in every row
 
 
+def test_the_decode_score_reserve_leaves_room_for_one_request_of_max_model_len():
+    """Reserving decode scores for every request the pool could run would leave too few
+    pages for one request of max_model_len: the reserve shrinks to the most requests that
+    leave room for it (the scheduler runs no more at once) instead of refusing the start."""
+    config = gemma3_like_config()
+    longest, chunk = 480, 64
+    reserve = ScoringReserve(1000, longest, decode_requests=10_000, decode_capacity=96,
+                             max_chunk=chunk)
+    layout = page_layout(config, 16, reserve)
+    request_bytes = decode_reserved_bytes(1, 12, 1, 96)
+    runnable = ((SIZE - reserved_bytes(1000, 12, 1, longest))
+                // (12 * layout.page_bytes + request_bytes))
+    needed = layout.pages_for_longest_request(longest, chunk)
+    assert 0 < layout.decode_score_requests < runnable
+    layout.check_holds_one_request(longest, chunk)
+    # one request more would not leave room
+    assert layout.total_pages - needed < -(-request_bytes // layout.page_bytes)
+
+
 def test_a_pool_too_small_for_max_model_len_names_the_max_num_seqs_that_fits():
     """28 pages short, 3 pages' worth of decode scores per request: 10 requests fewer
     (--max-num-seqs 10) free 30 pages, enough."""
