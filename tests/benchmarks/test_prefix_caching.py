@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import decode_fidelity, memory_sweep, throughput
+from benchmarks import memory_sweep, throughput
+from benchmarks.studies import decode_fidelity
 from benchmarks.engine import clear_prefix_cache, engine_args
 from benchmarks.jobs import JobResult
 from benchmarks.quality import cli as quality_cli

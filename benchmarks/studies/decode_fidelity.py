@@ -5,8 +5,9 @@ Chat prompts that ask for long texts run greedily (``ignore_eos``) through vanil
 full cache) and through each configuration; every configuration's output is compared with the
 full cache's, token by token:
 
-    python -m benchmarks.decode_fidelity                       # defaults (CPU: ~10 min)
-    python -m benchmarks.decode_fidelity --configs pyramidkv:100000@h2o:128 --output-len 512
+    python -m benchmarks.studies.decode_fidelity              # defaults (CPU: ~10 min)
+    python -m benchmarks.studies.decode_fidelity --configs pyramidkv:100000@h2o:128 \\
+        --output-len 512
 
 Configurations are ``METHOD:BUDGET@DECODE_POLICY:N`` (see benchmarks.throughput); the default
 prompt budget exceeds every prompt, so only decode-time eviction differs from the full cache.
@@ -20,10 +21,10 @@ fraction of positions < H holding the same token.
 
 ``--recall`` measures instead whether a fact the model generated early survives decode-time
 eviction: a secret code stated in teacher-forced generated tokens, asked for ~1000 tokens
-later (benchmarks.decode_recall has the method). Reported per configuration: accuracy with its
-95% Wilson interval and the paired difference to the full cache:
+later (benchmarks.studies.decode_recall has the method). Reported per configuration: accuracy
+with its 95% Wilson interval and the paired difference to the full cache:
 
-    python -m benchmarks.decode_fidelity --recall --num-prompts 20
+    python -m benchmarks.studies.decode_fidelity --recall --num-prompts 20
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from benchmarks.specs import (
     resolve_dtype,
 )
 
-WORKER_MODULE = "benchmarks.decode_fidelity"
+WORKER_MODULE = "benchmarks.studies.decode_fidelity"
 DEFAULT_CONFIGS = ("pyramidkv:100000@window:128,pyramidkv:100000@h2o:128,"
                    "pyramidkv:100000@snapkv:128")
 TOPICS = (
@@ -93,7 +94,7 @@ def agreement(reference: list[int], output: list[int], horizon: int) -> tuple[fl
 
 def recall_task_prompts(tokenizer: Any, num: int, filler_tokens: int) -> tuple[list, list]:
     """(RecallPrompts, their worker dicts): the forced script travels with each prompt."""
-    from benchmarks.decode_recall import FORCED_TOKENS_KEY, recall_prompts
+    from benchmarks.studies.decode_recall import FORCED_TOKENS_KEY, recall_prompts
 
     recall = recall_prompts(tokenizer, num, filler_tokens)
     return recall, [{"prompt_token_ids": p.prompt_token_ids, "max_tokens": p.max_tokens,
@@ -103,8 +104,8 @@ def recall_task_prompts(tokenizer: Any, num: int, filler_tokens: int) -> tuple[l
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from benchmarks.decode_recall import FORCED_TOKENS_KEY, PROCESSOR_PATH
     from benchmarks.engine import build_engine, generate, shutdown_engine
+    from benchmarks.studies.decode_recall import FORCED_TOKENS_KEY, PROCESSOR_PATH
 
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
@@ -158,8 +159,8 @@ def score(specs: list[CompressionSpec], results: dict[str, Any],
 def score_recall_runs(specs: list[CompressionSpec], results: dict[str, Any], recall: list,
                       tokenizer: Any) -> list[dict[str, Any]]:
     """Recall accuracy per configuration and its paired difference to the full cache."""
-    from benchmarks.decode_recall import score_recall
     from benchmarks.quality.scoring import paired_difference
+    from benchmarks.studies.decode_recall import score_recall
 
     rows = run_rows(specs, results,
                     lambda token_ids: score_recall(recall, token_ids, tokenizer))
