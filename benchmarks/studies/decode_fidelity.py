@@ -36,14 +36,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.jobs import (
+    Reporter,
+    make_workdir,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_workload,
+)
 from benchmarks.report import (
     RESULTS_DIR,
     command_string,
+    conclude,
     format_table,
     machine_info,
+    save_report,
     with_prefix_caching,
-    write_json,
 )
 from benchmarks.specs import (
     CompressionSpec,
@@ -258,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir(name)
-    prompts_path = workdir / "prompts.json"
-    prompts_path.write_text(json.dumps(prompts))
+    prompts_path = write_workload(workdir, prompts, "prompts.json")
     log_path = args.log_file or workdir / "vllm.log"
     workload: dict[str, Any] = {"num_prompts": len(prompts),
                                 "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts]}
@@ -290,15 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         horizons = sorted({min(256, args.output_len), args.output_len})
         rows = score(specs, results, horizons)
         table = fidelity_table(rows)
-    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(output_json, report)
+    report = save_report(header, rows, started, output_json)
     print()
     print(with_prefix_caching(table, header["settings"]))
-    failed = [row for row in rows if not row["ok"]]
-    for row in failed:
-        print(f"\n{row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {output_json} ({report['runtime_s']:.0f} s)")
-    return 1 if failed else 0
+    return conclude(report, str(output_json))
 
 
 if __name__ == "__main__":
