@@ -135,6 +135,14 @@ def make_workdir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"kvbench-{prefix}-"))
 
 
+def write_workload(workdir: Path, workload: Any, name: str = "workload.json") -> Path:
+    """The workload every job reads, written once in the run's workdir (jobs carry its path:
+    a job file stays small however many configurations share the prompts)."""
+    path = workdir / name
+    path.write_text(json.dumps(workload))
+    return path
+
+
 def run_jobs(
     module: str,
     jobs: list[dict[str, Any]],

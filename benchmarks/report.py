@@ -14,6 +14,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,27 @@ def _json_default(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     raise TypeError(f"cannot serialize {type(value).__name__}")
+
+
+def save_report(header: Mapping[str, Any], rows: list[dict[str, Any]], started: float,
+                path: Path) -> dict[str, Any]:
+    """A configurations run's report (its header, a row per configuration, the seconds since
+    ``started``, a ``time.perf_counter()``), written to ``path``."""
+    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
+    write_json(path, report)
+    return report
+
+
+def conclude(report: Mapping[str, Any], written: str,
+             describe: Callable[[Mapping[str, Any]], str] = lambda row: row["label"]) -> int:
+    """The end of a configurations run: every failed configuration's error, what was written,
+    and the exit status (0 when every configuration ran)."""
+    rows = report["configs"]
+    for row in rows:
+        if not row["ok"]:
+            print(f"\n{describe(row)} FAILED:\n{row['error']}")
+    print(f"\nwrote {written} ({report['runtime_s']:.0f} s)")
+    return 0 if all(row["ok"] for row in rows) else 1
 
 
 # ----------------------------------------------------------------------------- run metadata

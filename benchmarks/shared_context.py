@@ -34,19 +34,30 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.extension import exact_extension
-from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
-from benchmarks.quality.tasks import fill_haystack, spread_depths, unique_names
-from benchmarks.quality.words import CITIES, PROFESSIONS
-from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
+from benchmarks.documents import Document, Prompts, make_documents, score_answer
+from benchmarks.jobs import (
+    Reporter,
+    make_workdir,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_workload,
+)
+from benchmarks.report import (
+    RESULTS_DIR,
+    command_string,
+    conclude,
+    format_table,
+    machine_info,
+    save_report,
+)
 from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
@@ -61,125 +72,14 @@ from benchmarks.specs import (
     parse_names,
     parse_specs,
     resolve_dtype,
+    token_counter,
 )
 from kvcompress.config import REUSE_CHOICES, SCORINGS
 from kvcompress.policies import METHODS as POLICY_METHODS
 
 WORKER_MODULE = "benchmarks.shared_context"
 MODES = ("chat", "independent")
-HEADER = "Read the following document carefully. I will ask you questions about it."
-COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "brown")
-THINGS = ("umbrella", "bicycle", "kite", "scarf", "teapot", "backpack", "lamp", "notebook")
 BLOCK_SLACK = 128  # vLLM's KV block on CPU, in tokens
-
-
-@dataclass(frozen=True)
-class Question:
-    kind: str  # code, city, job, color (retrieval) or people (aggregation)
-    text: str
-    prefix: str  # the assistant's answer starts with it
-    references: tuple[str, ...]
-    metric: str = "any"  # "all": the share of the references found
-
-
-@dataclass(frozen=True)
-class Document:
-    index: int
-    text: str
-    questions: tuple[Question, ...]  # in the order they are asked
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Document:
-        """From ``asdict(document)`` after a JSON round trip."""
-        return cls(data["index"], data["text"], tuple(
-            Question(q["kind"], q["text"], q["prefix"], tuple(q["references"]), q["metric"])
-            for q in data["questions"]))
-
-    def first_message(self, question: Question) -> str:
-        return f"{HEADER}\n\n{self.text}\n\nQuestion: {question.text}"
-
-
-def make_documents(num: int, doc_tokens: int, seed: int,
-                   count: Callable[[str], int]) -> list[Document]:
-    """Seeded documents, each with its own RNG: four facts at spread depths, asked in a
-    shuffled order, then the people task."""
-    documents = []
-    for index in range(num):
-        rng = random.Random(f"{seed}/shared-context/{index}")
-        first, second = unique_names(rng)[:2]
-        code, city = str(rng.randint(10000, 99999)), rng.choice(CITIES)
-        job = rng.choice(PROFESSIONS)
-        thing, color = rng.choice(THINGS), rng.choice(COLORS)
-        facts = [
-            (f"The secret code of the blue safe is {code}.",
-             Question("code", "What is the secret code of the blue safe?",
-                      "The secret code of the blue safe is", (code,))),
-            (f"{first} lives in the city of {city}.",
-             Question("city", f"In which city does {first} live?",
-                      f"{first} lives in the city of", (city,))),
-            (f"{second} works as a {job}.",
-             Question("job", f"What does {second} work as?", f"{second} works as a", (job,))),
-            (f"The {thing} in the hallway is painted {color}.",
-             Question("color", f"What color is the {thing} in the hallway?",
-                      f"The {thing} in the hallway is painted", (color,))),
-        ]
-        rng.shuffle(facts)
-        sentences = fill_haystack(rng, doc_tokens, count, [fact for fact, _ in facts],
-                                  spread_depths(rng, len(facts)))
-        people = Question("people", "Which two people does the document mention? Give their "
-                          "full names.", "The two people are", (first, second), "all")
-        documents.append(Document(index, " ".join(sentences),
-                                  tuple(q for _, q in facts) + (people,)))
-    return documents
-
-
-class Prompts:
-    """Token ids of every request, built through the model's chat template with the
-    assistant message continued from the answer prefix."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  continue_final_message=True)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def independent(self, document: Document, question: Question) -> list[int]:
-        return self.encode(self.render([
-            {"role": "user", "content": document.first_message(question)},
-            {"role": "assistant", "content": question.prefix}]))
-
-    def chat_turn(self, document: Document, turn: int, history: Sequence[tuple[str, list[int]]],
-                  previous: list[int]) -> list[int]:
-        """Turn ``turn`` (0-based) of ``document``'s conversation: the previous prompt's ids and
-        each earlier answer's (``history``: (text, ids), the last one's ids are in
-        ``previous``'s continuation), then the template's text after them, tokenized alone:
-        an exact extension, as a client that keeps token ids sends it."""
-        questions = document.questions
-        messages = [{"role": "user", "content": document.first_message(questions[0])}]
-        for number, (answer_text, _) in enumerate(history):
-            messages.append({"role": "assistant", "content": questions[number].prefix
-                             + answer_text})
-            messages.append({"role": "user", "content": f"Question: {questions[number + 1].text}"})
-        messages.append({"role": "assistant", "content": questions[turn].prefix})
-        if turn == 0:
-            return self.encode(self.render(messages))
-        head = self.render(messages[:-2])  # through the last answer
-        try:
-            return exact_extension(previous + history[-1][1], head, self.render(messages),
-                                   self.encode)
-        except ValueError as error:
-            raise ValueError(f"the chat template renders earlier turns differently in a "
-                             f"longer conversation: {error}") from None
-
-
-def score_answer(text: str, question: Question) -> float:
-    from benchmarks.quality.scoring import score
-
-    return score(text, list(question.references), question.metric)
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -430,9 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     device = detect_device()
     model = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
-
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    count = token_counter(tokenizer)
 
     documents = make_documents(args.conversations, args.doc_tokens, args.seed, count)
     turns = len(documents[0].questions)
@@ -456,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = make_workdir("shared-context")
     workload = {"documents": [asdict(d) for d in documents], "modes": modes,
                 "answer_tokens": args.answer_tokens}
-    workload_path = workdir / "workload.json"
-    workload_path.write_text(json.dumps(workload))
+    workload_path = write_workload(workdir, workload)
     log_path = args.log_file or workdir / "vllm.log"
     header = {
         "benchmark": "shared_context",
@@ -480,16 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                        show_progress=not args.no_progress)
     rows = [config_row(spec, results[spec.label], modes, turns) for spec in specs]
     add_comparisons(rows)
-    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(args.output_json, report)
+    report = save_report(header, rows, started, args.output_json)
     for mode in modes:
         print(f"\n{mode}: accuracy per turn [95% Wilson interval]")
         print(render(rows, mode, turns))
-    for row in rows:
-        if not row["ok"]:
-            print(f"\n{row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
-    return 0 if all(row["ok"] for row in rows) else 1
+    return conclude(report, str(args.output_json))
 
 
 if __name__ == "__main__":

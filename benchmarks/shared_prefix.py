@@ -5,14 +5,15 @@ requests and kvcompress does not (issue 30 item 6), in one invocation, same KV-c
     python -m benchmarks.shared_prefix --configs vanilla,pyramidkv:r=0.75 --requests 8 \\
         --arrivals concurrent,warmed --kv-pools 3
 
-Workload: per scenario a document of about ``--doc-tokens`` tokens (filler with four facts,
-as ``benchmarks.shared_context``) and N questions about it, numbered and cycling through the
-document's five, each request the chat template's rendering of the document and one question,
-the assistant message continued from the answer's start. Token ids: the shared prefix (the
-template through the end of the document) tokenized once, the rest of each prompt on its
-own, so every prompt starts with exactly the same ids (a client that keeps a system prompt's
-ids). Answers: greedy, exactly ``--answer-tokens`` tokens (``min_tokens`` masks the stop
-tokens). Each scenario has a document of its own, so no scenario's cache serves another.
+Workload: per scenario a document of about ``--doc-tokens`` tokens (filler with four facts:
+``benchmarks.documents``, as in shared_context) and N questions about it, numbered and
+cycling through the document's five, each request the chat template's rendering of the
+document and one question, the assistant message continued from the answer's start. Token
+ids: the shared prefix (the template through the end of the document) tokenized once, the
+rest of each prompt on its own, so every prompt starts with exactly the same ids (a client
+that keeps a system prompt's ids). Answers: greedy, exactly ``--answer-tokens`` tokens
+(``min_tokens`` masks the stop tokens). Each scenario has a document of its own, so no
+scenario's cache serves another.
 
 Arrivals (how the N requests reach the engine):
 - ``concurrent``: all N at once.
@@ -56,17 +57,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.documents import HEADER, Document, Prompts, make_documents, score_answer
 from benchmarks.engine import Wave
-from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.jobs import (
+    Reporter,
+    make_workdir,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_workload,
+)
 from benchmarks.report import (
     RESULTS_DIR,
     command_string,
+    conclude,
     format_table,
     git_commit,
     machine_info,
-    write_json,
+    save_report,
 )
-from benchmarks.shared_context import HEADER, Document, Prompts, make_documents, score_answer
 from benchmarks.specs import (
     CompressionSpec,
     EngineSettings,
@@ -82,6 +91,7 @@ from benchmarks.specs import (
     parse_names,
     parse_specs,
     resolve_dtype,
+    token_counter,
 )
 
 WORKER_MODULE = "benchmarks.shared_prefix"
@@ -381,9 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     device = detect_device()
     model = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
-
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    count = token_counter(tokenizer)
 
     documents = make_documents(len(requests) * len(arrivals), args.doc_tokens, args.seed,
                                count)
@@ -402,10 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=True)  # what it measures: requests that share a prefix
     threads = (args.threads or default_threads()) if device == "cpu" else None
     workdir = make_workdir("shared-prefix")
-    workload_path = workdir / "workload.json"
-    workload_path.write_text(json.dumps({
+    workload_path = write_workload(workdir, {
         "documents": [asdict(d) for d in documents], "answer_tokens": args.answer_tokens,
-        "scenarios": [asdict(s) for s in scenarios]}))
+        "scenarios": [asdict(s) for s in scenarios]})
     log_path = args.log_file or workdir / "vllm.log"
     header = {
         "benchmark": "shared_prefix",
@@ -434,15 +441,11 @@ def main(argv: list[str] | None = None) -> int:
                        show_progress=not args.no_progress)
     rows = [config_row(job, results[job["id"]]) for job in jobs]
     add_ratios(rows)
-    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(args.output_json, report)
+    report = save_report(header, rows, started, args.output_json)
     print()
     print(render(rows))
-    for row in rows:
-        if not row["ok"]:
-            print(f"\n{row['pool']} {row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
-    return 0 if all(row["ok"] for row in rows) else 1
+    return conclude(report, str(args.output_json),
+                    describe=lambda row: f"{row['pool']} {row['label']}")
 
 
 def config_row(job: Mapping[str, Any], outcome: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,6 +305,14 @@ def default_model_dir() -> str:
     from kvcompress.models import embedded_model_dir
 
     return str(embedded_model_dir())
+
+
+def token_counter(tokenizer: Any) -> Callable[[str], int]:
+    """How many tokens a text is, alone (no special tokens): what the workload builders size
+    documents and haystacks by."""
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    return count
 
 
 def detect_device() -> str:

@@ -50,14 +50,22 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_sweep
-from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.jobs import (
+    Reporter,
+    make_workdir,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_workload,
+)
 from benchmarks.report import (
     RESULTS_DIR,
     command_string,
+    conclude,
     format_table,
     machine_info,
+    save_report,
     with_prefix_caching,
-    write_json,
 )
 from benchmarks.specs import (
     DTYPE_BYTES,
@@ -383,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     one_cpu_engine = device == "cpu" and settings.tensor_parallel_size == 1
     threads = (args.threads or default_threads()) if one_cpu_engine else None
     workdir = make_workdir("throughput")
-    prompts_path = workdir / "prompts.json"
-    prompts_path.write_text(json.dumps(prompts))
+    prompts_path = write_workload(workdir, prompts, "prompts.json")
     log_path = args.log_file or workdir / "vllm.log"
     output_tokens = sum(p["max_tokens"] for p in prompts)
     workload = describe_workload(args, prompts)
@@ -455,8 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             add_ratios(rows[first: first + len(specs)])
     else:
         add_ratios(rows)
-    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(args.output_json, report)
+    report = save_report(header, rows, started, args.output_json)
     print()
     if args.sweep_kv_memory:
         png = args.output_json.with_suffix(".png")
@@ -468,11 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render_report(report))
         print(f"KV tok/req = {header['kv_tokens_per_request_derivation']} "
               f"(capacity {capacity} tokens)")
-    for row in rows:
-        if not row["ok"]:
-            print(f"\n{row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
-    return 0 if all(row["ok"] for row in rows) else 1
+    return conclude(report, str(args.output_json))
 
 
 HELD_DERIVATION = (

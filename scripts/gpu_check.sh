@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh OUTDIR        on CUDA: the kernel tests, the GPU kernel adapter's tests,
 #                                      the end-to-end worker-pipeline test, then
-#                                      `python -m benchmarks.kernels --quick` (GB/s, % of peak)
+#                                      `python -m benchmarks.studies.kernels --quick` (GB/s, % of peak)
 #   scripts/gpu_check.sh --cpu OUTDIR  the same tests on CPU (Triton's interpreter and the torch
 #                                      references) and the kernel benchmark's --smoke run; CI
 #                                      runs this (scripts/test.sh)
@@ -83,8 +83,8 @@ say "tests: exit $test_status after $(( $(date +%s) - started )) s ($(grep -E '^
 started=$(date +%s)
 bench_args=(--quick)
 [ "$mode" = cpu ] && bench_args=(--smoke)
-say "python -m benchmarks.kernels ${bench_args[*]} --json $out/kernels.json"
-PYTHONPATH=. $python -m benchmarks.kernels "${bench_args[@]}" --json "$out/kernels.json" >>"$log" 2>&1
+say "python -m benchmarks.studies.kernels ${bench_args[*]} --json $out/kernels.json"
+PYTHONPATH=. $python -m benchmarks.studies.kernels "${bench_args[@]}" --json "$out/kernels.json" >>"$log" 2>&1
 bench_status=$?
 say "kernel benchmark: exit $bench_status after $(( $(date +%s) - started )) s"
 

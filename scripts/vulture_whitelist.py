@@ -12,7 +12,7 @@ KVCompressGPUWorker
 KVCompressCudaAttentionBackend
 RequestSettingsValidator
 KVCompressStatLogger
-ForcedScriptProcessor  # benchmarks.decode_recall.PROCESSOR_PATH, loaded by vLLM
+ForcedScriptProcessor  # benchmarks.studies.decode_recall.PROCESSOR_PATH, loaded by vLLM
 
 # vLLM's AttentionBackend / AttentionMetadataBuilder / AttentionImpl interface.
 _.forward_includes_kv_cache_update

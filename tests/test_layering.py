@@ -46,21 +46,27 @@ def test_contracts_hold(lint_imports_available):
     ("module", "planted", "broken"),
     [
         # attention/ reaching up into engine/ (the cycle this layout removed)
-        ("attention/window_scores.py", "import kvcompress.engine.worker_runtime",
+        ("kvcompress/attention/window_scores.py", "import kvcompress.engine.worker_runtime",
          "Rooms in layers"),
         # two sibling modules importing each other
-        ("paging/page_table.py", "import kvcompress.paging.page_manager", "No import cycles"),
+        ("kvcompress/paging/page_table.py", "import kvcompress.paging.page_manager",
+         "No import cycles"),
         # the worker's page tables reaching up into the scheduler's page manager
-        ("paging/batch_tables.py", "import kvcompress.paging.page_manager", "paging/ in layers"),
+        ("kvcompress/paging/batch_tables.py", "import kvcompress.paging.page_manager",
+         "paging/ in layers"),
         # the worker pipeline picking up vLLM
-        ("engine/worker_state.py", "import vllm", "run without vLLM"),
+        ("kvcompress/engine/worker_state.py", "import vllm", "run without vLLM"),
+        # a user benchmark leaning on a study, and a shared part on a benchmark
+        ("benchmarks/throughput.py", "import benchmarks.studies.kernels", "benchmarks/ in layers"),
+        ("benchmarks/specs.py", "import benchmarks.documents", "benchmarks/ in layers"),
     ],
 )
 def test_contracts_fail_on_a_planted_break(lint_imports_available, tmp_path, module, planted,
                                            broken):
-    copy = tmp_path / "kvcompress"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    target = copy / module
+    for package in ("kvcompress", "benchmarks"):  # the contracts' root packages
+        shutil.copytree(ROOT / package, tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "results"))
+    target = tmp_path / module
     target.write_text(target.read_text() + f"\n{planted}  # noqa\n")
     result = run_lint_imports(tmp_path)
     assert result.returncode != 0

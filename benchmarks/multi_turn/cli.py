@@ -57,7 +57,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.jobs import make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.jobs import make_workdir, run_jobs, worker_env, worker_main, write_workload
 from benchmarks.multi_turn.configs import DEFAULT_CONFIGS, check_settings, parse_configs
 from benchmarks.multi_turn.driver import ARRIVALS
 from benchmarks.multi_turn.report import plot, plot_title, render, render_recall
@@ -70,7 +70,13 @@ from benchmarks.multi_turn.workload import (
     longest_conversation,
     recall_conversations,
 )
-from benchmarks.report import RESULTS_DIR, command_string, machine_info, write_json
+from benchmarks.report import (
+    RESULTS_DIR,
+    command_string,
+    conclude,
+    machine_info,
+    save_report,
+)
 from benchmarks.specs import (
     EngineSettings,
     benchmark_parser,
@@ -80,6 +86,7 @@ from benchmarks.specs import (
     kv_bytes_per_token,
     parse_kv_options,
     resolve_dtype,
+    token_counter,
 )
 
 WORKER_MODULE = "benchmarks.multi_turn"  # workers: python -m WORKER_MODULE --worker ...
@@ -177,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     device = detect_device()
     model = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model)
-
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    count = token_counter(tokenizer)
 
     make = recall_conversations if args.recall else chat_conversations
     conversations = make(args.conversations, args.turns, args.user_tokens, args.seed, count)
@@ -211,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "answer_tokens": args.answer_tokens, "arrivals": args.arrivals,
         "prompt_build": args.prompt_build, "seed": args.seed,
     }
-    workload_path = workdir / "workload.json"
-    workload_path.write_text(json.dumps(workload))
+    workload_path = write_workload(workdir, workload)
     log_path = args.log_file or workdir / "vllm.log"
     described = {key: value for key, value in workload.items() if key != "conversations"}
     described.update(num_conversations=len(conversations), longest_conversation_tokens=longest,
@@ -247,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     if args.recall:
         add_recall(rows, conversations)
-    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(args.output_json, report)
+    report = save_report(header, rows, started, args.output_json)
     print()
     print(render(rows))
     if args.recall:
@@ -257,11 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     png = args.plot or args.output_json.with_suffix(".png")
     if plot(rows, png, plot_title(report)):
         print(f"\nplot: {png}")
-    for row in rows:
-        if not row["ok"]:
-            print(f"\n{row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {args.output_json} ({report['runtime_s']:.0f} s)")
-    return 0 if all(row["ok"] for row in rows) else 1
+    return conclude(report, str(args.output_json))
 
 
 TTFT_MEASUREMENT = (

@@ -59,7 +59,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.jobs import (
+    Reporter,
+    make_workdir,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_workload,
+)
 from benchmarks.quality.question import (
     CHOICES,
     add_vs_inside,
@@ -90,6 +97,7 @@ from benchmarks.specs import (
     parse_names,
     parse_specs,
     resolve_dtype,
+    token_counter,
 )
 from kvcompress.config import SCORINGS
 from kvcompress.policies import METHODS
@@ -237,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if context and max(lengths) > context:
         raise SystemExit(f"--lengths: {max(lengths)} exceeds the model's context {context}")
 
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    count = token_counter(tokenizer)
 
     def encode_alone(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -295,10 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         settings, enable_prefix_caching=True, kv_cache_memory_bytes=outside_bytes)}
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir("quality")
-    prompts_paths = {"inside": workdir / "prompts_inside.json",
-                     "outside": workdir / "prompts_outside.json"}
-    prompts_paths["inside"].write_text(json.dumps(inside_prompts))
-    prompts_paths["outside"].write_text(json.dumps(prompts))
+    prompts_paths = {"inside": write_workload(workdir, inside_prompts, "prompts_inside.json"),
+                     "outside": write_workload(workdir, prompts, "prompts_outside.json")}
     log_path = args.log_file or workdir / "vllm.log"
     header = {
         "benchmark": "quality",

@@ -23,7 +23,14 @@ from benchmarks.results_doc.provenance import (
     show_time,
     stale_reasons,
 )
-from benchmarks.results_doc.sections import HEADLINES, SECTIONS, Section
+from benchmarks.results_doc.sections import (
+    FROZEN_DIR,
+    HEADLINES,
+    RETIRED,
+    SECTIONS,
+    Section,
+    retired_study,
+)
 
 DOC = REPO_ROOT / "docs" / "results.md"
 README = REPO_ROOT / "README.md"
@@ -87,11 +94,36 @@ def link(name: str) -> str:
     return f"[{name}](../benchmarks/results/{name})"
 
 
+def frozen_table_path(name: str) -> Path:
+    return FROZEN_DIR / f"{name.removesuffix('.json')}.md"
+
+
+def result_table(section: Section, name: str, report: Mapping[str, Any]) -> str:
+    """The result's table: rendered by its benchmark, or frozen when a retired study made it
+    (its code is gone)."""
+    if retired_study(name) is not None:
+        return frozen_table_path(name).read_text().rstrip("\n")
+    if section.render is None:
+        raise ValueError(f"section {section.key!r} renders nothing, and {name} is no retired "
+                         "study's result (sections.RETIRED)")
+    with markdown_tables():
+        return section.render(report)
+
+
+def retirement_line(name: str) -> list[str]:
+    study = retired_study(name)
+    if study is None:
+        return []
+    return [f"- retired study: `{study.path}` produced this result at "
+            f"`{study.produced_by[name]}`; it was deleted after `{study.last_commit}` "
+            f"(`git show {study.last_commit}:{study.path}`), having answered its question: "
+            f"{study.question}. The table is frozen as it rendered it."]
+
+
 def result_block(section: Section, name: str, report: Mapping[str, Any]) -> str:
     run = Provenance.of(report)
     reasons = stale_reasons(section.key, name, report)
-    with markdown_tables():
-        table = section.render(report)
+    table = result_table(section, name, report)
     started = show_time(run.started) if run.started else NOT_RECORDED
     if run.runtime_s is not None:
         started += f", ran {max(1, round(run.runtime_s / 60))} min"
@@ -105,6 +137,7 @@ def result_block(section: Section, name: str, report: Mapping[str, Any]) -> str:
         f"- machine: {run.machine}",
         f"- started: {started}",
     ]
+    lines += retirement_line(name)
     lines += [f"- **stale**: {reason}" for reason in reasons]
     return "\n".join(lines)
 
@@ -147,11 +180,21 @@ def ledger_table() -> str:
     return "\n".join(lines)
 
 
+def check_frozen_tables() -> None:
+    """Every retired study's result has its frozen table, and every frozen table a result."""
+    expected = {frozen_table_path(name) for study in RETIRED for name in study.produced_by}
+    present = set(FROZEN_DIR.rglob("*.md"))
+    if expected != present:
+        raise ValueError(f"frozen tables missing: {sorted(map(str, expected - present))}; "
+                         f"of no retired result: {sorted(map(str, present - expected))}")
+
+
 def build_doc() -> str:
     missing = unassigned_results()
     if missing:
         raise ValueError(f"results no section shows: {missing} (add them to "
                          "benchmarks/results_doc/sections.py)")
+    check_frozen_tables()
     intro = (NOTES_DIR / "intro.md").read_text().strip()
     parts = [HEADER.strip(), intro, "## Index\n\n" + index_table()]
     parts += [render_section(section) for section in SECTIONS]

@@ -12,24 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import (
-    attention_analysis,
-    compression_cost,
-    decode_fidelity,
-    fp8_selection,
-    hybrid_memory,
-    kvpress_reference,
-    memory_sweep,
-    retention_analysis,
-    shared_context,
-    shared_prefix,
-    step_overhead,
-    streaming_latency,
-    throughput,
-)
+from benchmarks import memory_sweep, shared_context, shared_prefix, streaming_latency, throughput
 from benchmarks.multi_turn import report as multi_turn_report
 from benchmarks.quality import report as quality_report
-from benchmarks.report import with_prefix_caching
+from benchmarks.report import RESULTS_DIR, with_prefix_caching
+from benchmarks.studies import compression_cost, decode_fidelity, hybrid_memory, step_overhead
 
 Report = Mapping[str, Any]
 
@@ -39,7 +26,63 @@ class Section:
     key: str  # its notes file and the name the ledger (provenance.CHANGES) uses
     title: str
     files: tuple[str, ...]  # under benchmarks/results; a trailing "/*.json" takes a folder
-    render: Callable[[Report], str]
+    # the benchmark's table function; None: every result is a retired study's (RETIRED),
+    # whose table is frozen
+    render: Callable[[Report], str] | None = None
+
+
+# ----------------------------------------------------------------------------- retired studies
+@dataclass(frozen=True)
+class RetiredStudy:
+    """A study deleted once it had answered its question. Its results stay in the doc: each
+    table as the study's own code rendered it, frozen in FROZEN_DIR/<result>.md (the result's
+    name, ``.json`` -> ``.md``), with the commit that produced the result and the last commit
+    whose tree still holds the study (``git show LAST:PATH``)."""
+
+    path: str  # the deleted module, from the repository root
+    question: str  # what it answered, and why that is no longer live
+    last_commit: str  # the last commit that has ``path``
+    produced_by: Mapping[str, str]  # result file -> the commit of the code that produced it
+
+
+FROZEN_DIR = RESULTS_DIR / "frozen"
+_BEFORE_RETIREMENT = "74d65df"  # main when the studies were split off (issue 42)
+
+RETIRED: tuple[RetiredStudy, ...] = (
+    RetiredStudy(
+        "benchmarks/attention_analysis.py",
+        "per-layer attention entropy and each method's attention recall vs budget on SmolLM2: "
+        "whether the pyramid funnel holds there; the retention analysis and the quality "
+        "tuning answered what it led to",
+        _BEFORE_RETIREMENT, {"attention_analysis.json": "88225d6"}),
+    RetiredStudy(
+        "benchmarks/retention_analysis.py",
+        "which (layer, KV head) rows keep a retrieval answer under each selection setting: "
+        "it chose the selection defaults of f76a1c6 (pooling kernel 15, PyramidKV slope 2), "
+        "which shipped",
+        _BEFORE_RETIREMENT,
+        # run on f76a1c6's working tree before it was committed (the JSON records no commit)
+        {"quality_tuning/retention_grid.json": "f76a1c6",
+         "quality_tuning/retention_kernels.json": "f76a1c6",
+         "quality_tuning/retention_windows.json": "f76a1c6"}),
+    RetiredStudy(
+        "benchmarks/fp8_selection.py",
+        "whether scores read from fp8 keys keep what unquantized keys keep: the tolerance it "
+        "measured is stated in docs/methods.md, and fp8 pages are measured end to end by the "
+        "quality benchmark (section fp8 pages with compression)",
+        _BEFORE_RETIREMENT, {"fp8_selection.json": "a9a381f"}),
+    RetiredStudy(
+        "benchmarks/kvpress_reference.py",
+        "whether SnapKV, Ada-KV and StreamingLLM configured like NVIDIA kvpress 0.5.5 select "
+        "its tokens (they did, exactly); it needed an environment of its own "
+        "(scripts/setup_kvpress_env.sh, retired with it)",
+        _BEFORE_RETIREMENT, {"kvpress_reference.json": "55b7a54"}),
+)
+
+
+def retired_study(name: str) -> RetiredStudy | None:
+    """The retired study that produced result ``name``, if one did."""
+    return next((study for study in RETIRED if name in study.produced_by), None)
 
 
 def _throughput(report: Report) -> str:
@@ -65,14 +108,8 @@ def _decode_recall(report: Report) -> str:
 
 
 def _quality(report: Report) -> str:
-    if report.get("benchmark") == "retention_analysis":
-        return retention_analysis.render(report["configs"])
     # both question positions when a run has them (an inside-only run: the one table)
     return quality_report.render_run(report)
-
-
-def _fp8_selection(report: Report) -> str:
-    return fp8_selection.render(report["configs"])
 
 
 def _compression_cost(report: Report) -> str:
@@ -151,15 +188,12 @@ SECTIONS: tuple[Section, ...] = (
              "quality_threshold.json"), _quality),
     Section("quality_question_outside", "The question outside the context",
             ("quality_question_outside.json", "quality_question_outside_256.json"), _quality),
-    Section("kvpress_reference", "Against NVIDIA kvpress", ("kvpress_reference.json",),
-            kvpress_reference.render),
-    Section("fp8_selection", "Scores from fp8 keys", ("fp8_selection.json",),
-            _fp8_selection),
+    Section("kvpress_reference", "Against NVIDIA kvpress", ("kvpress_reference.json",)),
+    Section("fp8_selection", "Scores from fp8 keys", ("fp8_selection.json",)),
     Section("fp8_pages", "fp8 pages with compression",
             ("throughput_fp8.json", "throughput_memory_sweep_fp8.json", "quality_fp8.json"),
             _fp8_pages),
-    Section("attention_analysis", "Attention analysis", ("attention_analysis.json",),
-            attention_analysis.render),
+    Section("attention_analysis", "Attention analysis", ("attention_analysis.json",)),
     Section("compression_cost", "Compression cost", ("compression_cost.json",),
             _compression_cost),
     Section("hybrid_memory", "Hybrid model memory", ("hybrid_memory_gemma3.json",),

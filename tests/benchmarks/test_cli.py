@@ -1,22 +1,24 @@
-"""The benchmarks' command lines: ``python -m benchmarks.NAME`` from the repository root.
-
-The attention analysis runs as ``python -m benchmarks.attention_analysis``; the installed
-``kvcompress`` package has no ``analyze`` command (it must not load scripts from a checkout).
+"""The benchmarks' command lines: every ``python -m benchmarks...`` that benchmarks/README.md
+names is a module that runs (its ``--help``), and the installed ``kvcompress`` package loads
+no benchmark (it must not load scripts from a checkout).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from benchmarks import attention_analysis
-
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ("throughput", "quality", "attention_analysis", "compression_cost", "kernels",
-           "decode_fidelity", "retention_analysis")
+README = ROOT / "benchmarks" / "README.md"
+# `-m benchmarks.throughput`, `-m benchmarks.studies.kernels` (a line break allowed after -m;
+# not the `benchmarks.NAME` placeholder)
+COMMAND = re.compile(r"-m\s+(benchmarks(?:\.[a-z_]+)+)(?![.\w])")
+
+
+def readme_modules() -> list[str]:
+    return sorted(set(COMMAND.findall(README.read_text())))
 
 
 def run_python(code: str) -> str:
@@ -25,48 +27,34 @@ def run_python(code: str) -> str:
     return out.stdout.strip()
 
 
-def test_attention_analysis_parses_its_flags():
-    args = attention_analysis.build_parser().parse_args(
-        ["--length", "512", "--budgets", "64,128", "--methods", "snapkv"])
-    assert (args.length, args.budgets, args.methods) == (512, "64,128", "snapkv")
+def test_the_readme_names_every_benchmark_and_study():
+    modules = readme_modules()
+    assert {"benchmarks.throughput", "benchmarks.quality", "benchmarks.multi_turn",
+            "benchmarks.shared_context", "benchmarks.shared_prefix",
+            "benchmarks.streaming_latency", "benchmarks.results_doc"} <= set(modules)
+    studies = {path.stem for path in (ROOT / "benchmarks" / "studies").glob("*.py")}
+    studies -= {"__init__", "decode_recall"}  # decode_recall: decode_fidelity's --recall task
+    assert {f"benchmarks.studies.{name}" for name in studies} <= set(modules)
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [(["--inputs", "bogus"], "bogus"), (["--methods", "h2o"], "h2o"),
-     (["--window", "100", "--budgets", "64"], "--window"),
-     (["--length", "9000"], "context")],
-)
-def test_attention_analysis_rejects_bad_arguments_before_loading_anything(monkeypatch, extra,
-                                                                          message):
-    def no_model(*_args, **_kwargs):
-        raise AssertionError("the model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(attention_analysis, "load_model", no_model)
-    monkeypatch.setattr(attention_analysis, "install_attention", no_model)
-    with pytest.raises(SystemExit) as error:
-        attention_analysis.main(extra)
-    assert isinstance(error.value.code, str) and error.value.code.startswith("error: ")
-    assert message in error.value.code
-
-
-def test_every_benchmark_runs_as_a_module():
-    # one interpreter for all five --help runs (each would otherwise import torch again)
+def test_every_module_the_readme_names_runs():
+    # one interpreter for every --help run (each would otherwise import torch again)
+    modules = readme_modules()
     code = (
         "import contextlib, io, runpy, sys\n"
-        f"for name in {MODULES!r}:\n"
+        f"for name in {modules!r}:\n"
         "    sys.argv = [name, '--help']\n"
         "    out = io.StringIO()\n"
         "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
-        "        runpy.run_module('benchmarks.' + name, run_name='__main__', alter_sys=True)\n"
-        "    print(name, out.getvalue().startswith('usage:'))\n"
+        "        runpy.run_module(name, run_name='__main__', alter_sys=True)\n"
+        "    print(name, out.getvalue().startswith('usage: python -m ' + name))\n"
     )
-    assert run_python(code).splitlines() == [f"{name} True" for name in MODULES]
+    assert run_python(code).splitlines() == [f"{name} True" for name in modules]
 
 
 def test_benchmarks_import_without_vllm():
     code = ("import sys, benchmarks.throughput, benchmarks.quality.cli, "
-            "benchmarks.attention_analysis, benchmarks.compression_cost; "
+            "benchmarks.shared_prefix, benchmarks.studies.compression_cost; "
             "print(any(m.startswith('vllm') for m in sys.modules))")
     assert run_python(code) == "False"
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from benchmarks.decode_fidelity import agreement, score
 from benchmarks.jobs import JobResult
 from benchmarks.specs import CompressionSpec
+from benchmarks.studies.decode_fidelity import agreement, score
 
 
 def test_agreement_counts_the_common_prefix_and_positional_matches():
@@ -39,7 +39,7 @@ def test_score_averages_over_prompts_and_reports_failures():
 
 # ----------------------------------------------------------------------------- --recall
 def test_recall_prompts_put_the_code_only_in_the_generated_script(smollm_tokenizer):
-    from benchmarks.decode_recall import QUESTION, recall_prompts
+    from benchmarks.studies.decode_recall import QUESTION, recall_prompts
 
     prompts = recall_prompts(smollm_tokenizer, 3, filler_tokens=200, seed=1)
     assert len({p.code for p in prompts}) == 3  # a code of its own per prompt
@@ -69,7 +69,7 @@ def test_recall_prompts_put_the_code_only_in_the_generated_script(smollm_tokeniz
     (" I forgot.", None, False),
 ])
 def test_recall_answer_parsing(answer, number, recalled):
-    from benchmarks.decode_recall import first_number, is_recalled
+    from benchmarks.studies.decode_recall import first_number, is_recalled
 
     assert first_number(answer) == number
     assert is_recalled(answer, "48213") is recalled
@@ -80,7 +80,7 @@ def test_recall_answer_parsing(answer, number, recalled):
     (" 58213", 0.0), (" I forgot.", 0.0),
 ])
 def test_leading_digits_give_partial_credit(answer, share):
-    from benchmarks.decode_recall import leading_digits_recalled
+    from benchmarks.studies.decode_recall import leading_digits_recalled
 
     assert leading_digits_recalled(answer, "48213") == pytest.approx(share)
 
@@ -100,7 +100,7 @@ def scripted(script):
 def test_forced_script_processor_forces_the_script_then_lets_go():
     import torch
 
-    from benchmarks.decode_recall import ForcedScriptProcessor
+    from benchmarks.studies.decode_recall import ForcedScriptProcessor
 
     processor = ForcedScriptProcessor(None, torch.device("cpu"), False)
     assert not processor.is_argmax_invariant()
@@ -122,7 +122,7 @@ def test_forced_script_processor_follows_moves_swaps_and_removals():
     import torch
     from vllm.v1.sample.logits_processor import MoveDirectionality
 
-    from benchmarks.decode_recall import ForcedScriptProcessor
+    from benchmarks.studies.decode_recall import ForcedScriptProcessor
 
     processor = ForcedScriptProcessor(None, torch.device("cpu"), False)
     processor.update_state(batch_update(added=[(0, scripted([2]), None, []),
@@ -141,7 +141,7 @@ def test_forced_script_processor_follows_moves_swaps_and_removals():
 
 
 def test_forced_script_processor_rejects_a_malformed_script():
-    from benchmarks.decode_recall import ForcedScriptProcessor
+    from benchmarks.studies.decode_recall import ForcedScriptProcessor
 
     ForcedScriptProcessor.validate_params(scripted([1, 2]))
     ForcedScriptProcessor.validate_params(scripted(None))
@@ -158,8 +158,8 @@ class CharTokenizer:
 
 
 def test_recall_scoring_accuracy_interval_and_paired_difference():
-    from benchmarks.decode_fidelity import score_recall_runs
-    from benchmarks.decode_recall import RecallPrompt
+    from benchmarks.studies.decode_fidelity import score_recall_runs
+    from benchmarks.studies.decode_recall import RecallPrompt
 
     script = [ord(c) for c in "code 123? "]
     recall = [RecallPrompt([0], script, code) for code in ("11111", "22222")]
@@ -190,7 +190,7 @@ def test_decode_recall_end_to_end(tmp_path, embedded_model):
 
     out = tmp_path / "recall.json"
     run_script([
-        "-m", "benchmarks.decode_fidelity", "--recall", "--model", embedded_model,
+        "-m", "benchmarks.studies.decode_fidelity", "--recall", "--model", embedded_model,
         "--num-prompts", "2", "--recall-filler-tokens", "200",
         "--configs", "pyramidkv:100000@window:64", "--output-json", str(out), "--no-progress",
     ])

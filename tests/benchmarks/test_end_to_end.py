@@ -122,7 +122,7 @@ def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
     out = tmp_path / "fidelity.json"
     # 80 tokens: the window policy (budget 8, interval 64) evicts once, h2o (budget 40) never
     run_script([
-        "-m", "benchmarks.decode_fidelity", "--model", embedded_model, "--num-prompts", "2",
+        "-m", "benchmarks.studies.decode_fidelity", "--model", embedded_model, "--num-prompts", "2",
         "--output-len", "80", "--configs", "pyramidkv:100000@window:8,pyramidkv:100000@h2o:40",
         "--output-json", str(out), "--no-progress",
     ])
@@ -135,40 +135,3 @@ def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
     assert rows["pyramidkv:100000@h2o:40"]["prefix@80"] == 1.0
     window = rows["pyramidkv:100000@window:8"]
     assert 0.0 <= window["prefix@80"] <= window["match@80"] <= 1.0
-
-
-def test_attention_analysis_end_to_end(tmp_path, embedded_model):
-    out, png = tmp_path / "attention.json", tmp_path / "attention.png"
-    run_script([
-        "-m", "benchmarks.attention_analysis", "--model", embedded_model, "--inputs", "qa",
-        "--length", "256", "--new-tokens", "4", "--budgets", "32,64,512",
-        "--output-json", str(out), "--plot", str(png), "--no-progress",
-    ])
-    report = json.loads(out.read_text())
-    layers = json.loads((Path(embedded_model) / "config.json").read_text())["num_hidden_layers"]
-    assert len(report["layer_stats"]["normalized_entropy"]) == layers
-    assert set(report["recall"]) == {"pyramidkv", "snapkv", "streamingllm", "adakv", "oracle"}
-    for method, by_budget in report["recall"].items():
-        assert by_budget["512"] == pytest.approx(1.0), method  # budget >= prompt: all kept
-        assert 0.0 < by_budget["32"] < by_budget["64"] <= 1.0, method
-        assert len(report["recall_per_layer"][method]["32"]) == layers
-    assert report["recall"]["oracle"]["32"] >= report["recall"]["streamingllm"]["32"]
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_retention_analysis_end_to_end(tmp_path, embedded_model):
-    out = tmp_path / "retention.json"
-    run_script([
-        "-m", "benchmarks.retention_analysis", "--model", embedded_model, "--tasks", "passkey",
-        "--lengths", "200", "--samples", "2",
-        "--configs", "snapkv:32,snapkv:512,pyramidkv:32+window=16+gqa_reduce=max",
-        "--output-json", str(out),
-    ])
-    report = json.loads(out.read_text())
-    layers = json.loads((Path(embedded_model) / "config.json").read_text())["num_hidden_layers"]
-    rows = {row["label"]: row for row in report["configs"]}
-    assert rows["snapkv:512"]["rows_holding"] == 1.0  # nothing evicted: every row holds it
-    assert rows["snapkv:512"]["prompts_all_rows"] == 1.0
-    for label in ("snapkv:32", "pyramidkv:32+window=16+gqa_reduce=max"):
-        assert 0.0 <= rows[label]["rows_holding"] < 1.0
-        assert len(rows[label]["per_layer"]) == layers

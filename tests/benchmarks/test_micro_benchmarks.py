@@ -1,5 +1,5 @@
-"""Smoke runs of the micro benchmarks: benchmarks.kernels (Triton interpreter) and
-benchmarks.compression_cost."""
+"""Smoke runs of the micro benchmarks: benchmarks.studies.kernels (Triton interpreter) and
+benchmarks.studies.compression_cost."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def run_script(args: list[str], env: dict[str, str] | None = None,
 
 def test_kernels_smoke_checks_every_kernel_against_its_reference(tmp_path):
     out = tmp_path / "kernels.json"
-    run_script(["-m", "benchmarks.kernels", "--smoke", "--json", str(out)],
+    run_script(["-m", "benchmarks.studies.kernels", "--smoke", "--json", str(out)],
                env={"TRITON_INTERPRET": "1"})
     report = json.loads(out.read_text())
     assert report["meta"]["checks_failed"] == 0 and report["meta"]["mode"] == "smoke"
@@ -46,7 +46,8 @@ def test_kernels_smoke_checks_every_kernel_against_its_reference(tmp_path):
 def test_compression_cost_smoke(tmp_path, embedded_model):
     out = tmp_path / "cost.json"
     result = run_script([
-        "-m", "benchmarks.compression_cost", "--model", embedded_model, "--prompt-lens", "256",
+        "-m", "benchmarks.studies.compression_cost", "--model", embedded_model,
+        "--prompt-lens", "256",
         "--num-prompts", "2", "--budget", "32", "--kv-cache-bytes", str(256 << 20),
         "--json", str(out),
     ], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -64,7 +65,7 @@ def test_hybrid_memory_smoke(tmp_path, tiny_gemma3):
     """On tiny Gemma 3 (window 32, 2 of 8 layers full attention) a 600-token prompt at budget
     32: while decoding, kvcompress holds less than vanilla's hybrid manager."""
     out = tmp_path / "hybrid.json"
-    run_script(["-m", "benchmarks.hybrid_memory", "--model", tiny_gemma3, "--prompt-lens",
+    run_script(["-m", "benchmarks.studies.hybrid_memory", "--model", tiny_gemma3, "--prompt-lens",
                 "600", "--budget", "32", "--max-num-batched-tokens", "256",
                 "--kv-cache-bytes", str(16 << 20), "--json", str(out)])
     row = json.loads(out.read_text())["rows"][0]

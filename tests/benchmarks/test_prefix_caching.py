@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import decode_fidelity, memory_sweep, throughput
+from benchmarks import memory_sweep, throughput
 from benchmarks.engine import clear_prefix_cache, engine_args
 from benchmarks.jobs import JobResult
 from benchmarks.quality import cli as quality_cli
@@ -22,6 +22,7 @@ from benchmarks.results_doc.document import load, result_block, section_files
 from benchmarks.results_doc.provenance import CHANGES, stale_reasons
 from benchmarks.results_doc.sections import SECTIONS
 from benchmarks.specs import CompressionSpec, EngineSettings
+from benchmarks.studies import decode_fidelity
 
 
 def _settings(**changes) -> EngineSettings:

@@ -123,3 +123,26 @@ def test_runs_record_their_commit_and_isa():
     assert "commit" in info and "isa" in info
     if info["commit"] is not None:  # a git checkout
         assert len(info["commit"].removesuffix("+dirty")) == 12
+
+
+def test_a_retired_studys_result_keeps_its_frozen_table_and_says_where_its_code_is():
+    from benchmarks.results_doc.sections import RETIRED
+
+    section = next(s for s in SECTIONS if s.key == "fp8_selection")
+    assert section.render is None  # the study is gone: nothing renders its result
+    block = result_block(section, "fp8_selection.json", document.load("fp8_selection.json"))
+    frozen = document.frozen_table_path("fp8_selection.json").read_text().strip()
+    assert frozen in block
+    study = next(s for s in RETIRED if "fp8_selection.json" in s.produced_by)
+    assert f"git show {study.last_commit}:benchmarks/fp8_selection.py" in block
+    for study in RETIRED:  # deleted, and every result of it assigned to a section
+        assert not (document.REPO_ROOT / study.path).exists()
+        assert set(study.produced_by) <= {n for s in SECTIONS for n in section_files(s)}
+
+
+def test_every_frozen_table_belongs_to_a_retired_result(tmp_path, monkeypatch):
+    document.check_frozen_tables()
+    monkeypatch.setattr(document, "FROZEN_DIR", tmp_path)
+    (tmp_path / "stray.md").write_text("| a |\n")
+    with pytest.raises(ValueError, match="stray.md"):
+        document.check_frozen_tables()

@@ -12,16 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.shared_context import (
-    Answer,
-    Prompts,
-    add_comparisons,
-    config_row,
-    grid_specs,
-    make_documents,
-    render,
-    score_answer,
-)
+from benchmarks.documents import Prompts, make_documents, score_answer
+from benchmarks.shared_context import Answer, add_comparisons, config_row, grid_specs, render
 from benchmarks.specs import CompressionSpec
 
 ROOT = Path(__file__).resolve().parents[2]

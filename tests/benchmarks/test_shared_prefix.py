@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.documents import Prompts, make_documents
 from benchmarks.engine import Wave, run_waves
-from benchmarks.shared_context import Prompts, make_documents
 from benchmarks.shared_prefix import (
     add_ratios,
     make_scenarios,

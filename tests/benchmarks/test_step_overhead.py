@@ -1,10 +1,10 @@
-"""benchmarks.step_overhead at tiny shapes: both cases run and report every part."""
+"""benchmarks.studies.step_overhead at tiny shapes: both cases run and report every part."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.step_overhead import main
+from benchmarks.studies.step_overhead import main
 
 
 def test_step_overhead_reports_every_case(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 from vllm import SamplingParams
 
-from benchmarks.shared_context import Prompts, make_documents, score_answer
+from benchmarks.documents import Prompts, make_documents, score_answer
 
 from .harness import EngineHarness
 

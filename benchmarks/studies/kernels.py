@@ -4,9 +4,9 @@ the compression step.
 Runs on a bare machine with torch + triton only (no vLLM, no install), from the repository
 root (``-m`` puts it on the path, so ``kvcompress`` imports from the checkout):
 
-    python -m benchmarks.kernels --quick            # H200: well under 3 minutes
-    python -m benchmarks.kernels --smoke            # tiny; CPU uses the interpreter
-    python -m benchmarks.kernels --json results/kernels.json
+    python -m benchmarks.studies.kernels --quick            # H200: well under 3 minutes
+    python -m benchmarks.studies.kernels --smoke            # tiny; CPU uses the interpreter
+    python -m benchmarks.studies.kernels --json results/kernels.json
 
 Shapes follow Llama-3-8B (32 layers, 32 query heads, 8 KV heads, head dim 128, bf16). Bandwidth is
 bytes the kernel must touch (K/V read, moves read + write) over time, against --peak-gbps
@@ -581,7 +581,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.kernels",
                                      description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter)")

@@ -28,7 +28,7 @@ from benchmarks.quality.tasks import filler_sentence
 
 FORCED_TOKENS_KEY = "forced_tokens"
 # vLLM loads logits processors by "module:Class" (the engine may live in another process).
-PROCESSOR_PATH = "benchmarks.decode_recall:ForcedScriptProcessor"
+PROCESSOR_PATH = "benchmarks.studies.decode_recall:ForcedScriptProcessor"
 ANSWER_TOKENS = 10  # free greedy tokens after the script: " 48213." takes 7 (a token a digit)
 SENTENCES_PER_PARAGRAPH = 6
 PROMPT = ("Write a long story about the people of a small village. Begin by inventing a "

@@ -1,8 +1,8 @@
 """Host work per engine step, at Llama-3-8B shapes, without a model: what the scheduler and
 the worker do in Python / NumPy around every forward pass.
 
-    python -m benchmarks.step_overhead                  # 256 decoding requests, +- a 32k prefill
-    python -m benchmarks.step_overhead --num-decoding 64 --decode-len 4096
+    python -m benchmarks.studies.step_overhead      # 256 decoding requests, +- a 32k prefill
+    python -m benchmarks.studies.step_overhead --num-decoding 64 --decode-len 4096
 
 Per step: the scheduler reserves each running request's next slots in pages and ships the page
 deltas (``PageManager``); the worker mirrors them and builds the step's page tables, slot
@@ -162,7 +162,7 @@ def run_case(args: argparse.Namespace, with_prefill: bool, churn: bool = False) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_overhead",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.step_overhead",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--num-decoding", type=int, default=256)

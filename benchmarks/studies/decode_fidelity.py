@@ -5,8 +5,9 @@ Chat prompts that ask for long texts run greedily (``ignore_eos``) through vanil
 full cache) and through each configuration; every configuration's output is compared with the
 full cache's, token by token:
 
-    python -m benchmarks.decode_fidelity                       # defaults (CPU: ~10 min)
-    python -m benchmarks.decode_fidelity --configs pyramidkv:100000@h2o:128 --output-len 512
+    python -m benchmarks.studies.decode_fidelity              # defaults (CPU: ~10 min)
+    python -m benchmarks.studies.decode_fidelity --configs pyramidkv:100000@h2o:128 \\
+        --output-len 512
 
 Configurations are ``METHOD:BUDGET@DECODE_POLICY:N`` (see benchmarks.throughput); the default
 prompt budget exceeds every prompt, so only decode-time eviction differs from the full cache.
@@ -20,10 +21,10 @@ fraction of positions < H holding the same token.
 
 ``--recall`` measures instead whether a fact the model generated early survives decode-time
 eviction: a secret code stated in teacher-forced generated tokens, asked for ~1000 tokens
-later (benchmarks.decode_recall has the method). Reported per configuration: accuracy with its
-95% Wilson interval and the paired difference to the full cache:
+later (benchmarks.studies.decode_recall has the method). Reported per configuration: accuracy
+with its 95% Wilson interval and the paired difference to the full cache:
 
-    python -m benchmarks.decode_fidelity --recall --num-prompts 20
+    python -m benchmarks.studies.decode_fidelity --recall --num-prompts 20
 """
 
 from __future__ import annotations
@@ -35,14 +36,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.jobs import Reporter, make_workdir, run_jobs, worker_env, worker_main
+from benchmarks.jobs import (
+    Reporter,
+    make_workdir,
+    run_jobs,
+    worker_env,
+    worker_main,
+    write_workload,
+)
 from benchmarks.report import (
     RESULTS_DIR,
     command_string,
+    conclude,
     format_table,
     machine_info,
+    save_report,
     with_prefix_caching,
-    write_json,
 )
 from benchmarks.specs import (
     CompressionSpec,
@@ -57,7 +66,7 @@ from benchmarks.specs import (
     resolve_dtype,
 )
 
-WORKER_MODULE = "benchmarks.decode_fidelity"
+WORKER_MODULE = "benchmarks.studies.decode_fidelity"
 DEFAULT_CONFIGS = ("pyramidkv:100000@window:128,pyramidkv:100000@h2o:128,"
                    "pyramidkv:100000@snapkv:128")
 TOPICS = (
@@ -93,7 +102,7 @@ def agreement(reference: list[int], output: list[int], horizon: int) -> tuple[fl
 
 def recall_task_prompts(tokenizer: Any, num: int, filler_tokens: int) -> tuple[list, list]:
     """(RecallPrompts, their worker dicts): the forced script travels with each prompt."""
-    from benchmarks.decode_recall import FORCED_TOKENS_KEY, recall_prompts
+    from benchmarks.studies.decode_recall import FORCED_TOKENS_KEY, recall_prompts
 
     recall = recall_prompts(tokenizer, num, filler_tokens)
     return recall, [{"prompt_token_ids": p.prompt_token_ids, "max_tokens": p.max_tokens,
@@ -103,8 +112,8 @@ def recall_task_prompts(tokenizer: Any, num: int, filler_tokens: int) -> tuple[l
 def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from benchmarks.decode_recall import FORCED_TOKENS_KEY, PROCESSOR_PATH
     from benchmarks.engine import build_engine, generate, shutdown_engine
+    from benchmarks.studies.decode_recall import FORCED_TOKENS_KEY, PROCESSOR_PATH
 
     settings = EngineSettings(**job["settings"])
     spec = CompressionSpec(**job["spec"])
@@ -158,8 +167,8 @@ def score(specs: list[CompressionSpec], results: dict[str, Any],
 def score_recall_runs(specs: list[CompressionSpec], results: dict[str, Any], recall: list,
                       tokenizer: Any) -> list[dict[str, Any]]:
     """Recall accuracy per configuration and its paired difference to the full cache."""
-    from benchmarks.decode_recall import score_recall
     from benchmarks.quality.scoring import paired_difference
+    from benchmarks.studies.decode_recall import score_recall
 
     rows = run_rows(specs, results,
                     lambda token_ids: score_recall(recall, token_ids, tokenizer))
@@ -257,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     threads = None if device != "cpu" else args.threads or default_threads()
     workdir = make_workdir(name)
-    prompts_path = workdir / "prompts.json"
-    prompts_path.write_text(json.dumps(prompts))
+    prompts_path = write_workload(workdir, prompts, "prompts.json")
     log_path = args.log_file or workdir / "vllm.log"
     workload: dict[str, Any] = {"num_prompts": len(prompts),
                                 "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts]}
@@ -289,15 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         horizons = sorted({min(256, args.output_len), args.output_len})
         rows = score(specs, results, horizons)
         table = fidelity_table(rows)
-    report = {**header, "configs": rows, "runtime_s": time.perf_counter() - started}
-    write_json(output_json, report)
+    report = save_report(header, rows, started, output_json)
     print()
     print(with_prefix_caching(table, header["settings"]))
-    failed = [row for row in rows if not row["ok"]]
-    for row in failed:
-        print(f"\n{row['label']} FAILED:\n{row['error']}")
-    print(f"\nwrote {output_json} ({report['runtime_s']:.0f} s)")
-    return 1 if failed else 0
+    return conclude(report, str(output_json))
 
 
 if __name__ == "__main__":

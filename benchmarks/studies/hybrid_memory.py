@@ -10,7 +10,7 @@ Both engines run vLLM's default, prefix caching on (blocks a finished request le
 count as free, as vLLM counts them; kvcompress keeps no entries on models with sliding
 layers); ``--no-prefix-caching`` turns it off (recorded, and said above the table).
 
-    python -m benchmarks.hybrid_memory --model .models/gemma-3-270m --prompt-lens 2048,8000
+    python -m benchmarks.studies.hybrid_memory --model .models/gemma-3-270m --prompt-lens 2048,8000
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.hybrid_memory",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.hybrid_memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--prompt-lens", default="2048,8000")

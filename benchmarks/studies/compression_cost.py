@@ -6,8 +6,9 @@ compressed, once with ``kv_compression: none`` per request (the same
 paged engine, no scoring, no eviction). The worker's own counters give the time spent
 scoring observation windows (inside attention) and compacting (after the forward).
 
-    python -m benchmarks.compression_cost                       # defaults, ~5 min on 2 cores
-    python -m benchmarks.compression_cost --prompt-lens 1024,4096 --method snapkv --budget 256
+    python -m benchmarks.studies.compression_cost              # defaults, ~5 min on 2 cores
+    python -m benchmarks.studies.compression_cost --prompt-lens 1024,4096 --method snapkv \\
+        --budget 256
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.compression_cost",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.compression_cost",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=".models/SmolLM2-135M-Instruct")
     parser.add_argument("--prompt-lens", default="1024,2048,4096")
