@@ -31,7 +31,7 @@ from benchmarks.specs import (
     parse_ints,
     parse_names,
 )
-from kvcompress.config import KVCompressionConfig
+from kvcompress.settings.config import KVCompressionConfig
 
 FP8_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 DEFAULT_TASKS = "passkey,niah_single,niah_multikey,qa"  # the quality suite's

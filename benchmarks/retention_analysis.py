@@ -39,7 +39,7 @@ from benchmarks.specs import (
     parse_names,
     parse_specs,
 )
-from kvcompress.config import KVCompressionConfig
+from kvcompress.settings.config import KVCompressionConfig
 
 RETRIEVAL_TASKS = ("passkey", "niah_single", "niah_multikey")
 

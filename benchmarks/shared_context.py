@@ -62,8 +62,8 @@ from benchmarks.specs import (
     parse_specs,
     resolve_dtype,
 )
-from kvcompress.config import REUSE_CHOICES, SCORINGS
 from kvcompress.policies import METHODS as POLICY_METHODS
+from kvcompress.settings.flags import REUSE_CHOICES, SCORINGS
 
 WORKER_MODULE = "benchmarks.shared_context"
 MODES = ("chat", "independent")
