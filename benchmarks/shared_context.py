@@ -74,8 +74,8 @@ from benchmarks.specs import (
     resolve_dtype,
     token_counter,
 )
-from kvcompress.config import REUSE_CHOICES, SCORINGS
 from kvcompress.policies import METHODS as POLICY_METHODS
+from kvcompress.settings.flags import REUSE_CHOICES, SCORINGS
 
 WORKER_MODULE = "benchmarks.shared_context"
 MODES = ("chat", "independent")

@@ -176,7 +176,7 @@ class CompressionSpec:
 
 
 def _spec_option_keys() -> frozenset[str]:
-    from kvcompress.config import CONFIG_KEYS
+    from kvcompress.settings.flags import CONFIG_KEYS
 
     # the method, the amount and the decode policy have their own syntax
     return CONFIG_KEYS - {"kv_compression", "kv_budget", "kv_compression_ratio",
@@ -264,7 +264,7 @@ def parse_names(text: str, known: Sequence[str], what: str) -> list[str]:
 def parse_kv_options(items: Sequence[str]) -> dict[str, Any]:
     """``["kv_window=16", "kv_pooling=avg"]`` -> additional_config keys, checked by name here
     (values are validated by the engine config, before any engine starts)."""
-    from kvcompress.config import CONFIG_KEYS
+    from kvcompress.settings.flags import CONFIG_KEYS
 
     options: dict[str, Any] = {}
     for item in items:

@@ -33,7 +33,7 @@ from kvcompress.calibration import REPEAT_PROMPT, calibration_document, chat_tex
 from kvcompress.profiles import model_fingerprint
 from kvcompress.surrogates import MIN_SCORE, ScoreSurrogate, position_features
 
-# The engine's reconstruction chunk (config.DEFAULT_RECONSTRUCT_CHUNK) and instruction.
+# The engine's reconstruction chunk (settings.flags.DEFAULT_RECONSTRUCT_CHUNK) and instruction.
 TEACHER_CHUNK = 512
 # Ridge strength relative to the mean squared standardized input (1e-3: barely regularized;
 # the fit is over tens of thousands of tokens and a few hundred inputs).

@@ -110,25 +110,24 @@ def extend_scheduler_stats() -> None:
 
 
 def add_compression_flags(parser: Any) -> None:
-    from kvcompress.config import FLAG_SPECS
+    """One argument group per group of the flag table (``vllm serve --help=kvcompress``,
+    ``--help=kvcompress-tuning``)."""
+    from kvcompress.settings.flags import FLAG_GROUPS, FLAG_SPECS
 
     if any(spec.flag in parser._option_string_actions for spec in FLAG_SPECS):
         return  # AsyncEngineArgs and EngineArgs may both pass through here.
-    group = parser.add_argument_group(
-        title="kvcompress",
-        description="Per-head paged KV-cache compression (PyramidKV, SnapKV, StreamingLLM, "
-        "Ada-KV). Each flag may also be given as an --additional-config key of the same "
-        "name in snake case; a flag wins over the key.",
-    )
-    for spec in FLAG_SPECS:
-        group.add_argument(
-            spec.flag, dest=spec.key, type=spec.type, default=None,
-            choices=spec.choices, help=spec.help,
-        )
+    for flag_group in FLAG_GROUPS:
+        group = parser.add_argument_group(title=flag_group.title,
+                                          description=flag_group.description)
+        for spec in flag_group.specs:
+            group.add_argument(
+                spec.flag, dest=spec.key, type=spec.type, default=None,
+                choices=spec.choices, help=spec.help,
+            )
 
 
 def merge_flags_into_additional_config(engine_args: Any, args: argparse.Namespace) -> None:
-    from kvcompress.config import FLAG_SPECS
+    from kvcompress.settings.flags import FLAG_SPECS
 
     given = {
         spec.key: getattr(args, spec.key)

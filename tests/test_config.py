@@ -2,14 +2,9 @@
 
 import pytest
 
-from kvcompress.config import (
-    DEFAULT_BUDGET,
-    DEFAULT_MIN_PROMPT,
-    FLAG_SPECS,
-    KVCompressionConfig,
-    KVCompressionConfigError,
-)
 from kvcompress.policies import COMPRESSION_METHODS, METHODS, PolicySettings
+from kvcompress.settings.config import KVCompressionConfig, KVCompressionConfigError
+from kvcompress.settings.flags import DEFAULT_BUDGET, DEFAULT_MIN_PROMPT, FLAG_SPECS
 
 
 def test_none_is_default_and_disabled():
@@ -245,7 +240,7 @@ def test_scoring_is_auto_by_default_resolved_at_start_window_until_then():
     default = KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv",
                                                 "kv_compression_ratio": 0.75})
     assert (default.scoring, default.reconstruct_chunk) == ("auto", 512)
-    # auto is resolved by the engine's start (engine_args.resolve_auto_scoring): it never
+    # auto is resolved by the engine's start (settings/resolution.py): it never
     # stands for a reconstruction pass
     assert default.resolved_scoring == "window" and not default.reconstructs(200)
     assert not default.reserves_reconstruction and not default.loads_surrogate

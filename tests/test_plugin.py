@@ -8,8 +8,9 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from kvcompress.config import FLAG_SPECS, KVCompressionConfigError
 from kvcompress.plugin import register
+from kvcompress.settings.config import KVCompressionConfigError
+from kvcompress.settings.flags import FLAG_SPECS
 from kvcompress.vllm_hooks import check_vllm_version
 
 

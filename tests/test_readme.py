@@ -1,5 +1,6 @@
 """The README's first lines are the two fresh-machine commands, and CI runs the second; its
-flags table lists every flag of kvcompress.config.FLAG_SPECS."""
+flags tables list the flag groups of kvcompress.settings.flags, row for row as
+`vllm serve --help` shows them."""
 
 from pathlib import Path
 
@@ -31,18 +32,58 @@ def test_serve_command_model_path_is_where_setup_puts_it():
     assert str(DEFAULT_MODEL_DIR) in serve
 
 
-def readme_flag_rows() -> list[str]:
-    """The first cell of every row of the README's flags table."""
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## Flags", 1)[1].split("\n\n")[1]
-    return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+def readme_flag_tables() -> list[tuple[str, list[str]]]:
+    """Each table of the README's Flags section: the text before it, and the first cell of
+    each of its rows."""
+    section = (ROOT / "README.md").read_text().split("\n## Flags\n", 1)[1].split("\n## ", 1)[0]
+    tables: list[tuple[str, list[str]]] = []
+    lead: list[str] = []
+    for block in section.split("\n\n"):
+        lines = block.strip().splitlines()
+        if lines and lines[0].startswith("|"):
+            tables.append(("\n".join(lead), [line.split("|")[1].strip() for line in lines[2:]]))
+            lead = []
+        else:
+            lead.append(block)
+    return tables
 
 
-def test_flags_table_lists_every_flag_in_order_with_its_choices():
-    from kvcompress.config import FLAG_SPECS
+def row_flag(row: str) -> str:
+    return row.strip("`").split()[0]
 
-    rows = readme_flag_rows()
-    assert [row.strip("`").split()[0] for row in rows] == [spec.flag for spec in FLAG_SPECS]
-    for row, spec in zip(rows, FLAG_SPECS):
-        if spec.choices:
-            assert row == f"`{spec.flag} {{{','.join(spec.choices)}}}`", row
+
+def test_flags_tables_are_the_flag_groups_in_order_with_their_choices():
+    from kvcompress.settings.flags import FLAG_GROUPS
+
+    tables = readme_flag_tables()
+    assert len(tables) == len(FLAG_GROUPS)
+    for (lead, rows), group in zip(tables, FLAG_GROUPS):
+        assert f"`vllm serve --help={group.title}`" in lead, lead
+        assert [row_flag(row) for row in rows] == [spec.flag for spec in group.specs]
+        for row, spec in zip(rows, group.specs):
+            if spec.choices:
+                assert row == f"`{spec.flag} {{{','.join(spec.choices)}}}`", row
+
+
+def test_flags_tables_have_one_row_per_flag_of_vllm_serve_help():
+    """Every kvcompress flag `vllm serve --help=<group>` shows has exactly one row, under
+    that group's table, and every row names one of them."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvcompress.plugin import register
+    from kvcompress.settings.flags import CONFIG_KEYS
+
+    register()
+    parser = make_arg_parser(FlexibleArgumentParser())
+    help_groups = {
+        group.title: [action.option_strings[0] for action in group._group_actions]
+        for group in parser._action_groups if group.title and "kvcompress" in group.title
+    }
+    ours = [action.option_strings[0] for action in parser._actions if action.dest in CONFIG_KEYS]
+    assert sorted(flag for flags in help_groups.values() for flag in flags) == sorted(ours)
+    readme_groups = {}
+    for lead, rows in readme_flag_tables():
+        title = lead.rsplit("`vllm serve --help=", 1)[1].split("`", 1)[0]
+        readme_groups[title] = [row_flag(row) for row in rows]
+    assert readme_groups == help_groups

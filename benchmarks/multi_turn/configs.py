@@ -77,7 +77,7 @@ def parse_configs(text: str) -> list[RunConfig]:
 
 def check_settings(configs: Sequence[RunConfig], options: dict[str, Any]) -> None:
     """Every kvcompress configuration's settings are valid, before any engine starts."""
-    from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
+    from kvcompress.settings.config import KVCompressionConfig, KVCompressionConfigError
 
     for config in configs:
         try:

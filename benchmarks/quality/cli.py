@@ -99,8 +99,8 @@ from benchmarks.specs import (
     resolve_dtype,
     token_counter,
 )
-from kvcompress.config import SCORINGS
 from kvcompress.policies import METHODS
+from kvcompress.settings.flags import SCORINGS
 
 # The default profile's tasks: those the embedded model solves with its full cache.
 DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "qa")
@@ -399,7 +399,7 @@ def build_rows(samples: Sequence[Sample], specs: Sequence[CompressionSpec],
 
 def check_settings(specs: Sequence[CompressionSpec], options: dict[str, Any]) -> None:
     """Every configuration's settings are valid, before any engine starts."""
-    from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
+    from kvcompress.settings.config import KVCompressionConfig, KVCompressionConfigError
 
     for spec in specs:
         try:

@@ -87,8 +87,8 @@ def resolved_scoring(spec: CompressionSpec, options: Mapping[str, Any],
     off, reuse on picks the model's surrogate where it has one); None for the full cache."""
     if spec.is_vanilla:
         return None
-    from kvcompress.config import KVCompressionConfig
-    from kvcompress.engine.engine_args import resolve_auto_scoring
+    from kvcompress.settings.config import KVCompressionConfig
+    from kvcompress.settings.resolution import resolve_auto_scoring
 
     config = spec.additional_config(options)
     config.setdefault("kv_reuse", "on" if prefix_caching else "off")
@@ -102,7 +102,7 @@ def compressible(spec: CompressionSpec, options: Mapping[str, Any],
     longer than the budget, or than ``kv_min_prompt`` with a ratio); 0 for the full cache."""
     if spec.is_vanilla:
         return 0
-    from kvcompress.config import KVCompressionConfig
+    from kvcompress.settings.config import KVCompressionConfig
 
     config = KVCompressionConfig.from_mapping(spec.additional_config(options))
     return sum(config.compresses(n) for n in lengths)

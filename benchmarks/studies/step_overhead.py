@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager
+from kvcompress.settings.config import KVCompressionConfig
 
 TARGET_MS = 2.0  # issue 17: host work per step at these shapes
 

@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.budget_spread import worst_spreads
 from kvcompress.paging import PageManager, ShardedPageManager
 from kvcompress.paging.page_table import fill_of_lengths, most_of_fills, pages_for_lengths
 from kvcompress.policies.budgets import layer_budgets
+from kvcompress.settings.config import KVCompressionConfig
 
 # What ``trajectories`` reads of every request, in one pass.
 _READ_COUNTS = operator.attrgetter("num_tokens", "num_computed_tokens", "num_prompt_tokens",

@@ -6,11 +6,10 @@ import dataclasses
 import os
 from typing import Any
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.request_settings import VALIDATOR_PATH, record_engine_config
 from kvcompress.log import get_logger
-from kvcompress.profiles import default_profile_path, load_profile
-from kvcompress.surrogates import SurrogateError, default_surrogate_path, load_surrogate
+from kvcompress.settings.config import KVCompressionConfig
+from kvcompress.settings.resolution import resolve_at_start
 
 logger = get_logger(__name__)
 
@@ -39,12 +38,7 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         # vLLM's own switch for reusing cached prefixes also switches off ours (unless
         # --kv-reuse says otherwise; a second call finds the setting made by the first).
         config = dataclasses.replace(config, reuse="off")
-    if config.scoring == "auto":
-        config = resolve_auto_scoring(config, engine_args.model)  # loads what it picks
-    elif config.loads_surrogate:
-        config = _resolve_surrogate(config, engine_args.model)
-    if config.loads_profile:
-        config = _resolve_profile(config, engine_args.model)
+    config = resolve_at_start(config, engine_args.model)  # auto scoring; the files it loads
     # Workers and the scheduler re-read the fully resolved settings, defaults included.
     engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping()}
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
@@ -62,46 +56,6 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         engine_args.logits_processors = [*processors, VALIDATOR_PATH]
     record_engine_config(config)
     return config
-
-
-def _resolve_profile(config: KVCompressionConfig, model: str) -> KVCompressionConfig:
-    """--kv-scoring expected: the query profile's path (default: beside the model), loaded
-    once here so that a missing profile or one made for another model stops the start."""
-    path = config.profile or str(default_profile_path(model))
-    load_profile(path, model)
-    return dataclasses.replace(config, profile=path)
-
-
-def resolve_auto_scoring(config: KVCompressionConfig, model: str) -> KVCompressionConfig:
-    """``--kv-scoring auto``: the score surrogate where finished caches are reused and the
-    model has a valid one (query-agnostic scores inside the prefill; measured at least as
-    good as its union with the window on single questions and better on later turns), else
-    the observation window (question-aware, free). Never a reconstruction pass: it costs a
-    second prefill of every long prompt (docs/methods.md, "Scores without a second
-    prefill")."""
-    if config.scoring != "auto" or not config.enabled:
-        return config
-    if config.reuse != "on":
-        return dataclasses.replace(config, scoring="window")
-    surrogate = dataclasses.replace(config, scoring="surrogate")
-    if config.surrogate:  # named by the user: a wrong one stops the start
-        return _resolve_surrogate(surrogate, model)
-    try:
-        return _resolve_surrogate(surrogate, model)
-    except SurrogateError as error:
-        logger.warning("kvcompress: --kv-scoring auto: %s. Prompts are scored by their "
-                       "observation window (question-aware), so later turns that reuse a "
-                       "compressed cache may miss what the first question did not ask for.",
-                       error)
-        return dataclasses.replace(config, scoring="window")
-
-
-def _resolve_surrogate(config: KVCompressionConfig, model: str) -> KVCompressionConfig:
-    """--kv-scoring surrogate: the surrogate's path (default: beside the model), loaded once
-    here so that a missing surrogate or one made for another model stops the start."""
-    path = config.surrogate or str(default_surrogate_path(model))
-    load_surrogate(path, model)
-    return dataclasses.replace(config, surrogate=path)
 
 
 def finish_vllm_config(vllm_config: Any, config: KVCompressionConfig) -> None:

@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 from vllm.v1.request import RequestStatus
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.request_settings import resolve
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
 from kvcompress.paging.prefix_index import PrefixIndex
+from kvcompress.settings.config import KVCompressionConfig
 
 logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
+from kvcompress.settings.config import KVCompressionConfig, KVCompressionConfigError
 
 VALIDATOR_PATH = "kvcompress.engine.request_settings:RequestSettingsValidator"
 

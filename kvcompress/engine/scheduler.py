@@ -13,7 +13,6 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import RequestStatus
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import (
     Compaction,
@@ -31,6 +30,7 @@ from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
 from kvcompress.paging.page_table import pages_for_lengths
+from kvcompress.settings.config import KVCompressionConfig
 
 logger = get_logger(__name__)
 

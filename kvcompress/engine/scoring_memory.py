@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.policies.plan import INDEX_BYTES, PLAN_BYTES_PER_SCORE, workspace_scores
+from kvcompress.settings.config import KVCompressionConfig
 
 SCORE_BYTES = 4  # fp32 accumulators
 COUNT_BYTES = 8  # KeepPlan.counts, int64 per (layer, KV head)

@@ -19,7 +19,6 @@ from kvcompress.attention.reconstruction_scores import (
     scoring_elements,
     scoring_workspace_bytes,
 )
-from kvcompress.config import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE, KVCompressionConfig
 from kvcompress.engine.scoring_memory import (
     MAX_REPEAT_TOKENS,
     decode_reserved_bytes,
@@ -28,6 +27,8 @@ from kvcompress.engine.scoring_memory import (
     scored_token_reserve,
 )
 from kvcompress.paging import PageLayout
+from kvcompress.settings.config import KVCompressionConfig
+from kvcompress.settings.flags import AMX_PAGE_SIZE, DEFAULT_PAGE_SIZE
 
 
 def attention_layer_names(kv_cache_config: KVCacheConfig) -> list[str]:

@@ -24,7 +24,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.messages import Compaction, merge_compactions
@@ -36,6 +35,7 @@ from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies import KeepPlan, PolicySettings, plan_keep, pool_scores, rank_union
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.selection import PAD_INDEX
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import KVMover, StepBatch
 
 logger = get_logger(__name__)

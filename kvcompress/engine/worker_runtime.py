@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
 from kvcompress.engine.messages import (
@@ -40,6 +39,7 @@ from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
 from kvcompress.profiles import QueryProfile
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, StepBatch
 from kvcompress.surrogates import ScoreSurrogate
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.device_timing import StageTimer
 from kvcompress.engine.decode_plan import plan_decode_scoring
 from kvcompress.engine.scoring_memory import scores_prompt
@@ -29,6 +28,7 @@ from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import (
     DecodeQueries,
     StepBatch,

@@ -1,8 +1,9 @@
 """The compression methods users can choose, in the order they see them, and lookup by name.
 
 Adding a method: write ``methods/<name>.py`` with its ``CompressionMethod`` record and add that
-record to COMPRESSION_METHODS. The --kv-compression choices and help (config.py), the ``budgets``
-command, the benchmarks (they iterate METHODS), PolicySettings and plan_keep all read this list.
+record to COMPRESSION_METHODS. The --kv-compression choices and help (settings/flags.py), the
+``budgets`` command, the benchmarks (they iterate METHODS), PolicySettings and plan_keep all read
+this list.
 """
 
 from __future__ import annotations

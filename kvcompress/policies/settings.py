@@ -1,7 +1,7 @@
 """Policy settings: everything plan_keep needs besides prompts and scores, validated once.
 
-The policy defaults are defined here and nowhere else: config.py (the user-facing flags) and the
-``budgets`` command read them from this module.
+The policy defaults are defined here and nowhere else: settings/flags.py (the user-facing flags)
+and the ``budgets`` command read them from this module.
 """
 
 from __future__ import annotations

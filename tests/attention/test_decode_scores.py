@@ -15,10 +15,10 @@ from kvcompress.attention import layer as layer_module
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.config import KVCompressionConfig
 from kvcompress.kernels import has_triton, has_triton_gpu
 from kvcompress.kernels.decode_mass import REDUCE_MAX, REDUCE_MEAN, REDUCE_SUM
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import GQA_REDUCE_CODES, UNSCALED, PagedAttentionMetadata
 from tests.paged_cases import build_case, model_softmax
 

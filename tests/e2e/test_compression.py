@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from vllm.exceptions import VLLMValidationError
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.policies import layer_budgets
+from kvcompress.settings.config import KVCompressionConfig
 
 from .harness import EngineHarness, assert_default_scoring, greedy, random_prompts
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kvcompress.config import KVCompressionConfig
+from kvcompress.settings.config import KVCompressionConfig
 
 from .harness import EngineHarness, greedy
 
@@ -35,7 +35,7 @@ def worker_view(worker):
 def started_config(model: str) -> KVCompressionConfig:
     """SETTINGS as the engine resolves them at start (``auto`` scoring: this model has no
     surrogate, so the window's)."""
-    from kvcompress.engine.engine_args import resolve_auto_scoring
+    from kvcompress.settings.resolution import resolve_auto_scoring
 
     config = resolve_auto_scoring(KVCompressionConfig.from_mapping(SETTINGS), model)
     assert config.scoring == "window"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from benchmarks.engine import prompt_kept_fraction
-from kvcompress.config import KVCompressionConfig
 from kvcompress.policies import layer_budgets
+from kvcompress.settings.config import KVCompressionConfig
 
 from .harness import EngineHarness, greedy, random_prompts
 from .test_compression import BYTES_PER_TOKEN, TINY

@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.admission import AdmissionPlanner, Trajectories, Trajectory, peak_pages
 from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
 from kvcompress.paging.page_table import fill_of_lengths
 from kvcompress.policies import layer_budgets, plan_keep, resolve_budget
 from kvcompress.policies.decode import DecodeEviction, get_decode_method
+from kvcompress.settings.config import KVCompressionConfig
 
 PAGE = 4
 PYRAMID = KVCompressionConfig.from_mapping(

@@ -40,7 +40,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_runtime
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import REPORT_ATTR
@@ -51,6 +50,7 @@ from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_moves import MoveBatch
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
+from kvcompress.settings.config import KVCompressionConfig
 
 PAGE = 4
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE, dtype_bytes=4,

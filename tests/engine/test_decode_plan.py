@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from kvcompress.attention.decode_scores import score_decode_layer
-from kvcompress.config import KVCompressionConfig
 from kvcompress.kernels.decode_mass import DecodeScoreTarget, decode_scores_ref
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
+from kvcompress.settings.config import KVCompressionConfig
 from tests.paged_cases import build_case, model_softmax
 
 LAYERS, HEADS, GROUP, HEAD_SIZE, PAGE = 2, 2, 2, 16, 16

@@ -13,7 +13,6 @@ import torch
 
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_compaction
 from kvcompress.engine.worker_compaction import (
     compact_completed_prompts,
@@ -23,6 +22,7 @@ from kvcompress.engine.worker_compaction import (
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import KeepPlan, plan_keep
+from kvcompress.settings.config import KVCompressionConfig
 from tests.device_emulation import DeviceTensor, emulate_transfers, is_on_device, on_device
 from tests.engine.test_worker_compaction import labelled_case, token_ids_in_slots
 from tests.paged_cases import build_case

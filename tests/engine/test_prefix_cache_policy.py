@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.paging import PageLayout, ShardedPageManager
+from kvcompress.settings.config import KVCompressionConfig
 
 
 def request(request_id, tokens, prompt_len, computed=None, status=RequestStatus.WAITING,

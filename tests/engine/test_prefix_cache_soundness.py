@@ -21,7 +21,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine import worker_runtime
 from kvcompress.engine.admission import AdmissionPlanner, peak_pages
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
@@ -31,6 +30,7 @@ from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
+from kvcompress.settings.config import KVCompressionConfig
 
 
 class Request(SimpleNamespace):

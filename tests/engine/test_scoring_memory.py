@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcompress.config import KVCompressionConfig, KVCompressionConfigError
 from kvcompress.engine.scoring_memory import (
     COUNT_BYTES,
     SCORE_BYTES,
@@ -21,6 +20,7 @@ from kvcompress.engine.vllm_layout import ScoringReserve
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
 from kvcompress.policies.decode import DECODE_POLICIES
 from kvcompress.policies.plan import INDEX_BYTES, MAX_BLOCK_ELEMENTS, PLAN_BYTES_PER_SCORE
+from kvcompress.settings.config import KVCompressionConfig, KVCompressionConfigError
 from tests.paged_cases import build_case
 
 SNAPKV = KVCompressionConfig.from_mapping(

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
     _generated_keys,
@@ -17,6 +16,7 @@ from kvcompress.engine.worker_compaction import (
 )
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, PageFormat
 from kvcompress.policies import plan_keep
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import KVScales
 from tests.paged_cases import build_case, fp8_bytes
 

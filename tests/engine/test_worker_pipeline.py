@@ -16,13 +16,13 @@ import torch
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.worker_compaction import compact_completed_prompts, compress_step
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout, PageManager
 from kvcompress.paging.page_format import GPU_PAGE_FORMAT
 from kvcompress.policies import METHODS, get_method, observation_window_scores, plan_keep
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata
 from tests import sync_debug
 from tests.sync_debug import no_sync_region

@@ -12,10 +12,10 @@ import torch
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.messages import merge_rank_reports
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
+from kvcompress.settings.config import KVCompressionConfig
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_size=32, page_size=16, dtype_bytes=4,
                     total_pages=64)

@@ -25,7 +25,6 @@ from kvcompress.attention.reconstruction_scores import (
     SCORING_WORKSPACE_BYTES,
     accumulate_reconstruction_scores,
 )
-from kvcompress.config import KVCompressionConfig
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.scoring_memory import plan_output_bytes, workspace_bytes
 from kvcompress.engine.worker_compaction import _plan
@@ -35,6 +34,7 @@ from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT
 from kvcompress.profiles import QueryProfile
+from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import StepBatch
 from tests.memory_peak import LiveBytes
 
