@@ -110,8 +110,9 @@ class _Metrics:
                                       "Prompt tokens taken from a cached conversation instead "
                                       "of being prefilled (multi-turn reuse)", labels)
         self.adoptions = Counter("kvcompress:adoptions",
-                                 "Cached caches adopted by a new request: copied (the entry "
-                                 "stays cached) or handed over", labels + ["mode"])
+                                 "Cached caches adopted by a new request: shared (read in "
+                                 "place, the entry stays cached) or handed over",
+                                 labels + ["mode"])
         self.evicted_entries = Counter("kvcompress:cache_evicted_entries",
                                        "Cached caches evicted because running requests needed "
                                        "their pages", labels)
@@ -156,7 +157,7 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.pages_total.labels(engine).set(figures["pages_total"])
         metrics.pages_cached.labels(engine).set(figures.get("pages_cached", 0))
         metrics.adopted_tokens.labels(engine).inc(figures.get("adopted_tokens", 0))
-        metrics.adoptions.labels(engine, "copy").inc(figures.get("copies", 0))
+        metrics.adoptions.labels(engine, "share").inc(figures.get("shares", 0))
         metrics.adoptions.labels(engine, "handover").inc(figures.get("handovers", 0))
         metrics.evicted_entries.labels(engine).inc(figures.get("evicted_entries", 0))
 
