@@ -248,10 +248,16 @@ class RequestTables:
             # reorder the worker's replay.
             raise RuntimeError(f"request {request_id}: window drop after an append in one "
                                "schedule")
-        if state.shared is not None:  # reuse is off with sliding windows
-            raise RuntimeError(f"request {request_id}: window drop in a shared run")
         delta.drops = drops if delta.drops is None else delta.drops + drops
-        self.pool.release(state.table.drop_leading(drops), Holder.OWNER)
+        if state.shared is not None:  # a shared run's pages go first (reuse is off there)
+            read = np.minimum(drops, state.shared)
+            self.pool.release(state.table.leading_pages(read), Holder.READER)
+            self.pool.release(state.table.pages_between(read, drops), Holder.OWNER)
+            state.table.drop_leading(drops)
+            state.shared = state.shared - read
+            state.shared_pages = int(state.shared.sum())
+        else:
+            self.pool.release(state.table.drop_leading(drops), Holder.OWNER)
         state.evicted = state.evicted + drops.astype(np.int64) * layout.page_size
         state.refresh_headroom(layout.page_size)
         return total

@@ -322,7 +322,7 @@ def random_running_set(rng: np.random.Generator, pages: PageManager | ShardedPag
             assert pages.allocate(name + "-earlier", context)
             assert pages.retire(name + "-earlier", index, context, prompt_len=context)
             hit = int(rng.integers(1, context + 1))
-            assert pages.adopt(name, index, hit, copy=bool(rng.integers(2)))
+            assert pages.adopt(name, index, hit, share=bool(rng.integers(2)))
             # A prompt of just the cached context is decoding already.
             prompt, computed = hit + int(rng.integers(0, 2)) * prompt, hit
         requests.append(FakeRequest(
@@ -338,7 +338,8 @@ def random_running_set(rng: np.random.Generator, pages: PageManager | ShardedPag
 def test_batched_trajectories_and_admission_match_the_reference(seed, sliding, ranks,
                                                                 lookahead):
     """``trajectories`` (decoding requests read in one batch from the page manager) equals
-    ``trajectory`` request by request, and ``admits`` decides by the reference peak. ``ranks``
+    ``trajectory`` request by request, and ``admits`` decides by the reference peak and the
+    pages adopters read in shared runs. ``ranks``
     0: a plain PageManager; 2: ranks whose compactions differ."""
     rng = np.random.default_rng(seed)
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE,
@@ -361,8 +362,9 @@ def test_batched_trajectories_and_admission_match_the_reference(seed, sliding, r
 
     *running[:], new = requests
     if running:
-        # The decision flips exactly where the reserve leaves the reference peak no room.
-        room = layout.total_pages - peak
+        # The decision flips exactly where the reserve leaves the reference peak no room
+        # beside the pages adopters read (counted once, not in their trajectories).
+        room = layout.total_pages - peak - pages.num_read
         assert plan.admits(new, reserve_pages=room)
         assert not plan.admits(new, reserve_pages=room + 1)
 
