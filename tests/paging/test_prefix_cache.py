@@ -448,3 +448,52 @@ def test_entries_waiting_requests_adopt_are_evicted_last_the_latest_needed_first
     assert manager.cache.eviction_order() == [1]
     manager.check_invariants()
     assert accounted(manager) == 40
+
+
+@pytest.mark.parametrize("readers", [1, 2, 5])
+def test_readers_of_one_entry_hold_its_pages_once(readers):
+    """N adopters of one entry (a shared system prompt): the pages held are the entry's once
+    plus each adopter's own (each row's copied partial page and its growth), and the worker
+    copies one page a row per adopter instead of the whole entry."""
+    manager = make_manager(total_pages=200)
+    finished(manager, "prompt", 1, logical=30, prompt_len=30)  # 7 whole pages + 2 tokens
+    entry_pages = manager.entry(1).table.total_pages  # 8 a row, 32
+    copied = 0
+    for index in range(readers):
+        assert manager.adopt(f"r{index}", 1, 30, share=True)
+        assert manager.allocate(f"r{index}", 34)  # 9 pages a row
+        copied += len(manager.take_deltas()[f"r{index}"].copies[0])
+    own = 4 * (9 - 7)  # a copied partial page and a grown one, a row
+    assert manager.total_pages - manager.num_free == entry_pages + readers * own
+    assert manager.num_read == 4 * 7 and manager.owned_pages() == 4 * 7 + readers * own
+    assert copied == readers * 4  # copying every row whole: readers * 32
+    assert manager.entry(1) is not None
+    manager.check_invariants()
+    for index in range(readers):  # finish (or preemption, abort): the entry's pages stay
+        manager.free(f"r{index}")
+        manager.check_invariants()
+    assert manager.num_free == 200 - entry_pages
+
+
+def test_ranks_share_an_entry_each_with_its_own_cut():
+    """Tensor parallelism: each rank's page manager shares its own rows of the entry (rank 1
+    compacted more, so its cut has fewer whole pages); every rank's counts stay right."""
+    layout = PageLayout(2, 2, head_size=8, page_size=PAGE, dtype_bytes=2, total_pages=40)
+    pages = ShardedPageManager(layout, 2)
+    assert pages.allocate("a", 12)
+    pages.release_after_compression("a", 12, np.array([12, 12, 12, 12, 9, 9, 9, 9]))
+    assert pages.retire("a", 1, 12, prompt_len=12)
+    for name in ("b", "c"):
+        assert pages.can_adopt(1, 12, 14, share=True)
+        assert pages.adopt(name, 1, 12, share=True) and pages.allocate(name, 14)
+    deltas = pages.take_deltas()
+    assert deltas[0]["b"].copies is None  # 12 tokens: whole pages only
+    assert len(deltas[1]["b"].copies[0]) == 4  # 9 tokens: a partial third page a row
+    assert [shard.num_read for shard in pages.shards] == [12, 8]
+    assert pages.num_read == 12
+    pages.check_invariants()
+    pages.free("b")
+    pages.drop_entry(1)
+    pages.free("c")
+    assert pages.free_pages_all_ranks == 80
+    pages.check_invariants()
