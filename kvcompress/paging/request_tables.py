@@ -73,7 +73,7 @@ class RequestPages:
     prompt_evicted: np.ndarray | None = None
     tail_in_order: bool = True
     # Started from a prefix-cache entry: logical tokens adopted, and their per-row physical
-    # ones; and that entry's id when it was copied (it stays cached).
+    # ones; and that entry's id when it was shared (it stays cached).
     adopted: tuple[int, np.ndarray] | None = None
     adopted_from: int | None = None
     # Per row: leading pages read in place, shared with entries and other requests, never
