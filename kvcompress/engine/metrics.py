@@ -103,8 +103,9 @@ class _Metrics:
         self.pages_total = Gauge("kvcompress:pages_total", "Pages in the per-head page pool",
                                  labels, multiprocess_mode="mostrecent")
         self.pages_cached = Gauge("kvcompress:pages_cached",
-                                  "Pages held by finished requests' cached caches (evicted "
-                                  "least-recently-used when pages are needed)",
+                                  "Pages held by finished requests' cached caches that no "
+                                  "running request reads (evicted least-recently-used when "
+                                  "pages are needed)",
                                   labels, multiprocess_mode="mostrecent")
         self.adopted_tokens = Counter("kvcompress:adopted_tokens",
                                       "Prompt tokens taken from a cached conversation instead "

@@ -431,3 +431,27 @@ def test_admission_bounds_every_rank_and_spread_of_the_budget(data, ranks, shari
     if sharing == "layer" and method != "adakv":
         # Every row keeps its layer's budget: the bound is the simulation itself.
         assert peak == rank_simulated_peak(planned, outcomes, page)
+
+
+def test_pages_adopters_read_are_counted_once():
+    """Three decoding adopters read one entry's whole pages: their trajectories count their
+    own pages, the read ones are counted once beside them, so what admission plans for now
+    is exactly what the pool holds for them, and a fourth adopter that would fit is admitted
+    where counting a copy per reader would refuse it."""
+    running: list[FakeRequest] = []
+    plan = planner(total_pages=80, running=running, lookahead=4,
+                   config=KVCompressionConfig.from_mapping({"kv_page_size": PAGE}))
+    pages = plan.pages
+    assert pages.allocate("system", 40) and pages.retire("system", 1, 40, prompt_len=40)
+    for name in ("a", "b", "c"):  # 9 whole pages a row read, a partial one copied
+        assert pages.adopt(name, 1, 38, share=True) and pages.allocate(name, 41)
+        running.append(FakeRequest(name, 40, max_tokens=8, num_computed_tokens=40,
+                                   num_output_tokens=1))
+    now = plan.trajectories(running).held_pages
+    assert pages.num_read == 4 * 9 and now.tolist() == [4 * 2] * 3
+    assert int(now.sum()) + pages.num_read == pages.owned_pages()  # 60 of 80 held
+    new = FakeRequest("d", 40, max_tokens=2)
+    adoption = (38, pages.entry(1).lengths_at(38), pages.pages_read_already(1, 38))
+    assert adoption[2] == 4 * 9
+    assert plan.admits(new, adoption=adoption)  # its own 8-12 pages fit beside 60
+    assert not plan.admits(new, adoption=(*adoption[:2], 0))  # as if it read a copy
