@@ -77,7 +77,7 @@ class RequestPages:
     adopted: tuple[int, np.ndarray] | None = None
     adopted_from: int | None = None
     # Per row: leading pages read in place, shared with entries and other requests, never
-    # written (None: none). They end on a page boundary: a partial page is always a copy.
+    # written (None: none). They end on a page boundary: a partial page is always its own.
     shared: np.ndarray | None = None
     shared_pages: int = 0
     # ``evicted_fill`` of ``evicted`` (None: not computed since it changed). Only compaction

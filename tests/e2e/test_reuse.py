@@ -269,3 +269,30 @@ def test_concurrent_adopters_read_one_entry_in_place_and_match_vanilla(tiny_llam
     # pages once + each one's own pages, far below four copies.
     assert held["read"] > 0 and held["together"] == held["read"] + held["own"]
     assert held["each"] - held["together"] == 3 * held["read"]
+
+
+def test_compressed_prefix_read_by_concurrent_adopters_answers_as_one_adopter_at_a_time(
+        tiny_llama):
+    """A compressed prefix (budget 64 of 300 tokens, warmed with two tokens) read in place
+    by four questions at once gives the answers each question gets adopting it alone (when
+    nothing else reads its pages): sharing changes where the K/V is read from, not what."""
+    rng = random.Random(12)
+    prefix = new_tokens(rng, 300)
+    questions = {f"q{i}": prefix + new_tokens(rng, 40) for i in range(4)}
+    settings = {"kv_compression": "snapkv", "kv_budget": 64}
+    answers = {}
+    for mode in ("together", "alone"):
+        harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
+        try:
+            harness.generate({"warm": prefix}, greedy(2))
+            if mode == "together":
+                answers[mode] = harness.generate(questions, greedy(12))
+                assert harness.scheduler.reuse.totals.shares == 4
+            else:
+                answers[mode] = {q: harness.generate({q: p}, greedy(12))[q]
+                                 for q, p in questions.items()}
+            assert all(harness.cached_tokens[q] == len(prefix) for q in questions)
+            assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["together"] == answers["alone"]
