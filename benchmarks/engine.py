@@ -160,7 +160,7 @@ def run_waves(engine: Any, waves: Sequence[Wave],
 # kvcompress's per-step figures (kvcompress/engine/metrics.py, scheduler stats) that
 # compression_figures_logger sums: compressed prompts, failures, adoptions of cached entries.
 SUMMED_FIGURES = ("compressed_requests", "failed_requests", "evicted_prompt_tokens",
-                  "adopted_tokens", "copies", "handovers", "evicted_entries")
+                  "adopted_tokens", "shares", "handovers", "evicted_entries")
 
 
 def compression_figures_logger(sink: dict[str, int]) -> Callable[..., Any]:

@@ -55,6 +55,7 @@ _.make_prefix_cache_stats
 
 # PrefixCacheFigures fields go to /metrics by name (dataclasses.asdict, engine/metrics.py).
 _.handovers
+_.shares
 
 # vLLM's workers and model runners (engine/worker_*.py).
 _.model_runner

@@ -23,6 +23,12 @@ trajectory's ``alternatives``: its pages at each step are the most any of them t
 A prefill is admitted when the peak of the sum over the running requests and itself stays
 within the pool. Requests that stop early (EOS) only make the peak lower.
 
+Pages running requests read in shared runs (an adopted entry's whole pages, read in place
+by every adopter) are counted once, apart: each trajectory counts its request's own pages,
+and the pool they must fit in is what the read pages leave. Read pages never grow and are
+freed only when their last reader ends, so counting them as held throughout is an upper
+bound.
+
 The check runs every step over the whole running set, so it reads it in one batch
 (``AdmissionPlanner.trajectories``): the decoding requests' pages come from the page
 manager's ``page_fill`` without per-row work, and the peak is summed over ranges of steps.
@@ -61,7 +67,8 @@ class Trajectory:
     kept_lengths: np.ndarray  # per growing row: tokens once the prompt is compacted
     growth_tokens: int  # tokens each growing row may still add after that
     remaining_steps: int  # steps after the prompt until the request ends at the latest
-    # Pages of rows that do not grow after the prompt (sliding-window rows at their bound).
+    # Pages of rows that do not grow after the prompt (sliding-window rows at their bound),
+    # less the pages of its shared runs (counted once for all their readers).
     fixed_pages: int = 0
     # [k, growing rows]: other rows the request may hold instead of ``kept_lengths`` (other
     # ranks' compactions, other spreads of a shared budget); it is counted at the most
@@ -209,9 +216,10 @@ class AdmissionPlanner:
         self._configs: dict[str, KVCompressionConfig] = {}
 
     def admits(self, request: Any, reserve_pages: int = 0,
-               adoption: tuple[int, np.ndarray] | None = None) -> bool:
-        """``adoption``: (logical tokens, per-row physical tokens) the request is about to
-        adopt from a cached entry (it is admitted before it adopts)."""
+               adoption: tuple[int, np.ndarray, int] | None = None) -> bool:
+        """``adoption``: (logical tokens, per-row physical tokens, pages of it running
+        requests read already) the request is about to adopt from a cached entry (it is
+        admitted before it adopts)."""
         if self.lookahead == 0:
             return True
         request_id = request.request_id
@@ -222,7 +230,8 @@ class AdmissionPlanner:
             self.trajectories(others),
             Trajectories.stack([self.trajectory(request, adoption)], self.pages.layout.page_size),
         ])
-        return peak_pages(planned) <= self.pages.total_pages - reserve_pages
+        return peak_pages(planned) <= (self.pages.total_pages - reserve_pages
+                                       - self.pages.num_read)
 
     def trajectories(self, requests: Sequence[Any]) -> Trajectories:
         """``trajectory`` of each request, as arrays. Most of a running set decodes: those
@@ -251,10 +260,11 @@ class AdmissionPlanner:
         self._bound_by_decode_budgets(growth, list(itertools.compress(requests, is_decoding)),
                                       decoding_ids, computed - prompt_len)
         page_size = self.pages.layout.page_size
+        shared = self.pages.shared_pages(decoding_ids)  # counted once, in num_read
         parts = [Trajectories(
-            fill.owned_pages, np.zeros(len(decoding), dtype=np.int64), growth, remaining,
-            fill.full_pages + self._sliding_pages(fill.sliding_lengths), fill.free_below,
-            len(self.pages.layout.compressed_rows))]
+            fill.owned_pages - shared, np.zeros(len(decoding), dtype=np.int64), growth,
+            remaining, fill.full_pages + self._sliding_pages(fill.sliding_lengths) - shared,
+            fill.free_below, len(self.pages.layout.compressed_rows))]
         if len(others):
             parts.append(Trajectories.stack([self.trajectory(requests[i]) for i in others],
                                             page_size))
@@ -266,9 +276,10 @@ class AdmissionPlanner:
             np.argsort(order))
 
     def trajectory(self, request: Any,
-                   adoption: tuple[int, np.ndarray] | None = None) -> Trajectory:
-        """One request's trajectory, whatever its state (``trajectories`` for many).
-        ``adoption``: what a request not yet admitted will adopt (``admits``)."""
+                   adoption: tuple[int, np.ndarray, int] | None = None) -> Trajectory:
+        """One request's trajectory, whatever its state (``trajectories`` for many), of its
+        own pages: the pages of its shared runs are counted once for all their readers
+        (``admits``). ``adoption``: what a request not yet admitted will adopt (``admits``)."""
         layout = self.pages.layout
         config = self._config(request)
         tokens = min(request.num_tokens, self.max_model_len)
@@ -278,6 +289,12 @@ class AdmissionPlanner:
                                self.max_model_len - tokens))
         eviction = config.decode_eviction
         request_id = request.request_id
+        # Pages of its shared runs, which ``num_read`` counts (or will, once it adopts).
+        shared = 0
+        if request_id in self.pages:
+            shared = int(self.pages.shared_pages([request_id])[0])
+        elif adoption is not None:
+            shared = adoption[2]
         if tokens - computed <= 1 and computed >= prompt_len and request_id in self.pages:
             # Decoding: its rows as they are now, on each rank.
             outcomes = self.pages.physical_lengths_by_rank(request_id)
@@ -287,7 +304,8 @@ class AdmissionPlanner:
         else:
             generated = tokens - prompt_len  # resumed after preemption: outputs kept whole
             if request_id in self.pages:
-                adoption = self.pages.adoption(request_id)  # adopted already, or not at all
+                adopted = self.pages.adoption(request_id)  # adopted already, or not at all
+                adoption = None if adopted is None else (*adopted, shared)
                 held = self.pages.owned_pages(request_id) + self.pages.pages_needed_for_sequence(
                     request_id, tokens, self.max_num_batched_tokens)
             elif adoption is not None:
@@ -300,7 +318,7 @@ class AdmissionPlanner:
             if adoption is None:
                 outcomes = self._kept_after_prompt(config, prompt_len, generated)
             else:  # the adopted rows stay; only the new part of the prompt is compacted
-                hit, adopted_rows = adoption
+                hit, adopted_rows, _ = adoption
                 outcomes = self._kept_after_prompt(config, prompt_len - hit,
                                                    adopted_rows + generated)
                 computed = max(computed, hit)  # vLLM counts the adopted tokens as computed
@@ -311,8 +329,8 @@ class AdmissionPlanner:
         assert outcomes.shape[1] == layout.num_rows
         sliding = layout.row_windows > 0
         growing = outcomes[:, ~sliding]
-        return Trajectory(held, prefill_steps, growing[0], int(growth), remaining,
-                          int(self._sliding_pages(outcomes[:, sliding].max(axis=0))),
+        return Trajectory(held - shared, prefill_steps, growing[0], int(growth), remaining,
+                          int(self._sliding_pages(outcomes[:, sliding].max(axis=0))) - shared,
                           growing[1:] if len(outcomes) > 1 else None)
 
     def _sliding_pages(self, sliding_lengths: np.ndarray) -> np.ndarray:

@@ -103,15 +103,17 @@ class _Metrics:
         self.pages_total = Gauge("kvcompress:pages_total", "Pages in the per-head page pool",
                                  labels, multiprocess_mode="mostrecent")
         self.pages_cached = Gauge("kvcompress:pages_cached",
-                                  "Pages held by finished requests' cached caches (evicted "
-                                  "least-recently-used when pages are needed)",
+                                  "Pages held by finished requests' cached caches that no "
+                                  "running request reads (evicted least-recently-used when "
+                                  "pages are needed)",
                                   labels, multiprocess_mode="mostrecent")
         self.adopted_tokens = Counter("kvcompress:adopted_tokens",
                                       "Prompt tokens taken from a cached conversation instead "
                                       "of being prefilled (multi-turn reuse)", labels)
         self.adoptions = Counter("kvcompress:adoptions",
-                                 "Cached caches adopted by a new request: copied (the entry "
-                                 "stays cached) or handed over", labels + ["mode"])
+                                 "Cached caches adopted by a new request: shared (read in "
+                                 "place, the entry stays cached) or handed over",
+                                 labels + ["mode"])
         self.evicted_entries = Counter("kvcompress:cache_evicted_entries",
                                        "Cached caches evicted because running requests needed "
                                        "their pages", labels)
@@ -156,7 +158,7 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.pages_total.labels(engine).set(figures["pages_total"])
         metrics.pages_cached.labels(engine).set(figures.get("pages_cached", 0))
         metrics.adopted_tokens.labels(engine).inc(figures.get("adopted_tokens", 0))
-        metrics.adoptions.labels(engine, "copy").inc(figures.get("copies", 0))
+        metrics.adoptions.labels(engine, "share").inc(figures.get("shares", 0))
         metrics.adoptions.labels(engine, "handover").inc(figures.get("handovers", 0))
         metrics.evicted_entries.labels(engine).inc(figures.get("evicted_entries", 0))
 

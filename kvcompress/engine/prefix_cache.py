@@ -4,12 +4,13 @@ When a request ends, its pages become a prefix-cache entry (``PageManager.retire
 words are defined in ``kvcompress.paging.prefix_cache``) filed by its tokens
 (``PrefixIndex``). vLLM asks the KV-cache manager for a waiting request's cached prefix;
 this answers with the longest hit among the entries the prompt starts with (``lookup``),
-and the adoption happens when vLLM allocates the request's slots: the entry's rows are
-copied onto new pages (it stays cached for another request) when free pages take the copy
-or a waiting branch starts with it too, else handed over, so that no other conversation's
-entry is evicted for a copy (``scheduler_kv_cache``). vLLM then prefills only the rest of
-the prompt, and reports the adopted tokens as cached (``num_cached_tokens``, prefix-cache
-metrics).
+and the adoption happens when vLLM allocates the request's slots: the entry's whole pages
+are read in place and only each row's partial last page is copied (it stays cached for
+other requests, which may read the same pages at once) when free pages take the copies and
+the growth, or a waiting branch starts with it too; else it is handed over, so that no other
+conversation's entry is evicted for an adopter's own pages (``scheduler_kv_cache``). vLLM
+then prefills only the rest of the prompt, and reports the adopted tokens as cached
+(``num_cached_tokens``, prefix-cache metrics).
 
 Who may adopt an entry: no request ends up holding more than it asked to keep, and the
 adopted part is kept as it is (the worker compresses only the new part of the prompt with
@@ -59,7 +60,7 @@ class PrefixCacheFigures:
     """Since the last take: adoptions and what they saved (for /metrics)."""
 
     adopted_tokens: int = 0
-    copies: int = 0
+    shares: int = 0
     handovers: int = 0
     evicted_entries: int = 0
 
@@ -125,12 +126,12 @@ class PrefixCachePolicy:
             return False
         return True
 
-    def adopt(self, request_id: str, match: Match, copy: bool) -> None:
+    def adopt(self, request_id: str, match: Match, share: bool) -> None:
         """Start the request from the entry (``ShardedPageManager.can_adopt`` said it fits)."""
-        adopted = self.pages.adopt(request_id, match.entry_id, match.hit, copy)
+        adopted = self.pages.adopt(request_id, match.entry_id, match.hit, share)
         assert adopted, "adoption check and adoption disagree"
-        self._count(adopted_tokens=match.hit, copies=int(copy), handovers=int(not copy))
-        if not copy:
+        self._count(adopted_tokens=match.hit, shares=int(share), handovers=int(not share))
+        if not share:
             self.index.remove(match.entry_id)  # its pages are the request's now
         self.forget_evicted()
 

@@ -266,9 +266,9 @@ class KVCompressScheduler(Scheduler):
             ))
 
     def check_pages(self) -> None:
-        """On every rank: every page free, owned or cached once, only by requests the
-        scheduler still knows and entries its index can find, and each request or entry
-        holding exactly ceil(length / page_size) pages per row."""
+        """On every rank: every page's reference count right (free iff 0), pages held only
+        by requests the scheduler still knows and entries its index can find, and each
+        request or entry holding exactly ceil(length / page_size) pages per row."""
         self.page_manager.check_invariants()
         entry_ids = self.page_manager.entry_ids()
         index = self.reuse.index

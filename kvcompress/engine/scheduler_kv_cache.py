@@ -156,29 +156,34 @@ class PagedKVCacheManager:
                                                           self.max_num_batched_tokens)
             if needed + reserve > self.pages.num_available:
                 return None
-        copy = False
+        share = False
         if match is not None:
-            # A copy keeps the entry for another adopter, but it evicts other
-            # entries when the free pages fall short: under memory pressure each turn fewer
-            # conversations found their cache (issue 30 item 5). So it is made from free
-            # pages, or for a waiting branch of the same context; otherwise the entry is
-            # handed over, and its adopter files a longer one when it finishes.
-            copy = self.pages.can_copy_from_free(match.entry_id, match.hit, logical_len,
-                                                 reserve) or (
+            # A share keeps the entry for other adopters (now or later), reading its whole
+            # pages in place; but the adopter's own pages (each row's copied partial page,
+            # its growth) and the entry kept whole evict other entries when the free pages
+            # fall short: under memory pressure each turn fewer conversations found their
+            # cache (issue 30 item 5). So it shares from free pages, or for a waiting branch
+            # of the same context; otherwise the entry is handed over (its partial pages
+            # taken as they are, what lies past the cut freed), and its adopter files a
+            # longer one when it finishes.
+            share = self.pages.can_share_from_free(match.entry_id, match.hit, logical_len,
+                                                   reserve) or (
                 self._branch_waits(request, match.hit)
                 and self.pages.can_adopt(match.entry_id, match.hit, logical_len, True,
                                          reserve))
-            if not copy and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,
-                                                     False, reserve):
+            if not share and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,
+                                                      False, reserve):
                 return None
         elif (self.pages.pages_needed(request_id, logical_len) + reserve
               > self.pages.num_available):
             return None
-        # An adopter is planned from what it will hold: the entry's rows, then its new part.
+        # An adopter is planned from what it will hold: the entry's rows, then its new part;
+        # the entry's pages running requests read already are counted once, with theirs.
         adoption = None
         if match is not None:
             rows = self.pages.entry_lengths(match.entry_id, match.hit)
-            adoption = None if rows is None else (match.hit, rows)
+            adoption = None if rows is None else (
+                match.hit, rows, self.pages.pages_read_already(match.entry_id, match.hit))
         if admitting and not self.admission.admits(request, reserve, adoption):
             return None  # fits now, but not beside the running requests' growth
         blocks = self.inner.allocate_slots(
@@ -196,7 +201,7 @@ class PagedKVCacheManager:
         if blocks is None:
             return None
         if match is not None:
-            self.reuse.adopt(request_id, match, copy)
+            self.reuse.adopt(request_id, match, share)
         allocated = self.pages.allocate(request_id, logical_len, reserve=0)
         assert allocated, "page check and allocation disagree"
         self.reuse.forget_evicted()

@@ -2,7 +2,7 @@
 the compression step, bound to one vLLM model runner.
 
 It runs stages 2-7 of a step (``kvcompress.step``): ``begin_step`` applies the page deltas
-and copies the pages of adopted cached contexts (multi-turn reuse),
+and copies the partial pages of adopted cached contexts (multi-turn reuse),
 ``build_attention_metadata`` prepares the batch the attention layers write and attend
 over, ``end_step`` plans, moves and returns the worker's report (compactions, failed
 requests, timings). The attention
@@ -159,9 +159,9 @@ class PagedKVRuntime:
         """Every adoption's page copies in one index copy on the pool; if that fails (and
         may be retried: ``raise_if_fatal``), each request's alone, and those that fail again
         fail their request (reported with the step, ``WorkerKVState.adoption_failures``).
-        Re-running a copy is harmless: its sources are a cached entry's pages, which no copy
-        of the step writes (the scheduler pins the entries its copies read until the step's
-        deltas are taken)."""
+        Re-running a copy is harmless: its sources are a cached entry's partial pages, which
+        no copy of the step writes (the scheduler pins them until the step's deltas are
+        taken). The entry's whole pages are read in place, not copied."""
         copies = self.state.take_copies()
         if not copies:
             return

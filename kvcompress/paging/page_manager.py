@@ -1,12 +1,16 @@
 """Scheduler-side owner of one rank's pages: the pool, the requests' tables and the prefix
 cache, behind one object.
 
-Admission and preemption are decided in pages. Every page is free (``page_pool``), in
-exactly one request's table (``request_tables``) or in exactly one prefix-cache entry
-(``prefix_cache``); ``check_invariants`` verifies it. Cached pages count as available: the
-pool asks the prefix cache to evict entries, least recently used first, only when the free
-stack runs short. This class only composes the three and moves a request between the tables
-and the cache (retire, adopt); ``ShardedPageManager`` puts one per tensor-parallel rank.
+Admission and preemption are decided in pages. Every page is free (``page_pool``) or held,
+its reference count being the request rows (``request_tables``) and prefix-cache entries
+(``prefix_cache``) that point at it: a row owns the pages it writes, and may read an
+entry's whole pages in place as a shared run (an adopter by share or handover); a page is
+free iff its count is 0. ``check_invariants`` verifies every count against the holders.
+Pages only entries hold count as available: the pool asks the prefix cache to evict
+entries, least recently used first, only when the free stack runs short. A page running
+requests read counts as used once, however many read it. This class only composes the
+three and moves a request between the tables and the cache (retire, adopt);
+``ShardedPageManager`` puts one per tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 
 from kvcompress.paging.layout import PageLayout
 from kvcompress.paging.page_fill import PageFill
-from kvcompress.paging.page_pool import PagePool
+from kvcompress.paging.page_pool import Holder, PagePool
 from kvcompress.paging.prefix_cache import CacheEntry, PrefixCache
 from kvcompress.paging.request_tables import PageTableDelta, RequestTables
 
@@ -43,13 +47,18 @@ class PageManager:
 
     @property
     def num_cached(self) -> int:
-        """Pages held by prefix-cache entries (evictable)."""
+        """Pages prefix-cache entries hold that no running request reads."""
         return self.cache.num_cached
 
     @property
+    def num_read(self) -> int:
+        """Pages running requests read in shared runs (each once, however many read it)."""
+        return self.pool.num_read
+
+    @property
     def num_available(self) -> int:
-        """Pages an allocation may take: free ones, then cached ones (evicted for it) but
-        those a copy of this schedule reads."""
+        """Pages an allocation may take: free ones, then those only entries hold (evicted
+        for it), but the sources of this schedule's copies."""
         return self.pool.num_free + self.cache.num_evictable
 
     @property
@@ -58,7 +67,20 @@ class PageManager:
         return 1.0 - self.num_available / self.layout.total_pages
 
     def owned_pages(self, request_id: str | None = None) -> int:
+        """Pages in the request's rows (its shared runs included), or with no request the
+        pages any running request holds, each counted once."""
+        if request_id is None:
+            return self.pool.num_owned + self.pool.num_read
         return self.tables.owned_pages(request_id)
+
+    def shared_pages(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Per request, the pages of its rows' shared runs (``num_read`` counts them)."""
+        return self.tables.shared_pages(request_ids)
+
+    def pages_read_already(self, entry_id: int, hit: int) -> int:
+        """Of the whole pages an adoption of the entry's first ``hit`` tokens would read,
+        those running requests read already (``num_read`` counts them)."""
+        return self.cache.pages_read_already(entry_id, hit)
 
     def physical_lengths(self, request_id: str) -> np.ndarray:
         """Per-row physical tokens of the slots reserved for the request."""
@@ -139,27 +161,27 @@ class PageManager:
         """``PrefixCache.plan_evictions``."""
         self.cache.plan_evictions(next_use)
 
-    def can_adopt(self, entry_id: int, hit: int, logical_len: int, copy: bool,
+    def can_adopt(self, entry_id: int, hit: int, logical_len: int, share: bool,
                   reserve: int = 0) -> bool:
-        return self.cache.can_adopt(entry_id, hit, logical_len, copy, reserve)
+        return self.cache.can_adopt(entry_id, hit, logical_len, share, reserve)
 
-    def can_copy_from_free(self, entry_id: int, hit: int, logical_len: int,
-                           reserve: int = 0) -> bool:
-        return self.cache.can_copy_from_free(entry_id, hit, logical_len, reserve)
+    def can_share_from_free(self, entry_id: int, hit: int, logical_len: int,
+                            reserve: int = 0) -> bool:
+        return self.cache.can_share_from_free(entry_id, hit, logical_len, reserve)
 
-    def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
+    def adopt(self, request_id: str, entry_id: int, hit: int, share: bool) -> bool:
         """Start ``request_id`` from the entry's first ``hit`` logical tokens; all or
         nothing (``PrefixCache.adopt``). The request then grows with ``allocate``."""
         if request_id in self.tables:
             return False
-        adopted = self.cache.adopt(entry_id, hit, copy)
+        adopted = self.cache.adopt(entry_id, hit, share)
         if adopted is None:
             return False
         self.tables.add(request_id, *adopted)
         return True
 
     def drop_entry(self, entry_id: int) -> int:
-        """Free an entry's pages; return how many."""
+        """Drop an entry; return how many of its pages became free."""
         return self.cache.drop_entry(entry_id)
 
     def take_evicted_entries(self) -> list[int]:
@@ -168,7 +190,10 @@ class PageManager:
 
     # -------------------------------------------------------------- checking
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every page is free, owned or cached exactly once."""
-        cached = self.cache.check()
-        owned = self.tables.check()
-        self.pool.check({"owned": owned, "cached": cached})
+        """Raise AssertionError unless every page's reference count equals the rows, entries
+        and pins pointing at it, the pages a row writes are held by it alone, and the free
+        pages are exactly those at count 0."""
+        entries, pins = self.cache.check()
+        owned, read = self.tables.check()
+        self.pool.check({Holder.OWNER: owned, Holder.READER: read, Holder.ENTRY: entries,
+                         Holder.PIN: pins})

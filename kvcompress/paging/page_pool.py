@@ -1,20 +1,48 @@
-"""The page pool: which pages are free, as a stack of ids.
+"""The page pool: a reference count per page, and the free pages as a stack of ids.
 
-Every page of a rank's pool is free (on the stack here) or held: by one request's table
-(``request_tables``) or by one prefix-cache entry (``prefix_cache``). The pool only stacks
-ids; ``check`` proves, given everything the holders report, that each page is in exactly one
-place: free + owned + cached == total.
+A page is free iff nobody refers to it. Its holders are of four kinds (``Holder``): the one
+request row that owns it (and writes it), request rows that read it as part of a shared,
+read-only leading run (``request_tables``), prefix-cache entries (``prefix_cache``), and
+pins (a page copy of this schedule reads it, until the worker has the deltas). A page's
+count is the sum over the kinds; between schedules there are no pins, so it is the number
+of rows and entries pointing at it. ``check`` proves, given everything the holders report,
+that every count is right and that the free stack holds exactly the pages at count 0, each
+once: free + pages with count > 0 == total.
+
+Every page is in one of five states, counted as references change: free; owned (a row
+writes it: its only holder); read (rows read it, entries may hold it too); pinned (no row
+holds it, a pin does); cached (only entries hold it: evicting them frees it). So "available"
+is free + cached, and a shared page is counted once however many rows and entries hold it.
 
 A pop that needs more pages than are free first asks ``reclaim`` for them: the prefix cache
-evicts entries into the pool there (``PageManager`` wires it), so cached pages count as
-available without the request tables knowing about the cache.
+evicts entries there (``PageManager`` wires it); an eviction frees only the pages nothing
+else holds, so ``reclaim`` watches ``num_free``, not what the entries held.
+
+Page ids within one call are distinct (one holder's pages): counts are changed by
+indexing, which would count a repeated id once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from enum import IntEnum
 
 import numpy as np
+
+
+class Holder(IntEnum):
+    OWNER = 0  # a request row's own page, which it writes: no one else holds it
+    READER = 1  # a request row's shared leading run: read in place, never written
+    ENTRY = 2  # a prefix-cache entry
+    PIN = 3  # the source of a page copy of this schedule, until the deltas are taken
+
+
+class PageState(IntEnum):
+    FREE = 0
+    OWNED = 1
+    READ = 2
+    PINNED = 3
+    CACHED = 4
 
 
 class PagePool:
@@ -23,15 +51,49 @@ class PagePool:
         # Popped from the end: the lowest ids go first (a fresh pool hands out 0, 1, ...).
         self._stack = np.arange(total_pages - 1, -1, -1, dtype=np.int32)
         self._num_free = total_pages
-        # Called with the pages a pop wants when fewer are free; it pushes what it can spare.
+        # References per (holder kind, page), and pages per state.
+        self._refs = np.zeros((len(Holder), total_pages), dtype=np.int32)
+        self._states = np.zeros(len(PageState), dtype=np.int64)
+        self._states[PageState.FREE] = total_pages
+        # Called with the pages a pop wants when fewer are free; it evicts what it can spare.
         self.reclaim: Callable[[int], None] | None = None
 
+    # ----------------------------------------------------------------- figures
     @property
     def num_free(self) -> int:
         return self._num_free
 
+    @property
+    def num_owned(self) -> int:
+        """Pages a request row owns (and writes)."""
+        return int(self._states[PageState.OWNED])
+
+    @property
+    def num_read(self) -> int:
+        """Pages request rows read in shared runs, each counted once."""
+        return int(self._states[PageState.READ])
+
+    @property
+    def num_evictable(self) -> int:
+        """Pages only (unpinned) entries hold: evicting every entry frees exactly these."""
+        return int(self._states[PageState.CACHED])
+
+    @property
+    def num_cached(self) -> int:
+        """Pages no request row holds and entries or pins do."""
+        return int(self._states[PageState.CACHED] + self._states[PageState.PINNED])
+
+    def counts(self, pages: np.ndarray) -> np.ndarray:
+        """Each page's reference count (all holders)."""
+        return self._refs[:, pages].sum(axis=0)
+
+    def count_in_state(self, pages: np.ndarray, state: PageState) -> int:
+        return int((self._state_of(pages) == state).sum())
+
+    # ------------------------------------------------------------- references
     def pop(self, count: int) -> np.ndarray:
-        """``count`` free page ids (reclaiming first when the stack falls short)."""
+        """``count`` free page ids, each now owned by one row (reclaiming first when the
+        stack falls short)."""
         if count > self._num_free and self.reclaim is not None:
             self.reclaim(count)
         if count > self._num_free:
@@ -40,21 +102,86 @@ class PagePool:
         start = self._num_free - count
         page_ids = self._stack[start : self._num_free].copy()
         self._num_free = start
+        self._refs[Holder.OWNER, page_ids] = 1
+        self._states[PageState.FREE] -= count
+        self._states[PageState.OWNED] += count
         return page_ids
 
-    def push(self, page_ids: np.ndarray) -> None:
-        count = len(page_ids)
-        self._stack[self._num_free : self._num_free + count] = page_ids
-        self._num_free += count
+    def share(self, pages: np.ndarray, holder: Holder) -> None:
+        """One more ``holder`` reference to each of ``pages`` (which are held already)."""
+        if not len(pages):
+            return
+        if not self.counts(pages).all():
+            raise RuntimeError("sharing a free page")
+        if holder == Holder.OWNER or self._refs[Holder.OWNER, pages].any():
+            raise RuntimeError("a page a row owns (and writes) has no other holder")
+        self._change(pages, {holder: 1})
 
-    def check(self, held: dict[str, Sequence[np.ndarray]]) -> None:
-        """Raise AssertionError unless the free pages and ``held`` (page-id arrays by kind
-        of holder, e.g. "owned", "cached") hold every page exactly once."""
-        everything = np.concatenate([self._stack[: self._num_free],
-                                     *(pages for kind in held.values() for pages in kind)])
-        assert len(everything) == self.total_pages, (
-            f"free {self._num_free} + "
-            + " + ".join(f"{name} {sum(len(pages) for pages in kind)}"
-                         for name, kind in held.items())
-            + f" != total {self.total_pages}")
-        assert len(np.unique(everything)) == self.total_pages, "a page is held twice"
+    def release(self, pages: np.ndarray, holder: Holder) -> int:
+        """One ``holder`` reference fewer to each of ``pages``; those nobody holds any more
+        go back to the free stack. Return how many did."""
+        return self._change(pages, {holder: -1})
+
+    def transfer(self, pages: np.ndarray, source: Holder, target: Holder) -> None:
+        """A ``source`` reference to each page becomes a ``target`` one (a finished row's
+        pages retired into an entry, an entry's handed over to a row)."""
+        if target == Holder.OWNER and len(pages) and (self.counts(pages) != 1).any():
+            raise RuntimeError("a page others hold cannot become a row's own")
+        self._change(pages, {source: -1, target: 1})
+
+    def _change(self, pages: np.ndarray, deltas: Mapping[Holder, int]) -> int:
+        if not len(pages):
+            return 0
+        before = self._state_of(pages)
+        for holder, delta in deltas.items():
+            self._refs[holder, pages] += delta
+        if (self._refs[np.ix_(list(deltas), pages)] < 0).any():
+            for holder, delta in deltas.items():  # undo: the caller's bookkeeping is wrong
+                self._refs[holder, pages] -= delta
+            raise RuntimeError("a page released by a holder that did not hold it")
+        after = self._state_of(pages)
+        self._states += (np.bincount(after, minlength=len(PageState))
+                         - np.bincount(before, minlength=len(PageState)))
+        freed = pages[(after == PageState.FREE) & (before != PageState.FREE)]
+        count = len(freed)
+        self._stack[self._num_free : self._num_free + count] = freed
+        self._num_free += count
+        return count
+
+    def _state_of(self, pages: np.ndarray) -> np.ndarray:
+        refs = self._refs[:, pages]
+        state = np.full(len(pages), PageState.FREE, dtype=np.int64)
+        state[refs[Holder.ENTRY] > 0] = PageState.CACHED
+        state[refs[Holder.PIN] > 0] = PageState.PINNED
+        state[refs[Holder.READER] > 0] = PageState.READ
+        state[refs[Holder.OWNER] > 0] = PageState.OWNED
+        return state
+
+    # ---------------------------------------------------------------- checking
+    def check(self, held: Mapping[Holder, Sequence[np.ndarray]]) -> None:
+        """Raise AssertionError unless ``held`` (page-id arrays by kind of holder: each
+        row's owned pages, each row's shared run, each entry's pages, the pins) accounts
+        for every reference: each page's counts equal the holders pointing at it, an
+        owned page has no other holder, and the free stack holds exactly the pages nobody
+        holds, each once (free + pages with count > 0 == total)."""
+        total = self.total_pages
+        for holder in Holder:
+            arrays = held.get(holder, ())
+            pages = (np.concatenate(arrays) if len(arrays) else np.zeros(0, dtype=np.int64))
+            counted = np.bincount(pages.astype(np.int64), minlength=total)
+            wrong = np.flatnonzero(counted != self._refs[holder])
+            assert not len(wrong), (
+                f"{holder.name} references of pages {wrong[:8].tolist()}: counted "
+                f"{self._refs[holder, wrong[:8]].tolist()}, held {counted[wrong[:8]].tolist()}")
+        counts = self._refs.sum(axis=0)
+        owned = self._refs[Holder.OWNER] > 0
+        assert (self._refs[Holder.OWNER] <= 1).all() and (counts[owned] == 1).all(), (
+            f"owned pages held by others too: {np.flatnonzero(owned & (counts > 1))[:8]}")
+        free = self._stack[: self._num_free]
+        assert len(np.unique(free)) == len(free), "a page is on the free stack twice"
+        assert np.array_equal(np.sort(free), np.flatnonzero(counts == 0)), (
+            f"free {self._num_free} + held {int((counts > 0).sum())} != total {total}, "
+            "or a held page is on the free stack")
+        states = np.bincount(self._state_of(np.arange(total)), minlength=len(PageState))
+        assert np.array_equal(states, self._states), (
+            f"pages per state counted {self._states.tolist()}, are {states.tolist()}")

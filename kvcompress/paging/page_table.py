@@ -91,7 +91,7 @@ class HeadPageTable:
     def truncate(self, lengths: np.ndarray) -> np.ndarray:
         """Drop trailing pages beyond what ``lengths`` tokens need; return the dropped ids."""
         keep = np.minimum(pages_for_lengths(lengths, self.page_size), self.num_pages)
-        dropped = self._pages_between(keep, self.num_pages)
+        dropped = self.pages_between(keep, self.num_pages)
         self.num_pages = keep.astype(np.int32)
         self.total_pages -= len(dropped)
         self.version = next(_VERSIONS)
@@ -104,7 +104,7 @@ class HeadPageTable:
         if (counts < 0).any() or (counts > self.num_pages).any():
             raise ValueError(f"cannot drop {counts.tolist()} leading pages of rows holding "
                              f"{self.num_pages.tolist()}")
-        dropped = self._pages_between(np.zeros_like(self.num_pages), counts)
+        dropped = self.pages_between(np.zeros_like(self.num_pages), counts)
         width = self.pages.shape[1]
         source = np.minimum(np.arange(width)[None, :] + counts[:, None], width - 1)
         self.pages = np.take_along_axis(self.pages, source, axis=1)
@@ -115,13 +115,18 @@ class HeadPageTable:
 
     def leading_pages(self, counts: np.ndarray) -> np.ndarray:
         """The first ``counts[row]`` pages of each row, in row order (the table unchanged)."""
-        return self._pages_between(np.zeros_like(self.num_pages),
-                                   np.minimum(counts, self.num_pages))
+        return self.pages_between(np.zeros_like(self.num_pages),
+                                  np.minimum(counts, self.num_pages))
+
+    def pages_after(self, counts: np.ndarray) -> np.ndarray:
+        """Each row's pages past its first ``counts[row]``, in row order."""
+        return self.pages_between(np.minimum(counts, self.num_pages), self.num_pages)
 
     def all_pages(self) -> np.ndarray:
-        return self._pages_between(np.zeros_like(self.num_pages), self.num_pages)
+        return self.pages_between(np.zeros_like(self.num_pages), self.num_pages)
 
-    def _pages_between(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    def pages_between(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        """Each row's pages ``[start[row], stop[row])``, in row order."""
         width = self.pages.shape[1]
         columns = np.arange(width)[None, :]
         mask = (columns >= start[:, None]) & (columns < stop[:, None])

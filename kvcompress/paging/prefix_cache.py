@@ -5,19 +5,24 @@ vLLM's prefix cache shares full blocks by hash; compacted per-head rows cannot b
 way, so here the unit is a whole finished request. The words, used the same everywhere:
 
 - **entry**: a finished request's page table cut to its computed tokens (``CacheEntry``);
-  its pages are neither free nor owned by a request, but cached (and evictable).
+  its pages are cached (evictable) unless a running request reads them too.
 - **retire**: a finished request's pages become an entry instead of being freed.
 - **cut**: a logical length at which an entry's rows can be split, knowing how many physical
   tokens of each row stand for it (``CacheEntry.lengths_at``); the **hit** is the cut a new
   prompt gets (``CacheEntry.best_hit``: the longest cut within the tokens it shares).
-- **adopt**: a new request starts from an entry's first ``hit`` tokens, by **copy** (onto new
-  pages, the worker copies them; the entry stays) or by **handover** (the entry's pages become
-  the request's; the entry ends).
+- **adopt**: a new request starts from an entry's first ``hit`` tokens, by **share** (the
+  entry stays) or by **handover** (the entry ends). Either way each row's whole pages of the
+  cut are read in place: the adopter is their **reader**, and they form its row's shared
+  run, never written (its writes all land past the adopted tokens). A row's last, partial
+  page is one the adopter writes, so it is its own: a **copy** of the entry's (onto a new
+  page, the worker copies it) or, in a handover where nobody else holds it, the entry's
+  page itself.
 - **evict**: entries are dropped, least recently used first, only when the free stack falls
-  short (``evict_for``, the pool's ``reclaim``).
-- **pin**: an entry that an adoption of this schedule copies from is not evicted or handed
-  over until the deltas are taken: the worker copies after the schedule, and the pages of an
-  entry evicted meanwhile could be another adopter's copy destinations.
+  short (``evict_for``, the pool's ``reclaim``); a page goes back to the free stack only
+  when no running request (reader) and no other entry holds it.
+- **pin**: the source of a copy of this schedule is held (``Holder.PIN``) until the deltas
+  are taken: the worker copies after the schedule, and a page freed meanwhile could be
+  another adopter's copy destination.
 
 Which entry a prompt starts with is found by tokens (``prefix_index``), and who may adopt it
 is the engine's rule (``kvcompress.engine.prefix_cache``); this module only holds pages.
@@ -31,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
-from kvcompress.paging.page_pool import PagePool
+from kvcompress.paging.page_pool import Holder, PagePool, PageState
 from kvcompress.paging.page_table import HeadPageTable, pages_for_lengths
-from kvcompress.paging.request_tables import PageTableDelta, RequestPages
+from kvcompress.paging.request_tables import PageTableDelta, RequestPages, release_request
 
 
 @dataclass
@@ -82,31 +87,43 @@ class CacheEntry:
         return None if (lengths < 0).any() else lengths
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """An entry's rows split at a cut, as an adoption takes them."""
+
+    entry: CacheEntry
+    lengths: np.ndarray  # per row, physical tokens standing for the cut
+    whole: np.ndarray  # int32 per row, whole pages: read in place
+    partial: np.ndarray  # int32 per row, 1 where a last, partial page follows them
+    read: np.ndarray  # the whole pages' ids, in row order
+    tails: np.ndarray  # the partial pages' ids, in row order
+
+
 class PrefixCache:
     def __init__(self, layout: PageLayout, pool: PagePool) -> None:
         self.layout = layout
         self.pool = pool
-        # Entries by id, least recently used first, and the pages they hold.
+        # Entries by id, least recently used first.
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
-        self._num_cached = 0
         # Entries evicted for pages since the owner last asked (take_evicted_entries).
         self._evicted: list[int] = []
-        # Entries this schedule's copies read (until unpin_all), and the pages they hold.
-        self._pinned: set[int] = set()
-        self._num_pinned = 0
+        # The sources of this schedule's copies (held until unpin_all).
+        self._pins: list[np.ndarray] = []
+        # The entry being adopted: not evicted for the pages of its own adoption.
+        self._adopting: int | None = None
         # Entries waiting requests will adopt -> how soon (their queue position): evicted
         # last, the one needed latest first (``plan_evictions``).
         self._next_use: dict[int, int] = {}
 
     @property
     def num_cached(self) -> int:
-        """Pages held by entries."""
-        return self._num_cached
+        """Pages entries hold that no running request reads."""
+        return self.pool.num_cached
 
     @property
     def num_evictable(self) -> int:
-        """Pages an allocation may take from entries: all but the pinned ones'."""
-        return self._num_cached - self._num_pinned
+        """Pages evicting every entry would free: those only entries hold, unpinned."""
+        return self.pool.num_evictable
 
     def entry(self, entry_id: int) -> CacheEntry | None:
         return self._entries.get(entry_id)
@@ -119,114 +136,154 @@ class PrefixCache:
     def retire(self, entry_id: int, state: RequestPages, logical_len: int,
                prompt_len: int) -> bool:
         """Keep the K/V of a finished request's first ``logical_len`` tokens as entry
-        ``entry_id`` (most recently used); pages beyond them go back to the pool. False
-        (everything freed) when its rows do not hold those tokens."""
-        if logical_len <= 0 or logical_len > state.logical_len:
-            self.pool.push(state.table.all_pages())
+        ``entry_id`` (most recently used); pages beyond them are released. False
+        (everything released) when its rows do not hold those tokens."""
+        lengths = logical_len - state.evicted
+        if (logical_len <= 0 or logical_len > state.logical_len or (lengths < 0).any()
+                or state.cuts_shared_run(lengths, self.layout.page_size)):
+            release_request(self.pool, state)
             return False
         if state.adopted_from in self._entries:
             # The new entry extends the one it adopted, which now serves only a branch
             # from its own end: evicted first.
             self._entries.move_to_end(state.adopted_from, last=False)
-        lengths = logical_len - state.evicted
-        if (lengths < 0).any():
-            self.pool.push(state.table.all_pages())
-            return False
-        self.pool.push(state.table.truncate(lengths))
+        self.pool.release(state.table.truncate(lengths), Holder.OWNER)
+        # The rows' references become the entry's (the pages it read stay shared).
+        self.pool.transfer(state.read_pages(), Holder.READER, Holder.ENTRY)
+        self.pool.transfer(state.own_pages(), Holder.OWNER, Holder.ENTRY)
         prompt_evicted = (state.prompt_evicted if state.prompt_evicted is not None
                           else np.zeros_like(state.evicted))
         self._entries[entry_id] = CacheEntry(
             state.table, logical_len, state.evicted.copy(), prompt_len, prompt_evicted.copy(),
             state.tail_in_order)
-        self._num_cached += state.table.total_pages
         return True
 
     # ------------------------------------------------------------------- adopt
-    def can_adopt(self, entry_id: int, hit: int, logical_len: int, copy: bool,
+    def can_adopt(self, entry_id: int, hit: int, logical_len: int, share: bool,
                   reserve: int = 0) -> bool:
-        """Whether ``adopt(..., hit, copy)`` and the growth to ``logical_len`` logical
+        """Whether ``adopt(..., hit, share)`` and the growth to ``logical_len`` logical
         tokens fit, leaving ``reserve`` pages available."""
-        entry = self._entries.get(entry_id)
-        lengths = None if entry is None else entry.lengths_at(hit)
-        if lengths is None:
+        cut = self._cut(entry_id, hit)
+        if cut is None:
             return False
-        if not copy and entry_id in self._pinned:
-            return False  # a copy of this schedule reads it: handed over next schedule
-        grown = pages_for_lengths(lengths + (logical_len - hit), self.layout.page_size)
-        # A copy takes new pages for every row while the entry stays cached (and pinned); a
-        # handover keeps the entry's first pages and frees the rest: only growth costs pages.
-        available = self._num_available() - (self._unpinned_pages(entry_id) if copy else 0)
-        return int(grown.sum()) + reserve <= available
+        available = self.pool.num_free + self.pool.num_evictable
+        return self._adoption_cost(cut, hit, logical_len, share) + reserve <= available
 
-    def can_copy_from_free(self, entry_id: int, hit: int, logical_len: int,
-                           reserve: int = 0) -> bool:
-        """Whether ``adopt(..., hit, copy=True)`` and the growth to ``logical_len`` logical
+    def can_share_from_free(self, entry_id: int, hit: int, logical_len: int,
+                            reserve: int = 0) -> bool:
+        """Whether ``adopt(..., hit, share=True)`` and the growth to ``logical_len`` logical
         tokens fit in free pages, leaving ``reserve`` of them free: no other entry is
-        evicted for the copy."""
-        entry = self._entries.get(entry_id)
-        lengths = None if entry is None else entry.lengths_at(hit)
-        if lengths is None:
+        evicted for the adopter's own pages (the copies and its growth)."""
+        cut = self._cut(entry_id, hit)
+        if cut is None:
             return False
-        grown = pages_for_lengths(lengths + (logical_len - hit), self.layout.page_size)
-        return int(grown.sum()) + reserve <= self.pool.num_free
+        return len(cut.tails) + self._growth(cut, hit, logical_len) + reserve <= (
+            self.pool.num_free)
 
     def adopt(self, entry_id: int, hit: int,
-              copy: bool) -> tuple[RequestPages, PageTableDelta] | None:
+              share: bool) -> tuple[RequestPages, PageTableDelta] | None:
         """The pages and fresh delta of a request that starts from the entry's first ``hit``
-        logical tokens, by copy (the entry stays, pinned) or handover (the entry ends);
-        None, nothing changed, when the entry cannot be cut there or the copy does not fit.
+        logical tokens, by share (the entry stays) or handover (the entry ends); None,
+        nothing changed, when the entry cannot be cut there or the adoption does not fit.
         The caller adds them to the request tables (``RequestTables.add``)."""
+        cut = self._cut(entry_id, hit)
+        if cut is None or not self.can_adopt(entry_id, hit, hit, share):
+            return None
+        pool = self.pool
+        if share:
+            self._entries.move_to_end(entry_id)
+            pool.share(cut.read, Holder.READER)
+            sources = cut.tails
+            self._pin(sources)
+            self._adopting = entry_id
+            try:
+                tails = copies_to = pool.pop(len(sources))  # may evict others, not this one
+            finally:
+                self._adopting = None
+        else:
+            del self._entries[entry_id]
+            # A partial page nobody else holds is taken as it is; one others hold (a longer
+            # cut's reader, an entry that continued this one) is copied.
+            in_place = pool.counts(cut.tails) == 1
+            sources = cut.tails[~in_place]
+            pool.transfer(cut.read, Holder.ENTRY, Holder.READER)
+            pool.transfer(cut.tails[in_place], Holder.ENTRY, Holder.OWNER)
+            self._pin(sources)
+            pool.release(sources, Holder.ENTRY)
+            pool.release(cut.entry.table.pages_after(cut.whole + cut.partial), Holder.ENTRY)
+            copies_to = pool.pop(len(sources))
+            tails = cut.tails.copy()
+            tails[~in_place] = copies_to
+        page_size = self.layout.page_size
+        table = HeadPageTable(self.layout.num_rows, page_size)
+        table.append(cut.whole, cut.read)
+        table.append(cut.partial, tails)
+        lengths = cut.lengths
+        state = RequestPages(table=table, logical_len=hit, evicted=hit - lengths,
+                             prompt_evicted=hit - lengths, adopted=(hit, lengths.copy()),
+                             adopted_from=entry_id if share else None,
+                             shared=cut.whole.copy(), shared_pages=len(cut.read))
+        state.refresh_headroom(page_size)
+        appends = [(counts, pages) for counts, pages in ((cut.whole, cut.read),
+                                                         (cut.partial, tails)) if len(pages)]
+        delta = PageTableDelta(fresh=True, appends=appends, adopted_lengths=lengths.copy(),
+                               adopted_len=hit,
+                               copies=(sources, copies_to) if len(sources) else None)
+        return state, delta
+
+    def pages_read_already(self, entry_id: int, hit: int) -> int:
+        """Of the whole pages an adoption of the cut would read, those rows read already."""
+        cut = self._cut(entry_id, hit)
+        return 0 if cut is None else self.pool.count_in_state(cut.read, PageState.READ)
+
+    def unpin_all(self) -> None:
+        """The worker has this schedule's copies: their sources are released."""
+        for sources in self._pins:
+            self.pool.release(sources, Holder.PIN)
+        self._pins = []
+
+    def _pin(self, sources: np.ndarray) -> None:
+        if len(sources):
+            self.pool.share(sources, Holder.PIN)
+            self._pins.append(sources)
+
+    def _cut(self, entry_id: int, hit: int) -> _Cut | None:
         entry = self._entries.get(entry_id)
         lengths = None if entry is None else entry.lengths_at(hit)
         if lengths is None:
             return None
         page_size = self.layout.page_size
-        counts = pages_for_lengths(lengths, page_size).astype(np.int32)
-        table = HeadPageTable(self.layout.num_rows, page_size)
-        copies = None
-        if copy:
-            needed = int(counts.sum())
-            if needed > self._num_available() - self._unpinned_pages(entry_id):
-                return None
-            self._entries.move_to_end(entry_id)
-            self._num_pinned += self._unpinned_pages(entry_id)
-            self._pinned.add(entry_id)
-            page_ids = self.pool.pop(needed)  # may evict others, never this pinned one
-            copies = (entry.table.leading_pages(counts), page_ids)
-        elif entry_id in self._pinned:
-            return None
-        else:
-            del self._entries[entry_id]
-            self._num_cached -= entry.table.total_pages
-            self.pool.push(entry.table.truncate(lengths))
-            page_ids = entry.table.all_pages()
-        table.append(counts, page_ids)
-        state = RequestPages(table=table, logical_len=hit, evicted=hit - lengths,
-                             prompt_evicted=hit - lengths, adopted=(hit, lengths.copy()),
-                             adopted_from=entry_id if copy else None)
-        state.refresh_headroom(page_size)
-        delta = PageTableDelta(fresh=True, appends=[(counts, page_ids)] if len(page_ids) else [],
-                               adopted_lengths=lengths.copy(), adopted_len=hit, copies=copies)
-        return state, delta
+        whole = (lengths // page_size).astype(np.int32)
+        pages = pages_for_lengths(lengths, page_size).astype(np.int32)
+        return _Cut(entry, lengths, whole, pages - whole, entry.table.leading_pages(whole),
+                    entry.table.pages_between(whole, pages))
 
-    def unpin_all(self) -> None:
-        """The worker has this schedule's copies: their sources may be evicted again."""
-        self._pinned.clear()
-        self._num_pinned = 0
+    def _growth(self, cut: _Cut, hit: int, logical_len: int) -> int:
+        """New pages the adopter's rows take past the cut to hold ``logical_len`` tokens."""
+        grown = pages_for_lengths(cut.lengths + max(0, logical_len - hit), self.layout.page_size)
+        return int((grown - cut.whole - cut.partial).sum())
+
+    def _adoption_cost(self, cut: _Cut, hit: int, logical_len: int, share: bool) -> int:
+        """Pages the adoption and the growth take from the available ones: new pages, and
+        the evictable ones it makes held (read, owned, or kept while it takes pages)."""
+        growth = self._growth(cut, hit, logical_len)
+        if share:
+            # The whole entry is kept from eviction while its adoption pops pages.
+            held = cut.entry.table.all_pages()
+            return growth + len(cut.tails) + self.pool.count_in_state(held, PageState.CACHED)
+        in_place = self.pool.counts(cut.tails) == 1
+        held = np.concatenate([cut.read, cut.tails[in_place]])
+        return (growth + int((~in_place).sum())
+                + self.pool.count_in_state(held, PageState.CACHED))
 
     # ------------------------------------------------------------------- evict
     def drop_entry(self, entry_id: int) -> int:
-        """Free an entry's pages; return how many."""
+        """Drop an entry; return how many of its pages became free (those no running
+        request or other entry holds)."""
         entry = self._entries.pop(entry_id, None)
         if entry is None:
             return 0
-        pages = entry.table.all_pages()
-        self._num_cached -= len(pages)
-        if entry_id in self._pinned:  # only a reset drops one, and never inside a schedule
-            self._pinned.discard(entry_id)
-            self._num_pinned -= len(pages)
-        self.pool.push(pages)
-        return len(pages)
+        return self.pool.release(entry.table.all_pages(), Holder.ENTRY)
 
     def plan_evictions(self, next_use: dict[int, int]) -> None:
         """``next_use``: entry -> how soon a waiting request adopts it (0: the next one to
@@ -243,12 +300,16 @@ class PrefixCache:
         return unwanted + sorted(wanted, key=lambda entry_id: -self._next_use[entry_id])
 
     def evict_for(self, count: int) -> None:
-        """Drop entries in ``eviction_order``, never a pinned one, until ``count`` pages are
-        free or none is left to drop (``PagePool.reclaim``)."""
+        """Drop entries in ``eviction_order`` until ``count`` pages are free or none is left
+        to drop (``PagePool.reclaim``). An entry all of whose pages running requests read
+        (or pins hold) is kept: dropping it would free nothing."""
         for entry_id in self.eviction_order():
             if self.pool.num_free >= count:
                 break
-            if entry_id not in self._pinned:
+            if entry_id == self._adopting:
+                continue
+            pages = self._entries[entry_id].table.all_pages()
+            if self.pool.count_in_state(pages, PageState.CACHED):
                 self.drop_entry(entry_id)
                 self._evicted.append(entry_id)
 
@@ -256,21 +317,7 @@ class PrefixCache:
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def check(self) -> list[np.ndarray]:
-        """Raise AssertionError unless the cached and pinned pages are counted right; return
-        every entry's pages (for ``PagePool.check``)."""
-        cached = [entry.table.all_pages() for entry in self._entries.values()]
-        num_cached = sum(len(pages) for pages in cached)
-        assert num_cached == self._num_cached, (
-            f"cached entries hold {num_cached} pages, counted {self._num_cached}")
-        assert self._pinned <= set(self._entries) and self._num_pinned == sum(
-            self._entries[entry_id].table.total_pages for entry_id in self._pinned), (
-            "pinned entries miscounted")
-        return cached
-
-    def _num_available(self) -> int:
-        return self.pool.num_free + self.num_evictable
-
-    def _unpinned_pages(self, entry_id: int) -> int:
-        """Pages of the entry that pinning it would take from what is available."""
-        return 0 if entry_id in self._pinned else self._entries[entry_id].table.total_pages
+    def check(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Every entry's pages and the pins (for ``PagePool.check``)."""
+        assert self._adopting is None, "an adoption did not finish"
+        return [entry.table.all_pages() for entry in self._entries.values()], list(self._pins)

@@ -7,6 +7,13 @@ tokens evicted; a row's physical length is the difference. Every change is also 
 a ``PageTableDelta`` for the worker, which mirrors the tables (``take_deltas``). Pages come
 from and go back to the ``PagePool``; a request that starts from a prefix-cache entry is
 built by ``prefix_cache`` and added here (``add``).
+
+Such a request's rows may begin with a *shared run*: leading whole pages it reads in place
+(an entry's, which other requests and entries may hold too), never written; its own pages
+follow (``RequestPages.shared``). Every write (appends, compaction moves, decode eviction)
+lands at or beyond a row's adopted tokens, so past its shared run; a report that would cut
+into one is refused. Freeing a request drops its references: a page goes back to the free
+stack only when nobody else holds it.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ import numpy as np
 
 from kvcompress.paging.layout import PageLayout
 from kvcompress.paging.page_fill import PageFill, evicted_fill
-from kvcompress.paging.page_pool import PagePool
-from kvcompress.paging.page_table import HeadPageTable
+from kvcompress.paging.page_pool import Holder, PagePool
+from kvcompress.paging.page_table import HeadPageTable, pages_for_lengths
 
 
 @dataclass
@@ -34,9 +41,10 @@ class PageTableDelta:
 
     A fresh table may start from a prefix-cache entry: ``adopted_lengths[row]`` physical
     tokens that stand for the first ``adopted_len`` logical tokens are already in the row's
-    first pages (the first append). ``copies = (src_page_ids, dst_page_ids)``: pages to
-    copy, ``pool[dst[i]] = pool[src[i]]``, before this step's forward (the adopted pages are
-    a copy of the entry's; without copies the entry's own pages were handed over).
+    first pages (the first appends: the entry's whole pages, read in place, then each
+    row's last, partial page). ``copies = (src_page_ids, dst_page_ids)``: pages to copy,
+    ``pool[dst[i]] = pool[src[i]]``, before this step's forward (an entry's partial last
+    pages, copied onto the adopter's own pages so that it can write the rest of them).
     """
 
     fresh: bool
@@ -65,9 +73,13 @@ class RequestPages:
     prompt_evicted: np.ndarray | None = None
     tail_in_order: bool = True
     # Started from a prefix-cache entry: logical tokens adopted, and their per-row physical
-    # ones; and that entry's id when it was copied (it stays cached).
+    # ones; and that entry's id when it was shared (it stays cached).
     adopted: tuple[int, np.ndarray] | None = None
     adopted_from: int | None = None
+    # Per row: leading pages read in place, shared with entries and other requests, never
+    # written (None: none). They end on a page boundary: a partial page is always its own.
+    shared: np.ndarray | None = None
+    shared_pages: int = 0
     # ``evicted_fill`` of ``evicted`` (None: not computed since it changed). Only compaction
     # changes it: window drops touch sliding rows only.
     evicted_fill: np.ndarray | None = None
@@ -75,6 +87,23 @@ class RequestPages:
     def refresh_headroom(self, page_size: int) -> None:
         slots = self.table.num_pages.astype(np.int64) * page_size
         self.headroom = int((slots - (self.logical_len - self.evicted)).min())
+
+    def read_pages(self) -> np.ndarray:
+        """The pages of the rows' shared runs, in row order."""
+        if self.shared is None:
+            return np.zeros(0, dtype=np.int32)
+        return self.table.leading_pages(self.shared)
+
+    def own_pages(self) -> np.ndarray:
+        """The pages the rows own (past their shared runs), in row order."""
+        if self.shared is None:
+            return self.table.all_pages()
+        return self.table.pages_after(self.shared)
+
+    def cuts_shared_run(self, lengths: np.ndarray, page_size: int) -> bool:
+        """Whether rows of ``lengths`` tokens would end inside their shared runs."""
+        return self.shared is not None and bool(
+            (pages_for_lengths(lengths, page_size) < self.shared).any())
 
 
 class RequestTables:
@@ -88,11 +117,16 @@ class RequestTables:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states
 
-    def owned_pages(self, request_id: str | None = None) -> int:
-        if request_id is not None:
-            state = self.states.get(request_id)
-            return 0 if state is None else state.table.total_pages
-        return sum(state.table.total_pages for state in self.states.values())
+    def owned_pages(self, request_id: str) -> int:
+        """Pages in the request's rows, its shared runs included."""
+        state = self.states.get(request_id)
+        return 0 if state is None else state.table.total_pages
+
+    def shared_pages(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Per request, the pages of its rows' shared runs."""
+        states = self.states
+        return np.array([states[request_id].shared_pages for request_id in request_ids],
+                        dtype=np.int64)
 
     def physical_lengths(self, request_id: str) -> np.ndarray:
         """Per-row physical tokens of the slots reserved for the request."""
@@ -215,7 +249,15 @@ class RequestTables:
             raise RuntimeError(f"request {request_id}: window drop after an append in one "
                                "schedule")
         delta.drops = drops if delta.drops is None else delta.drops + drops
-        self.pool.push(state.table.drop_leading(drops))
+        if state.shared is not None:  # a shared run's pages go first (reuse is off there)
+            read = np.minimum(drops, state.shared)
+            self.pool.release(state.table.leading_pages(read), Holder.READER)
+            self.pool.release(state.table.pages_between(read, drops), Holder.OWNER)
+            state.table.drop_leading(drops)
+            state.shared = state.shared - read
+            state.shared_pages = int(state.shared.sum())
+        else:
+            self.pool.release(state.table.drop_leading(drops), Holder.OWNER)
         state.evicted = state.evicted + drops.astype(np.int64) * layout.page_size
         state.refresh_headroom(layout.page_size)
         return total
@@ -244,6 +286,9 @@ class RequestTables:
                 f"max physical {physical_lengths.max()}) exceeds the "
                 f"{state.logical_len} reserved logical tokens"
             )
+        if state.cuts_shared_run(physical_lengths, self.layout.page_size):
+            raise ValueError(f"request {request_id}: compaction report cuts into the pages "
+                             "it reads from a cached entry")
         state.evicted = logical_len - physical_lengths
         state.evicted_fill = None
         if kind == "decode":
@@ -254,8 +299,7 @@ class RequestTables:
             state.prompt_evicted = state.evicted.copy()
         freed = state.table.truncate(state.logical_len - state.evicted)
         state.refresh_headroom(self.layout.page_size)
-        self.pool.push(freed)
-        return len(freed)
+        return self.pool.release(freed, Holder.OWNER)
 
     # ---------------------------------------------------- requests come and go
     def add(self, request_id: str, state: RequestPages, delta: PageTableDelta) -> None:
@@ -269,25 +313,40 @@ class RequestTables:
         return self.states.pop(request_id, None)
 
     def free(self, request_id: str) -> int:
+        """Drop the request's references; return how many pages became free (those of its
+        shared runs only when nobody else holds them)."""
         state = self.remove(request_id)
         if state is None:
             return 0
-        pages = state.table.all_pages()
-        self.pool.push(pages)
-        return len(pages)
+        return release_request(self.pool, state)
 
     def take_deltas(self) -> dict[str, PageTableDelta]:
         """The changes since the last call, for the worker."""
         deltas, self._pending = self._pending, {}
         return deltas
 
-    def check(self) -> list[np.ndarray]:
-        """Raise AssertionError on a table that miscounts its pages or a stale summary;
-        return every request's pages (for ``PagePool.check``)."""
+    def check(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Raise AssertionError on a table that miscounts its pages, a shared run that is not
+        whole pages of its row or a stale summary; return every request's owned pages and
+        its shared runs' pages (for ``PagePool.check``)."""
+        page_size = self.layout.page_size
         for request_id, state in self.states.items():
             assert state.table.total_pages == state.table.num_pages.sum(), (
                 f"request {request_id}: its table miscounts its pages")
             assert state.evicted_fill is None or np.array_equal(
                 state.evicted_fill, evicted_fill(state.evicted, self.layout)), (
                 f"request {request_id}: stale summary of its evicted tokens")
-        return [state.table.all_pages() for state in self.states.values()]
+            if state.shared is not None:
+                lengths = state.logical_len - state.evicted
+                assert (state.shared <= state.table.num_pages).all() and (
+                    state.shared * page_size <= lengths).all() and (
+                    state.shared_pages == state.shared.sum()), (
+                    f"request {request_id}: its shared runs are not whole pages of its rows")
+        return ([state.own_pages() for state in self.states.values()],
+                [state.read_pages() for state in self.states.values()])
+
+
+def release_request(pool: PagePool, state: RequestPages) -> int:
+    """Drop every reference a request's rows hold; return how many pages became free."""
+    return (pool.release(state.read_pages(), Holder.READER)
+            + pool.release(state.own_pages(), Holder.OWNER))

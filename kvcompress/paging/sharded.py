@@ -60,6 +60,20 @@ class ShardedPageManager:
         """Pages the request (or all requests) hold on the rank where they hold most."""
         return max(shard.owned_pages(request_id) for shard in self.shards)
 
+    @property
+    def num_read(self) -> int:
+        """Pages running requests read in shared runs, on the rank where they read most."""
+        return max(shard.num_read for shard in self.shards)
+
+    def shared_pages(self, request_ids: Sequence[str]) -> np.ndarray:
+        """Per request, its shared runs' pages on the rank where it reads fewest (admission
+        counts them once in ``num_read`` instead of in each reader)."""
+        return np.min([shard.shared_pages(request_ids) for shard in self.shards], axis=0)
+
+    def pages_read_already(self, entry_id: int, hit: int) -> int:
+        """``PageManager.pages_read_already`` on the rank where it is fewest."""
+        return min(shard.pages_read_already(entry_id, hit) for shard in self.shards)
+
     def physical_lengths(self, request_id: str) -> np.ndarray:
         """Per row of one rank: the longest of that row over the ranks."""
         if len(self.shards) == 1:
@@ -191,19 +205,19 @@ class ShardedPageManager:
             shard.drop_entry(entry_id)
         return False
 
-    def can_adopt(self, entry_id: int, hit: int, logical_len: int, copy: bool,
+    def can_adopt(self, entry_id: int, hit: int, logical_len: int, share: bool,
                   reserve: int = 0) -> bool:
-        return all(shard.can_adopt(entry_id, hit, logical_len, copy, reserve)
+        return all(shard.can_adopt(entry_id, hit, logical_len, share, reserve)
                    for shard in self.shards)
 
-    def can_copy_from_free(self, entry_id: int, hit: int, logical_len: int,
-                           reserve: int = 0) -> bool:
-        return all(shard.can_copy_from_free(entry_id, hit, logical_len, reserve)
+    def can_share_from_free(self, entry_id: int, hit: int, logical_len: int,
+                            reserve: int = 0) -> bool:
+        return all(shard.can_share_from_free(entry_id, hit, logical_len, reserve)
                    for shard in self.shards)
 
-    def adopt(self, request_id: str, entry_id: int, hit: int, copy: bool) -> bool:
+    def adopt(self, request_id: str, entry_id: int, hit: int, share: bool) -> bool:
         """On every rank (``can_adopt`` first: ranks cannot roll an adoption back)."""
-        adopted = [shard.adopt(request_id, entry_id, hit, copy) for shard in self.shards]
+        adopted = [shard.adopt(request_id, entry_id, hit, share) for shard in self.shards]
         assert all(adopted) or not any(adopted), "ranks disagree on an adoption"
         self._sync_evictions()
         return adopted[0]
@@ -237,7 +251,8 @@ class ShardedPageManager:
         return [shard.take_deltas() for shard in self.shards]
 
     def check_invariants(self) -> None:
-        """Every rank's pages free or owned once, and the same requests on every rank."""
+        """Every rank's reference counts right, and the same requests and entries on every
+        rank."""
         for rank, shard in enumerate(self.shards):
             shard.check_invariants()
             assert shard.request_ids() == self.shards[0].request_ids(), (

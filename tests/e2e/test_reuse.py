@@ -110,10 +110,10 @@ def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
         assert (third - second - 11).sum() == rows * 64
 
 
-def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(
+def test_under_pressure_entries_are_evicted_shared_and_adopters_preempted(
         surrogate_tiny_llama):
     """A pool too small for 5 conversations' caches: entries are evicted for running
-    requests; four continuations of one entry copy it and, too long to run together, are
+    requests; five continuations of one entry share it and, too long to run together, are
     preempted and resume; an adopter is aborted mid-prefill. The page invariants hold after
     every step (KVCOMPRESS_CHECK_PAGES) and every page comes back."""
     # The default scoring (auto: the surrogate beside the model), as users
@@ -153,7 +153,7 @@ def test_under_pressure_entries_are_evicted_copied_and_adopters_preempted(
         harness.shutdown()
     assert figures["evicted_entries"] > 0, ("the pool was meant to be too small to keep all",
                                             figures, harness.stats.preemptions)
-    assert figures["copies"] > 0
+    assert figures["shares"] > 0
 
 
 def test_entries_are_adopted_only_under_the_same_settings(tiny_llama):
@@ -229,3 +229,70 @@ def test_a_prompt_that_ended_in_its_prefill_is_not_adopted_uncompressed(tiny_lla
         assert_pages_back(harness)
     finally:
         harness.shutdown()
+
+
+def test_concurrent_adopters_read_one_entry_in_place_and_match_vanilla(tiny_llama):
+    """A shared prefix (a system prompt) warmed once, then four questions on it at once:
+    each adopts the entry by sharing (its whole pages read in place by all four, each row's
+    partial page copied), the pages they hold together count the shared ones once, and with
+    a budget above every prompt the answers are vanilla's. Pages checked every step."""
+    rng = random.Random(11)
+    prefix = new_tokens(rng, 300)
+    questions = {f"q{i}": prefix + new_tokens(rng, 40) for i in range(4)}
+    answers, held = {}, {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
+        harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True,
+                                kv_cache_memory_bytes=64 << 20, **ENGINE)
+        try:
+            harness.generate({"warm": prefix}, greedy(2))
+            for request_id, prompt in questions.items():
+                harness.add(request_id, prompt, greedy(12))
+            harness.step()  # all four admitted in one step: 4 x 40 new tokens
+            if compression:
+                pages = harness.rank_pages()
+                ids = [harness.internal_id(q) for q in questions]
+                own = sum(pages.owned_pages(i) - int(pages.shared_pages([i])[0]) for i in ids)
+                held = {"together": pages.owned_pages(), "read": pages.num_read, "own": own,
+                        "each": sum(pages.owned_pages(i) for i in ids)}
+            answers[name] = harness.run_until_done()
+            if compression:
+                assert_pages_back(harness)
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.shares, reuse.handovers) == (4, 0)
+                assert harness.page_manager.entry_ids(), "the shared entry stays cached"
+            assert all(harness.cached_tokens[q] >= 256 for q in questions)
+        finally:
+            harness.shutdown()
+    assert {q: answers["kvcompress"][q] for q in questions} == {
+        q: answers["vanilla"][q] for q in questions}
+    # The four read the prefix's whole pages once between them: held together == the read
+    # pages once + each one's own pages, far below four copies.
+    assert held["read"] > 0 and held["together"] == held["read"] + held["own"]
+    assert held["each"] - held["together"] == 3 * held["read"]
+
+
+def test_compressed_prefix_read_by_concurrent_adopters_answers_as_one_adopter_at_a_time(
+        tiny_llama):
+    """A compressed prefix (budget 64 of 300 tokens, warmed with two tokens) read in place
+    by four questions at once gives the answers each question gets adopting it alone (when
+    nothing else reads its pages): sharing changes where the K/V is read from, not what."""
+    rng = random.Random(12)
+    prefix = new_tokens(rng, 300)
+    questions = {f"q{i}": prefix + new_tokens(rng, 40) for i in range(4)}
+    settings = {"kv_compression": "snapkv", "kv_budget": 64}
+    answers = {}
+    for mode in ("together", "alone"):
+        harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
+        try:
+            harness.generate({"warm": prefix}, greedy(2))
+            if mode == "together":
+                answers[mode] = harness.generate(questions, greedy(12))
+                assert harness.scheduler.reuse.totals.shares == 4
+            else:
+                answers[mode] = {q: harness.generate({q: p}, greedy(12))[q]
+                                 for q, p in questions.items()}
+            assert all(harness.cached_tokens[q] == len(prefix) for q in questions)
+            assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["together"] == answers["alone"]

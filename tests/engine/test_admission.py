@@ -322,7 +322,7 @@ def random_running_set(rng: np.random.Generator, pages: PageManager | ShardedPag
             assert pages.allocate(name + "-earlier", context)
             assert pages.retire(name + "-earlier", index, context, prompt_len=context)
             hit = int(rng.integers(1, context + 1))
-            assert pages.adopt(name, index, hit, copy=bool(rng.integers(2)))
+            assert pages.adopt(name, index, hit, share=bool(rng.integers(2)))
             # A prompt of just the cached context is decoding already.
             prompt, computed = hit + int(rng.integers(0, 2)) * prompt, hit
         requests.append(FakeRequest(
@@ -338,7 +338,8 @@ def random_running_set(rng: np.random.Generator, pages: PageManager | ShardedPag
 def test_batched_trajectories_and_admission_match_the_reference(seed, sliding, ranks,
                                                                 lookahead):
     """``trajectories`` (decoding requests read in one batch from the page manager) equals
-    ``trajectory`` request by request, and ``admits`` decides by the reference peak. ``ranks``
+    ``trajectory`` request by request, and ``admits`` decides by the reference peak and the
+    pages adopters read in shared runs. ``ranks``
     0: a plain PageManager; 2: ranks whose compactions differ."""
     rng = np.random.default_rng(seed)
     layout = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE,
@@ -361,8 +362,9 @@ def test_batched_trajectories_and_admission_match_the_reference(seed, sliding, r
 
     *running[:], new = requests
     if running:
-        # The decision flips exactly where the reserve leaves the reference peak no room.
-        room = layout.total_pages - peak
+        # The decision flips exactly where the reserve leaves the reference peak no room
+        # beside the pages adopters read (counted once, not in their trajectories).
+        room = layout.total_pages - peak - pages.num_read
         assert plan.admits(new, reserve_pages=room)
         assert not plan.admits(new, reserve_pages=room + 1)
 
@@ -429,3 +431,27 @@ def test_admission_bounds_every_rank_and_spread_of_the_budget(data, ranks, shari
     if sharing == "layer" and method != "adakv":
         # Every row keeps its layer's budget: the bound is the simulation itself.
         assert peak == rank_simulated_peak(planned, outcomes, page)
+
+
+def test_pages_adopters_read_are_counted_once():
+    """Three decoding adopters read one entry's whole pages: their trajectories count their
+    own pages, the read ones are counted once beside them, so what admission plans for now
+    is exactly what the pool holds for them, and a fourth adopter that would fit is admitted
+    where counting a copy per reader would refuse it."""
+    running: list[FakeRequest] = []
+    plan = planner(total_pages=80, running=running, lookahead=4,
+                   config=KVCompressionConfig.from_mapping({"kv_page_size": PAGE}))
+    pages = plan.pages
+    assert pages.allocate("system", 40) and pages.retire("system", 1, 40, prompt_len=40)
+    for name in ("a", "b", "c"):  # 9 whole pages a row read, a partial one copied
+        assert pages.adopt(name, 1, 38, share=True) and pages.allocate(name, 41)
+        running.append(FakeRequest(name, 40, max_tokens=8, num_computed_tokens=40,
+                                   num_output_tokens=1))
+    now = plan.trajectories(running).held_pages
+    assert pages.num_read == 4 * 9 and now.tolist() == [4 * 2] * 3
+    assert int(now.sum()) + pages.num_read == pages.owned_pages()  # 60 of 80 held
+    new = FakeRequest("d", 40, max_tokens=2)
+    adoption = (38, pages.entry(1).lengths_at(38), pages.pages_read_already(1, 38))
+    assert adoption[2] == 4 * 9
+    assert plan.admits(new, adoption=adoption)  # its own 8-12 pages fit beside 60
+    assert not plan.admits(new, adoption=(*adoption[:2], 0))  # as if it read a copy

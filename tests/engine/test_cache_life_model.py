@@ -3,15 +3,16 @@
 A seeded driver plays vLLM's part of a step (a small FCFS scheduler with chunked prefill,
 preemption of the last running request, aborts, and the token sampling of
 ``update_from_output``) around kvcompress's own code: the KV-cache manager's lookup and
-``allocate_slots`` (adopting cached entries by copy or handover), the page manager,
+``allocate_slots`` (adopting cached entries by share or handover), the page manager,
 ``KVCompressScheduler.update_from_output`` (compaction reports, failures, retiring finished
 requests into entries) and the worker runtime over a real page pool (page copies, the
 policy's prompt compaction, decode eviction). The "forward" writes into every slot the
 token id and the position it stands for, so the pool can be read back.
 
 A shadow model says what every request's and every cached entry's slots must hold, and is
-checked after every step: the pages accounted (free + owned + cached == total, every page
-once), the worker's tables and lengths equal to the scheduler's, every slot holding a token
+checked after every step: the pages accounted (every reference count equal to the rows,
+entries and pins holding the page, free + held == total), the worker's tables and lengths
+equal to the scheduler's, every slot holding a token
 of its own sequence at its position; an entry's slots unchanged while it is cached and
 every cut it offers standing for exactly the tokens before the cut; an adoption receiving
 exactly the entry's slots. Compaction is the policy's choice: the shadow accepts any
@@ -19,6 +20,10 @@ result that keeps a subset of what the rows held, the generated part in order.
 
 Faults model a device error reported after the device wrote: a batched page copy that wrote
 and then raised, and a request's token moves that wrote half of them and then raised.
+
+Bursts of arrivals often continue one entry together, so that several running requests read
+its pages at once (a shared system prompt) while others write, compact, end, are preempted
+or aborted, and entries are evicted: a reader's slots, like an entry's, must never change.
 
 On c3ea803 (before issue 30's fixes) it found, 150 steps a life: without faults, an entry
 of a resumed request offering a cut inside its compacted prompt (item 1) in 38 of seeds
@@ -50,6 +55,7 @@ from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_moves import MoveBatch
 from kvcompress.engine.worker_runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
+from kvcompress.paging.page_pool import Holder
 from kvcompress.settings.config import KVCompressionConfig
 
 PAGE = 4
@@ -124,6 +130,7 @@ class CacheLife:
         # Each entry's tokens and settings (a later turn continues them).
         self.conversations: dict[int, tuple[list[int], dict]] = {}
         self.filed: dict[str, int] = {}  # request -> the entry it became, until followed
+        self.most_readers = 0  # the most running requests that read one page at once
 
     # ------------------------------------------------------------ the vLLM part
     def _scheduler(self, monkeypatch: pytest.MonkeyPatch) -> KVCompressScheduler:
@@ -188,14 +195,17 @@ class CacheLife:
         self.preempted.add(request.request_id)
         self.shadow.pop(request.request_id, None)
 
-    def arrive(self, new_tokens: int) -> None:
+    def arrive(self, new_tokens: int, continued: tuple[int, int] | None = None) -> None:
         """A new request: mostly a later turn of a cached conversation (its tokens, or a
-        branch of them, plus new ones), mostly with that conversation's settings."""
+        branch of them, plus new ones), mostly with that conversation's settings.
+        ``continued``: (entry, cut) it continues for sure (a burst reading one entry)."""
         prompt = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(4, 40))]
         overrides = self.rng.choice(OVERRIDES)
-        if self.entries and self.rng.random() < 0.8:
-            earlier, earlier_overrides = self.conversations[self.rng.choice(sorted(self.entries))]
-            cut = len(earlier) if self.rng.random() < 0.6 else self.rng.randint(1, len(earlier))
+        if continued is not None or (self.entries and self.rng.random() < 0.8):
+            if continued is None:
+                continued = self.pick_continuation()
+            entry_id, cut = continued
+            earlier, earlier_overrides = self.conversations[entry_id]
             prompt = earlier[:cut] + prompt[: self.rng.randint(1, new_tokens)]
             if self.rng.random() < 0.8:
                 overrides = earlier_overrides
@@ -210,6 +220,12 @@ class CacheLife:
             skip_reading_prefix_cache=False, client_index=0, trace_headers=None,
             num_preemptions=0))
         self.requests[request_id] = self.waiting[-1]
+
+    def pick_continuation(self) -> tuple[int, int]:
+        """An entry and where a continuation of it leaves it (mostly its end)."""
+        entry_id = self.rng.choice(sorted(self.entries))
+        length = len(self.conversations[entry_id][0])
+        return entry_id, length if self.rng.random() < 0.6 else self.rng.randint(1, length)
 
     def schedule(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
         """Running requests first (preempting the last ones when pages run out), then
@@ -250,9 +266,12 @@ class CacheLife:
     def step(self) -> None:
         self.step_number += 1
         if len(self.waiting) < 3:  # now and then several turns at once
-            burst = self.rng.choice((0, 0, 1, 1, 1, 3))
+            burst = self.rng.choice((0, 0, 1, 1, 1, 3, 4))
+            # Half the bursts continue one entry together: concurrent readers of it.
+            together = (self.pick_continuation() if burst > 1 and self.entries
+                        and self.rng.random() < 0.5 else None)
             for _ in range(burst):
-                self.arrive(new_tokens=6 if burst > 1 else 24)
+                self.arrive(new_tokens=6 if burst > 1 else 24, continued=together)
         if self.requests and self.rng.random() < 0.04:
             victim = self.rng.choice(sorted(self.requests))
             self.scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
@@ -456,6 +475,8 @@ class CacheLife:
         self.scheduler.check_pages()
         pages = self.pages.shards[0]
         assert pages.num_free + pages.owned_pages() + pages.num_cached == LAYOUT.total_pages
+        self.most_readers = max(self.most_readers,
+                                int(pages.pool._refs[Holder.READER].max()))
         for request_id in self.pages.request_ids():
             worker = self.runtime.state.requests[request_id]
             ours = pages._requests[request_id].table
@@ -473,10 +494,19 @@ class CacheLife:
                 f"step {self.step_number}: cached entry {entry_id}'s slots changed")
 
 
-def run_life(seed: int, faults: Faults, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+def run_life(seed: int, faults: Faults, monkeypatch: pytest.MonkeyPatch,
+             steps: int) -> CacheLife:
     life = CacheLife(seed, faults, monkeypatch)
     for _ in range(steps):
         life.step()
+    return life
+
+
+def test_lives_have_several_concurrent_readers_of_one_entry(monkeypatch):
+    """The lives above exercise what they claim to: pages read by 3 or more running
+    requests at once (and their entries evicted, their readers ended, meanwhile)."""
+    most = [run_life(seed, Faults(), monkeypatch, steps=150).most_readers for seed in range(3)]
+    assert max(most) >= 3, most
 
 
 # About 0.5 s a life: the two sets together stay under half a minute.

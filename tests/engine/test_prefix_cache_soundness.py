@@ -5,10 +5,10 @@ update, the worker runtime and its mirror.
 1. a prompt compacted and generated tokens evicted in one step (a resumed request) must
    still reach the scheduler as a compacted prompt;
 2. one adoption's page copies must never write another adoption's source pages of the
-   same step;
+   same step (nor may any page of the step be allocated onto them);
 3. a request whose compaction failed is never filed as a cache entry;
 4. an adopter is admitted by what it holds once it has adopted;
-5. an adoption never evicts another conversation's entry to copy its own (it hands over).
+5. an adoption never evicts another conversation's entry for its own pages (it hands over).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_a_resumed_requests_prompt_compaction_reaches_the_scheduler_with_its_dec
     assert entry.lengths_at(20).tolist() == worker.prompt_kept.tolist()
     assert entry.lengths_at(12) is None  # inside a compacted prompt: no cut
     # A handover at the prompt's end takes the rows as they are.
-    assert pages.adopt("b", 1, 20, copy=False)
+    assert pages.adopt("b", 1, 20, share=False)
     assert pages.physical_lengths("b").tolist() == [8] * 4
     pages.check_invariants()
 
@@ -139,24 +139,14 @@ TINY = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=4, dtype_
                   total_pages=32)
 
 
-def adopt_as_the_scheduler_does(pages: ShardedPageManager, request_id: str, entry_id: int,
-                                hit: int, logical_len: int) -> bool:
-    """A copy whenever one fits, else a handover: ``PagedKVCacheManager.allocate_slots``
-    before item 5 (it now copies from free pages only), and what the page manager must
-    stay sound under for any caller."""
-    copy = pages.can_adopt(entry_id, hit, logical_len, True)
-    if not copy and not pages.can_adopt(entry_id, hit, logical_len, False):
-        return False
-    assert pages.adopt(request_id, entry_id, hit, copy)
-    assert pages.allocate(request_id, logical_len)
-    return True
-
-
-def test_a_copy_never_writes_the_source_of_another_copy_of_the_same_step(monkeypatch):
-    """Entries 1 and 2 hold 8 pages each, 16 are free. Adopter a1 copies entry 1 and grows
-    (12 pages); adopter a2 then copies entry 2 into the 4 free pages plus what evicting
-    entry 1 freed: a1's sources, now a2's destinations. The batched copy reads first, but
-    if it fails after writing, the retry request by request reads them again."""
+def test_a_copy_source_is_never_another_pages_destination_in_the_same_step(monkeypatch):
+    """Entries 1 and 2 hold 8 pages each, 16 are free. Adopter a1 shares entry 1's first 6
+    tokens: it reads each row's first page in place and copies the partial second one. Then
+    a request takes 20 pages: the 12 free ones and what evicting entries frees. Entry 2 goes;
+    entry 1 is kept (a1 reads its first pages, the copy pins the others: dropping it would
+    free nothing), and even dropped it would not free the copy's sources before the worker
+    copied them. The batched copy reads first, but if it fails after writing, the retry
+    request by request reads them again."""
     pages = ShardedPageManager(TINY)
     for name, entry_id in (("e1", 1), ("e2", 2)):
         assert pages.allocate(name, 8)
@@ -164,16 +154,20 @@ def test_a_copy_never_writes_the_source_of_another_copy_of_the_same_step(monkeyp
     runtime = runtime_for(KVCompressionConfig(), TINY)
     runtime.pool.copy_(torch.arange(runtime.pool.numel(), dtype=torch.float32)
                        .view_as(runtime.pool))  # every slot its own value
-    entry_pages = {e: pages.shards[0].entry(e).table.all_pages() for e in (1, 2)}
-    expected = {e: runtime.pool[torch.as_tensor(p, dtype=torch.long)].clone()
-                for e, p in entry_pages.items()}
+    entry_pages = pages.shards[0].entry(1).table.all_pages()
+    expected = runtime.pool[torch.as_tensor(entry_pages, dtype=torch.long)].clone()
     pages.take_deltas()
 
-    assert adopt_as_the_scheduler_does(pages, "a1", 1, hit=8, logical_len=12)
-    assert adopt_as_the_scheduler_does(pages, "a2", 2, hit=8, logical_len=9)
+    assert pages.can_adopt(1, 6, 6, share=True) and pages.adopt("a1", 1, 6, share=True)
+    assert pages.allocate("x", 20)
+    assert pages.take_evicted_entries() == [2] and pages.entry_ids() == [1]
+    assert not pages.allocate("y", 4)  # nothing left that an eviction would free
+    sources = pages.shards[0].cache._pins[0]
+    pages.drop_entry(1)  # as a reset would: the sources stay held until the deltas go
+    assert pages.shards[0].pool.counts(sources).all()
     deltas = pages.shards[0].take_deltas()
-    sources = set(deltas["a1"].copies[0].tolist())
-    destinations = set() if deltas["a2"].copies is None else set(deltas["a2"].copies[1].tolist())
+    assert deltas["a1"].copies[0].tolist() == sources.tolist()
+    assert not set(sources.tolist()) & set(deltas["x"].appends[0][1].tolist())
 
     real_copy = worker_runtime.copy_pages
     calls = []
@@ -187,12 +181,11 @@ def test_a_copy_never_writes_the_source_of_another_copy_of_the_same_step(monkeyp
     monkeypatch.setattr(worker_runtime, "copy_pages", copy_then_fail_the_batch)
     runtime.begin_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(),
                                        kvcompress_page_deltas=[deltas]))
-    for adopter, entry_id in (("a1", 1), ("a2", 2)):
-        table = runtime.state.requests[adopter].table
-        held = runtime.pool[torch.as_tensor(table.pages[:, :2].reshape(-1), dtype=torch.long)]
-        assert torch.equal(held, expected[entry_id]), f"{adopter} holds another entry's K/V"
-    overwritten = sources & destinations
-    assert not overwritten, f"a2 copies onto a1's source pages {sorted(overwritten)}"
+    table = runtime.state.requests["a1"].table
+    held = runtime.pool[torch.as_tensor(table.pages[:, :2].reshape(-1), dtype=torch.long)]
+    assert torch.equal(held, expected), "a1 holds other K/V than entry 1's"
+    assert pages.shards[0].pool.counts(sources).sum() == 0  # unpinned: free now
+    pages.check_invariants()
 
 
 # --------------------------------------------------------------------------- claim 3
@@ -279,12 +272,15 @@ def test_an_adopter_is_admitted_by_what_it_holds_once_adopted():
     just too small for the plan made from what it really holds, it must wait."""
     # The pool the adopter's real trajectory needs beside the running request's.
     probe, running, follow = adoption_case(total_pages=10_000)
-    assert probe.pages.can_adopt(1, 110, 150, copy=True)
-    assert probe.pages.adopt("b", 1, 110, copy=True) and probe.pages.allocate("b", 150)
+    assert probe.pages.can_adopt(1, 110, 150, share=True)
+    assert probe.pages.adopt("b", 1, 110, share=True) and probe.pages.allocate("b", 150)
     assert probe.pages.adoption("b")[1].tolist() == [50] * 4
     follow.num_computed_tokens = 0  # as planned at admission: its prefill to come
-    needed = peak_pages(probe.admission.trajectories([running, follow]))
-    # The copy keeps the entry cached: it is evictable, so it counts as available.
+    # Its trajectory counts its own pages; the entry's pages it reads are counted apart.
+    read = probe.pages.num_read
+    assert read == 4 * 12  # 50 tokens a row: 12 whole pages read, the partial one copied
+    needed = peak_pages(probe.admission.trajectories([running, follow])) + read
+    # The share keeps the entry cached: what it does not read is evictable, available.
     manager, _, follow = adoption_case(total_pages=needed - 1)
     blocks, hit, _ = manager.get_computed_blocks(follow)
     assert hit == 110
@@ -304,7 +300,8 @@ REUSE_WHOLE = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", "kv_
 
 def two_conversations(total_pages: int, waiting=()):
     """Conversations a and b each ended a turn of 40 tokens, kept whole (10 pages per row,
-    40 pages per entry), and a's next turn (48 tokens, 40 of them cached) is waiting."""
+    40 pages per entry), and a's next turn (48 tokens, the first 38 cached: 9 whole pages a
+    row read in place and a partial one) is waiting."""
     layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=total_pages)
     manager = paged_manager(layout, REUSE_WHOLE, waiting=waiting)
     for name, first in (("a", 100), ("b", 200)):
@@ -312,16 +309,17 @@ def two_conversations(total_pages: int, waiting=()):
         assert manager.reuse.retire(request(name, range(first, first + 40), prompt_len=36,
                                             computed=40, status=RequestStatus.FINISHED_STOPPED))
     manager.pages.take_deltas()
-    return manager, request("a2", [*range(100, 140), *range(500, 508)], prompt_len=48)
+    return manager, request("a2", [*range(100, 138), *range(500, 510)], prompt_len=48)
 
 
 def test_an_adoption_evicts_no_other_conversations_entry():
-    """100 pages: both entries (80) and 20 free. Copying a's entry for its next turn takes 48
-    pages, which only evicting b's entry frees; handing it over takes 8 free ones. b's
-    next turn must still find its cache."""
-    manager, follow = two_conversations(total_pages=100)
-    assert manager.get_computed_blocks(follow)[1] == 40
-    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
+    """90 pages: both entries (80) and 10 free. Sharing a's entry for its next turn takes 12
+    of a2's own pages (a copy of each row's partial page, and 2 a row to grow by), which only
+    evicting b's entry frees; handing it over takes the partial pages as they are and 8 free
+    ones. b's next turn must still find its cache."""
+    manager, follow = two_conversations(total_pages=90)
+    assert manager.get_computed_blocks(follow)[1] == 38
+    assert manager.allocate_slots(follow, 10, num_new_computed_tokens=38) is not None
     assert manager.pages.entry_ids() == [2], "a's adoption evicted b's entry"
     assert manager.reuse.totals.handovers == 1 and manager.reuse.totals.evicted_entries == 0
     b2 = request("b2", [*range(200, 240), *range(600, 608)], prompt_len=48)
@@ -329,24 +327,26 @@ def test_an_adoption_evicts_no_other_conversations_entry():
     manager.pages.check_invariants()
 
 
-def test_an_adoption_copies_when_the_free_pages_take_it():
-    """With 48 free pages beside the entries a copy evicts nothing: a's entry stays cached."""
-    manager, follow = two_conversations(total_pages=128)
-    assert manager.get_computed_blocks(follow)[1] == 40
-    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
-    assert manager.pages.entry_ids() == [2, 1]  # a's entry copied: used most recently
-    assert manager.reuse.totals.copies == 1 and manager.reuse.totals.evicted_entries == 0
+def test_an_adoption_shares_when_the_free_pages_take_its_own():
+    """With 12 free pages beside the entries a share evicts nothing: a's entry stays cached,
+    a2 reading 36 of its pages."""
+    manager, follow = two_conversations(total_pages=92)
+    assert manager.get_computed_blocks(follow)[1] == 38
+    assert manager.allocate_slots(follow, 10, num_new_computed_tokens=38) is not None
+    assert manager.pages.entry_ids() == [2, 1]  # a's entry shared: used most recently
+    assert manager.reuse.totals.shares == 1 and manager.reuse.totals.evicted_entries == 0
+    assert manager.pages.num_read == 36 and manager.pages.num_free == 0
     manager.pages.check_invariants()
 
 
-def test_an_entry_is_copied_for_a_waiting_branch_of_the_same_context():
-    """Two samples of a's next turn wait (parallel sampling): a copy serves both, so it is
+def test_an_entry_is_shared_for_a_waiting_branch_of_the_same_context():
+    """Two samples of a's next turn wait (parallel sampling): a share serves both, so it is
     made although it evicts b's entry."""
     waiting = []
-    manager, follow = two_conversations(total_pages=100, waiting=waiting)
+    manager, follow = two_conversations(total_pages=90, waiting=waiting)
     sibling = request("a2-1", follow.all_token_ids, prompt_len=48)
     waiting += [follow, sibling]
-    assert manager.get_computed_blocks(follow)[1] == 40
-    assert manager.allocate_slots(follow, 8, num_new_computed_tokens=40) is not None
-    assert manager.pages.entry_ids() == [1] and manager.reuse.totals.copies == 1
+    assert manager.get_computed_blocks(follow)[1] == 38
+    assert manager.allocate_slots(follow, 10, num_new_computed_tokens=38) is not None
+    assert manager.pages.entry_ids() == [1] and manager.reuse.totals.shares == 1
     manager.pages.check_invariants()

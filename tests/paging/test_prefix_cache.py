@@ -1,6 +1,7 @@
 """Cached entries (multi-turn reuse): pages kept after a request ends, adopted by a prompt
-that continues it, evicted least-recently-used only when pages run short; every page free,
-owned or cached exactly once."""
+that continues it (its whole pages read in place, shared), evicted least-recently-used only
+when pages run short; every page's reference count equal to the rows and entries holding
+it."""
 
 import numpy as np
 import pytest
@@ -71,21 +72,31 @@ def test_cut_points_follow_what_the_rows_hold():
     manager.check_invariants()
 
 
-def test_copy_adoption_keeps_the_entry_and_lists_the_page_copies():
+def test_a_share_reads_whole_pages_in_place_and_copies_only_partial_ones():
     manager = make_manager(total_pages=60)
     finished(manager, "a", 1, logical=12, prompt_len=12, physical=[5, 6, 7, 12])
     source = manager.entry(1).table
-    assert manager.can_adopt(1, 12, logical_len=20, copy=True)
-    assert manager.adopt("b", 1, 12, copy=True)
+    assert manager.can_adopt(1, 12, logical_len=20, share=True)
+    assert manager.adopt("b", 1, 12, share=True)
     assert manager.allocate("b", 20)
     delta = manager.take_deltas()["b"]
     assert delta.fresh and delta.adopted_len == 12
     assert delta.adopted_lengths.tolist() == [5, 6, 7, 12]
+    table = manager._requests["b"].table
+    # Rows of 5, 6, 7, 12 tokens: 1, 1, 1, 3 whole pages read in place (the shared run)...
+    assert manager._requests["b"].shared.tolist() == [1, 1, 1, 3]
+    for row, whole in enumerate([1, 1, 1, 3]):
+        assert table.pages[row, :whole].tolist() == source.pages[row, :whole].tolist()
+    # ... and the partial second page of the first three rows copied onto b's own pages.
     src, dst = delta.copies
-    assert sorted(src.tolist()) == sorted(source.all_pages().tolist())
-    assert not set(dst.tolist()) & set(src.tolist())
+    assert src.tolist() == source.pages[:3, 1].tolist()
+    assert dst.tolist() == table.pages[:3, 1].tolist() and not set(dst) & set(src)
     assert manager.physical_lengths("b").tolist() == [13, 14, 15, 20]
     assert manager.entry(1) is not None  # still cached for another continuation
+    # 9 entry pages (6 read by b), b's own 3 copies + 8 grown: 17 held by b, 3 cached.
+    assert manager.owned_pages("b") == 17 and manager.num_read == 6
+    assert manager.owned_pages() == 17 and manager.num_cached == 3
+    assert manager.num_free == 60 - 9 - 11
     manager.check_invariants()
     assert accounted(manager) == 60
 
@@ -94,7 +105,7 @@ def test_handover_gives_the_pages_away_and_frees_what_is_past_the_cut():
     manager = make_manager(total_pages=60)
     finished(manager, "a", 1, logical=16, prompt_len=8)  # 4 pages per row
     pages = manager.entry(1).table.pages[:, :2].copy()
-    assert manager.adopt("b", 1, 8, copy=False)
+    assert manager.adopt("b", 1, 8, share=False)
     assert manager.entry(1) is None and manager.num_cached == 0
     assert manager.owned_pages("b") == 8 and manager.num_free == 60 - 8
     delta = manager.take_deltas()["b"]
@@ -103,12 +114,24 @@ def test_handover_gives_the_pages_away_and_frees_what_is_past_the_cut():
     manager.check_invariants()
 
 
+def test_a_handover_takes_partial_pages_nobody_else_holds_as_they_are():
+    manager = make_manager(total_pages=60)
+    finished(manager, "a", 1, logical=16, prompt_len=16)  # 4 pages per row
+    entry_pages = manager.entry(1).table.pages[:, :3].copy()
+    assert manager.adopt("b", 1, 10, share=False)  # 2 whole pages and a partial one a row
+    assert manager.take_deltas()["b"].copies is None
+    state = manager._requests["b"]
+    assert np.array_equal(state.table.pages[:, :3], entry_pages)
+    assert state.shared.tolist() == [2] * 4 and manager.num_free == 60 - 12
+    manager.check_invariants()
+
+
 def test_entries_are_evicted_least_recently_used_and_only_when_pages_run_short():
     manager = make_manager(total_pages=36)
     finished(manager, "a", 1, logical=8, prompt_len=8)  # 8 pages
     finished(manager, "b", 2, logical=8, prompt_len=8)  # 8 pages
-    assert manager.adopt("c", 1, 4, copy=True)  # touches entry 1: entry 2 is now the oldest
-    assert manager.num_available == 36 - 4 - 8  # c's pages; entry 1 is read by its copy
+    assert manager.adopt("c", 1, 4, share=True)  # touches entry 1: entry 2 is now the oldest
+    assert manager.num_available == 36 - 4  # c reads entry 1's first pages: no copy
     manager.free("c")
     manager.take_deltas()  # a later schedule: entry 1 may be evicted again
     assert manager.allocate("d", 8 * 4)  # 32 pages: 20 free, so 12 come from eviction
@@ -125,21 +148,57 @@ def test_a_continuation_s_entry_goes_first_once_its_adopter_retires():
     manager = make_manager(total_pages=60)
     finished(manager, "a", 1, logical=8, prompt_len=8)
     finished(manager, "b", 2, logical=8, prompt_len=8)
-    assert manager.adopt("c", 1, 8, copy=True) and manager.allocate("c", 12)
+    assert manager.adopt("c", 1, 8, share=True) and manager.allocate("c", 12)
     assert manager.entry_ids() == [2, 1]  # adopted: used most recently
     assert manager.retire("c", 3, 12, prompt_len=10)
     assert manager.entry_ids() == [1, 2, 3]  # 3 continues 1: 1 serves only a branch now
     manager.check_invariants()
 
 
-def test_a_copy_never_evicts_its_own_source():
+def test_a_share_never_evicts_its_own_entry():
+    manager = make_manager(total_pages=15)
+    finished(manager, "a", 1, logical=12, prompt_len=12)  # 12 pages, 3 free
+    # Cut at 10: 2 whole pages a row read, 4 partial ones to copy: only evicting the entry
+    # itself would free them. A handover takes the partial pages as they are.
+    assert not manager.can_adopt(1, 10, logical_len=10, share=True)
+    assert not manager.adopt("b", 1, 10, share=True) and manager.entry(1) is not None
+    assert manager.can_adopt(1, 10, logical_len=12, share=False)
+    manager = make_manager(total_pages=20)
+    finished(manager, "a", 1, logical=12, prompt_len=12)  # 12 pages
+    finished(manager, "o", 2, logical=4, prompt_len=4)  # 4 pages, 4 free
+    assert not manager.can_share_from_free(1, 10, logical_len=14)  # 8 own pages, 4 free
+    assert manager.can_adopt(1, 10, logical_len=14, share=True)  # entry 2 can go
+    assert manager.adopt("b", 1, 10, share=True) and manager.allocate("b", 14)
+    assert manager.take_evicted_entries() == [2] and manager.entry(1) is not None
+    assert manager.num_free == 0
+    manager.check_invariants()
+
+
+def test_evicting_an_entry_frees_only_the_pages_nobody_reads():
+    manager = make_manager(total_pages=40)
+    finished(manager, "a", 1, logical=12, prompt_len=12)  # 3 pages a row
+    assert manager.adopt("b", 1, 8, share=True)  # reads 2 pages a row
+    manager.take_deltas()
+    assert manager.num_available == 40 - 8
+    assert manager.drop_entry(1) == 4  # the third page of each row; b's stay held
+    assert manager.owned_pages("b") == 8 and manager.num_read == 8
+    manager.check_invariants()
+    assert manager.free("b") == 8  # the last reader: back to the free stack
+    assert manager.num_free == 40
+    manager.check_invariants()
+
+
+def test_an_entry_every_page_of_which_is_read_is_not_evicted_for_nothing():
     manager = make_manager(total_pages=24)
-    finished(manager, "a", 1, logical=12, prompt_len=12)  # 12 pages, 12 free
-    assert not manager.can_adopt(1, 12, logical_len=16, copy=True)  # 16 > 24 - 12
-    assert manager.can_adopt(1, 12, logical_len=16, copy=False)  # 4 more pages: fits
-    assert manager.can_adopt(1, 8, logical_len=9, copy=True)  # 12 new pages, 12 free
-    assert manager.adopt("b", 1, 8, copy=True) and manager.allocate("b", 9)
-    assert manager.entry(1) is not None and manager.num_free == 0
+    finished(manager, "a", 1, logical=8, prompt_len=8)  # 2 pages a row
+    finished(manager, "x", 2, logical=4, prompt_len=4)  # 1 page a row
+    assert manager.adopt("b", 1, 8, share=True)  # reads all of entry 1
+    manager.take_deltas()
+    assert manager.cache.eviction_order() == [2, 1]
+    manager.plan_evictions({2: 0})  # entry 2 now goes last, entry 1 would go first
+    assert manager.allocate("c", 4 * 4)  # 16 pages: 12 free, so 4 come from eviction
+    assert manager.take_evicted_entries() == [2]  # dropping entry 1 frees nothing
+    assert manager.entry(1) is not None
     manager.check_invariants()
 
 
@@ -182,9 +241,12 @@ def test_index_finds_entries_by_shared_prefix_and_settings():
 
 
 class ReuseMachine(RuleBasedStateMachine):
-    """Random allocate / compact / retire / adopt (copy or handover) / free sequences with a
-    labelled pool: the worker mirror runs every page copy, and an adopter's pages must hold
-    exactly what the entry's held; every page free, owned or cached once."""
+    """Random allocate / write / compact / retire / adopt (share or handover) / free /
+    evict sequences with a labelled pool: the worker mirror runs every page copy, a request
+    writes (relabels) the last page of each row it grows, and an adopter's pages must hold
+    exactly what the entry's held. After every operation: every reference count right, no
+    page free that a row or an entry holds, and every page an entry or a reader holds keeps
+    its contents (nobody wrote a shared page)."""
 
     def __init__(self):
         super().__init__()
@@ -195,6 +257,7 @@ class ReuseMachine(RuleBasedStateMachine):
         self.logical: dict[str, int] = {}
         self.prompt: dict[str, int] = {}
         self.entry_content: dict[int, dict[int, int]] = {}  # entry -> {page: label}
+        self.read_content: dict[str, dict[int, int]] = {}  # reader -> {page: label}
         self.compacted: set[str] = set()
         self.next_id = 0
 
@@ -210,12 +273,29 @@ class ReuseMachine(RuleBasedStateMachine):
                 if self.pool[page] < 0:
                     self.pool[page] = self.next_id * 1000 + int(page)
 
+    def _write_last_pages(self, request_id):
+        """The request's new tokens land in each row's last page: its own, never shared."""
+        state = self.manager._requests[request_id]
+        table = state.table
+        for row in range(table.num_rows):
+            last = int(table.num_pages[row]) - 1
+            if last >= 0:
+                assert state.shared is None or last >= state.shared[row]
+                self.pool[table.pages[row, last]] = self.next_id * 1000 + 999
+        self.next_id += 1
+
+    def _released(self, pages):
+        for page in pages:
+            if not self.manager.pool.counts(np.array([page])).all():
+                self.pool[page] = -1  # free: its next owner writes it
+
     @rule(length=st.integers(1, 24))
     def add_request(self, length):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         if self.manager.allocate(request_id, length):
             self.logical[request_id] = self.prompt[request_id] = length
+        self._forget_evicted()
         self._sync()
 
     @precondition(lambda self: self.logical)
@@ -226,24 +306,34 @@ class ReuseMachine(RuleBasedStateMachine):
             self.logical[request_id] += extra
             if request_id not in self.compacted:
                 self.prompt[request_id] = self.logical[request_id]  # still its prompt
+        self._forget_evicted()
         self._sync()
+        self._write_last_pages(request_id)
 
     @precondition(lambda self: set(self.logical) - self.compacted)
     @rule(data=st.data())
     def compact_prompt(self, data):
         """Once per request, as the engine does: its prompt ends here, and what it grows by
-        afterwards is generated."""
+        afterwards is generated. An adopter keeps what it adopted (the worker plans only its
+        new part)."""
         request_id = data.draw(st.sampled_from(sorted(set(self.logical) - self.compacted)))
         self.compacted.add(request_id)
         logical = self.prompt[request_id] = self.logical[request_id]
         current = self.manager.physical_lengths(request_id)
-        lengths = np.array([data.draw(st.integers(0, int(n))) for n in current])
+        adoption = self.manager.adoption(request_id)
+        floor = np.zeros_like(current) if adoption is None else adoption[1]
+        lengths = np.array([data.draw(st.integers(int(low), int(n)))
+                            for low, n in zip(floor, current)])
+        table = self.worker.requests[request_id].table
+        before = table.all_pages()
         self.manager.release_after_compression(request_id, logical, lengths)
-        self.worker.requests[request_id].table.truncate(lengths)
+        table.truncate(lengths)
+        self._released(np.setdiff1d(before, table.all_pages()))
 
     @precondition(lambda self: self.logical)
     @rule(data=st.data())
     def retire_or_free(self, data):
+        """A request ends (finished: maybe retired into an entry) or is preempted."""
         request_id = data.draw(st.sampled_from(sorted(self.logical)))
         entry_id = self.next_id
         self.next_id += 1
@@ -254,20 +344,28 @@ class ReuseMachine(RuleBasedStateMachine):
             self.entry_content[entry_id] = {int(p): int(self.pool[p]) for p in kept}
         else:
             self.manager.free(request_id)
-        for page in table.all_pages():
-            if not any(int(page) in content for content in self.entry_content.values()):
-                self.pool[page] = -1  # freed: its next owner writes it
+        self._released(table.all_pages())
         self.worker.drop([request_id])
         del self.logical[request_id], self.prompt[request_id]
+        self.read_content.pop(request_id, None)
         self.compacted.discard(request_id)
 
     @precondition(lambda self: self.manager.entry_ids())
-    @rule(data=st.data(), extra=st.integers(1, 6), copy=st.booleans())
-    def adopt(self, data, extra, copy):
+    @rule(data=st.data())
+    def evict(self, data):
+        entry_id = data.draw(st.sampled_from(self.manager.entry_ids()))
+        pages = self.manager.entry(entry_id).table.all_pages()
+        self.manager.drop_entry(entry_id)
+        del self.entry_content[entry_id]
+        self._released(pages)
+
+    @precondition(lambda self: self.manager.entry_ids())
+    @rule(data=st.data(), extra=st.integers(1, 6), share=st.booleans())
+    def adopt(self, data, extra, share):
         entry_id = data.draw(st.sampled_from(self.manager.entry_ids()))
         entry = self.manager.entry(entry_id)
         hit = entry.best_hit(data.draw(st.integers(1, entry.logical_len)))
-        if not hit or not self.manager.can_adopt(entry_id, hit, hit + extra, copy):
+        if not hit or not self.manager.can_adopt(entry_id, hit, hit + extra, share):
             return
         request_id = f"r{self.next_id}"
         self.next_id += 1
@@ -275,33 +373,39 @@ class ReuseMachine(RuleBasedStateMachine):
         lengths = entry.lengths_at(hit)
         expected = [[self.pool[source.pages[row, page]] for page in range(-(-n // PAGE))]
                     for row, n in enumerate(lengths)]
-        assert self.manager.adopt(request_id, entry_id, hit, copy)
+        past_cut = source.pages_after(-(-lengths // PAGE))
+        assert self.manager.adopt(request_id, entry_id, hit, share)
         assert self.manager.allocate(request_id, hit + extra)
         self.logical[request_id] = hit + extra
         self.prompt[request_id] = hit + extra  # until its own compaction says otherwise
         self._forget_evicted()
-        if not copy:
+        if not share:
             del self.entry_content[entry_id]
+            self._released(past_cut)
         self._sync()
         table = self.worker.requests[request_id].table
         assert self.worker.requests[request_id].lengths.tolist() == lengths.tolist()
         for row, labels in enumerate(expected):
             assert [self.pool[page] for page in table.pages[row, : len(labels)]] == labels
+        read = self.manager._requests[request_id].read_pages()
+        self.read_content[request_id] = {int(p): int(self.pool[p]) for p in read}
+        self._write_last_pages(request_id)
 
     def _forget_evicted(self):
         for entry_id in self.manager.take_evicted_entries():
-            del self.entry_content[entry_id]
+            pages = list(self.entry_content.pop(entry_id))
+            self._released(np.array(pages, dtype=np.int64))
 
     @invariant()
-    def every_page_free_owned_or_cached_once(self):
+    def every_reference_counted_and_no_held_page_free(self):
         self._forget_evicted()
         self.manager.check_invariants()
         assert accounted(self.manager) == self.layout.total_pages
         assert sorted(self.entry_content) == sorted(self.manager.entry_ids())
 
     @invariant()
-    def cached_pages_keep_their_contents(self):
-        for content in self.entry_content.values():
+    def shared_pages_keep_their_contents(self):
+        for content in [*self.entry_content.values(), *self.read_content.values()]:
             for page, label in content.items():
                 assert self.pool[page] == label
 
@@ -314,15 +418,15 @@ class ReuseMachine(RuleBasedStateMachine):
 
 
 TestReuseMachine = ReuseMachine.TestCase
-TestReuseMachine.settings = settings(max_examples=50, stateful_step_count=35, deadline=None)
+TestReuseMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
-@pytest.mark.parametrize("copy", [True, False])
-def test_adoption_of_an_unknown_or_uncuttable_entry_is_refused(copy):
+@pytest.mark.parametrize("share", [True, False])
+def test_adoption_of_an_unknown_or_uncuttable_entry_is_refused(share):
     manager = make_manager()
-    assert not manager.adopt("x", 7, 4, copy)
+    assert not manager.adopt("x", 7, 4, share)
     finished(manager, "a", 1, logical=12, prompt_len=12, physical=[5, 6, 7, 12])
-    assert not manager.can_adopt(1, 6, 8, copy) and not manager.adopt("x", 1, 6, copy)
+    assert not manager.can_adopt(1, 6, 8, share) and not manager.adopt("x", 1, 6, share)
     assert "x" not in manager
     manager.check_invariants()
 
@@ -344,3 +448,52 @@ def test_entries_waiting_requests_adopt_are_evicted_last_the_latest_needed_first
     assert manager.cache.eviction_order() == [1]
     manager.check_invariants()
     assert accounted(manager) == 40
+
+
+@pytest.mark.parametrize("readers", [1, 2, 5])
+def test_readers_of_one_entry_hold_its_pages_once(readers):
+    """N adopters of one entry (a shared system prompt): the pages held are the entry's once
+    plus each adopter's own (each row's copied partial page and its growth), and the worker
+    copies one page a row per adopter instead of the whole entry."""
+    manager = make_manager(total_pages=200)
+    finished(manager, "prompt", 1, logical=30, prompt_len=30)  # 7 whole pages + 2 tokens
+    entry_pages = manager.entry(1).table.total_pages  # 8 a row, 32
+    copied = 0
+    for index in range(readers):
+        assert manager.adopt(f"r{index}", 1, 30, share=True)
+        assert manager.allocate(f"r{index}", 34)  # 9 pages a row
+        copied += len(manager.take_deltas()[f"r{index}"].copies[0])
+    own = 4 * (9 - 7)  # a copied partial page and a grown one, a row
+    assert manager.total_pages - manager.num_free == entry_pages + readers * own
+    assert manager.num_read == 4 * 7 and manager.owned_pages() == 4 * 7 + readers * own
+    assert copied == readers * 4  # copying every row whole: readers * 32
+    assert manager.entry(1) is not None
+    manager.check_invariants()
+    for index in range(readers):  # finish (or preemption, abort): the entry's pages stay
+        manager.free(f"r{index}")
+        manager.check_invariants()
+    assert manager.num_free == 200 - entry_pages
+
+
+def test_ranks_share_an_entry_each_with_its_own_cut():
+    """Tensor parallelism: each rank's page manager shares its own rows of the entry (rank 1
+    compacted more, so its cut has fewer whole pages); every rank's counts stay right."""
+    layout = PageLayout(2, 2, head_size=8, page_size=PAGE, dtype_bytes=2, total_pages=40)
+    pages = ShardedPageManager(layout, 2)
+    assert pages.allocate("a", 12)
+    pages.release_after_compression("a", 12, np.array([12, 12, 12, 12, 9, 9, 9, 9]))
+    assert pages.retire("a", 1, 12, prompt_len=12)
+    for name in ("b", "c"):
+        assert pages.can_adopt(1, 12, 14, share=True)
+        assert pages.adopt(name, 1, 12, share=True) and pages.allocate(name, 14)
+    deltas = pages.take_deltas()
+    assert deltas[0]["b"].copies is None  # 12 tokens: whole pages only
+    assert len(deltas[1]["b"].copies[0]) == 4  # 9 tokens: a partial third page a row
+    assert [shard.num_read for shard in pages.shards] == [12, 8]
+    assert pages.num_read == 12
+    pages.check_invariants()
+    pages.free("b")
+    pages.drop_entry(1)
+    pages.free("c")
+    assert pages.free_pages_all_ranks == 80
+    pages.check_invariants()
