@@ -17,7 +17,7 @@ trailing pages before the next step.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -35,7 +35,9 @@ from kvcompress.log import get_logger
 from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies import KeepPlan, PolicySettings, plan_keep, pool_scores, rank_union
 from kvcompress.policies.decode import DecodeEviction
+from kvcompress.policies.plan import PLAN_BYTES_PER_SCORE, model_wide_total, workspace_scores
 from kvcompress.policies.selection import PAD_INDEX
+from kvcompress.policies.union import UNION_POINT_BYTES, model_wide_union_selection
 from kvcompress.step import KVMover, StepBatch
 
 logger = get_logger(__name__)
@@ -452,12 +454,56 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
 
     num_layers = accumulators[0].shape[0]
     if policy.budget_sharing == "model" and policy.score_threshold is None:
-        return combined(slice(0, num_layers))
+        if num_layers * accumulators[0].shape[1] * prompt * UNION_BYTES_PER_SCORE <= (
+                workspace_scores(accumulators[0].shape[1], prompt) * PLAN_BYTES_PER_SCORE):
+            return combined(slice(0, num_layers))  # small enough to rank whole
+        return _model_wide_union(accumulators, policy, prompt, prefix)
     # Rows are pooled and ranked apart: one layer at a time, into the one output, so the
     # temporaries are one layer's (the output is reserved: scoring_memory.plan_output_bytes).
     union = torch.empty((num_layers, accumulators[0].shape[1], prompt), device=device)
     for layer in range(num_layers):
         union[layer : layer + 1] = combined(slice(layer, layer + 1))
+    return union
+
+
+# Peak bytes per score of ranking two sources' union whole (``rank_union``, ranked_dims=3:
+# two argsorts per source, their float ranks, the stacked maximum; 36 measured on CPU).
+UNION_BYTES_PER_SCORE = 40
+
+
+def _model_wide_union(accumulators: list[torch.Tensor], policy: PolicySettings, prompt: int,
+                      prefix: torch.Tensor) -> torch.Tensor:
+    """Hybrid scoring shared model-wide, a long prompt: what ``rank_union`` over the
+    request's whole ``[L, H, prompt]`` would make the plan keep, found a slice of rows at a
+    time (``policies.union``) and given as scores the plan keeps exactly: 1 where kept,
+    0 elsewhere. The temporaries fit the planning workspace: slices and the keys gathered
+    between the bracket's thresholds of a quarter of it each, the histograms of the
+    bracket's points another quarter; the output is reserved (``plan_output_bytes``)."""
+    num_layers, heads = accumulators[0].shape[:2]
+    device = accumulators[0].device
+    workspace = workspace_scores(heads, prompt)
+    rows = [scores.reshape(num_layers * heads, scores.shape[-1]) for scores in accumulators]
+    rows_at_once = max(1, workspace // 4 // prompt)
+
+    def source_slices() -> Iterator[tuple[int, list[torch.Tensor]]]:
+        for first_row in range(0, num_layers * heads, rows_at_once):
+            yield first_row * prompt, [
+                pool_scores(source[first_row:first_row + rows_at_once, :prompt],
+                            policy.pooling, policy.pooling_kernel, lengths=prefix).view(-1)
+                for source in rows]
+
+    selection = model_wide_union_selection(
+        source_slices, num_layers * heads * prompt,
+        model_wide_total(policy, num_layers, heads, prompt), capacity=workspace // 4,
+        points=max(1, workspace * PLAN_BYTES_PER_SCORE // 4 // UNION_POINT_BYTES - 2),
+        device=device)
+    union = torch.empty((num_layers, heads, prompt), device=device)
+    flat = union.view(-1)
+    for first, pooled in source_slices():
+        kept = selection(first, pooled)
+        del pooled
+        flat[first:first + kept.numel()] = kept
+        del kept
     return union
 
 

@@ -8,6 +8,8 @@
 - selection: keep masks (top-k per head, Ada-KV shared allocation, sinks + recent) and indices.
 - threshold: threshold eviction (``PolicySettings.score_threshold``): keep what scores above
              it, with a floor per head, optionally capped by the budget.
+- union:     hybrid scoring's union of rankings shared model-wide, its kept set found slice
+             by slice (the whole request never ranked at once).
 - plan:      ``plan_keep(settings, ...)``, the engine's entry point, returning a ``KeepPlan``.
 - decode:    decode-time eviction of generated tokens (``--kv-decode-policy``): one module per
              method, ``DecodeEviction`` (a request's resolved settings), ``get_decode_method``.

@@ -117,6 +117,14 @@ def plan_keep(
     return KeepPlan(counts, indices, prompt_lens_t, compressed)
 
 
+def model_wide_total(settings: PolicySettings, num_layers: int, num_kv_heads: int,
+                     prompt_len: int) -> int:
+    """Tokens a request of ``prompt_len`` keeps besides its windows when its budget is
+    shared model-wide: what its layers' caps give every head, summed."""
+    caps = _layer_caps(settings, num_layers, prompt_len)
+    return num_kv_heads * sum(cap - settings.window for cap in caps)
+
+
 def _layer_caps(settings: PolicySettings, num_layers: int, prompt_len: int) -> list[int]:
     """Tokens each KV head of a layer may keep (window included): the method's layer
     budgets, or the whole prompt for a score threshold without a cap."""
