@@ -79,7 +79,7 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
     (``attention.reconstruction_scores.scoring_workspace_bytes``). Planning also holds its
     outputs (``plan_output_bytes``) for every scored prompt token. (Not bounded yet, issue 41
     item 1: a group of requests planned together pads every request's plan to the group's
-    widest row; a score threshold shared model-wide plans a request's layers at once.)"""
+    widest row.)"""
     scores = scored_tokens * num_layers * num_kv_heads
     planning = min(2 * scores * PLAN_BYTES_PER_SCORE,
                    workspace_bytes(num_kv_heads, longest_prompt))

@@ -19,7 +19,7 @@ from .sharing import (
     model_wide_positions,
     model_wide_slice_positions,
 )
-from .threshold import threshold_positions
+from .threshold import sink_counts, threshold_candidates, threshold_positions
 from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
@@ -256,16 +256,15 @@ def _plan_block(
               for first in range(0, num_layers, layers_at_once)]
     shared: tuple[torch.Tensor, torch.Tensor] | None = None  # model-wide (cut-off, total)
     kept: torch.Tensor | None = None
-    if settings.budget_sharing == "model" and len(slices) > 1:
-        if settings.score_threshold is None:
-            # Every layer of a request competes: its cut-off key first, slice by slice, and
-            # the widest row it leaves, so the plan is allocated once.
-            cutoff, total, width = _model_wide_cutoffs(settings, lens, scores, per_layer,
-                                                       num_kv_heads, device, slices)
-            shared = cutoff, total
-            kept = _widened(None, (len(lens), num_layers, num_kv_heads), width, device)
-        else:  # a threshold's candidates compete across the request at once: one slice
-            slices = [slice(0, num_layers)]
+    # Every layer of a request competes (a threshold's passing tokens too, for its cap): its
+    # cut-off key first, slice by slice, and the widest row it leaves, so the plan is
+    # allocated once. (Without a cap a threshold's rows do not compete.)
+    if (settings.budget_sharing == "model" and len(slices) > 1
+            and (settings.score_threshold is None or settings.capped)):
+        cutoff, total, width = _model_wide_cutoffs(settings, lens, scores, per_layer,
+                                                   num_kv_heads, device, slices)
+        shared = cutoff, total
+        kept = _widened(None, (len(lens), num_layers, num_kv_heads), width, device)
     counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
     for layers in slices:
         part_counts, part = _plan_layers(settings, lens, scores, per_layer, num_kv_heads,
@@ -290,25 +289,43 @@ def _model_wide_cutoffs(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Each request's model-wide cut-off key and total (``sharing.model_wide_cutoffs``),
     its scores pooled and ranked a slice of layers at a time, and the most tokens a head
-    keeps then (its window included)."""
+    keeps then (its window included). Under a score threshold the candidates compete (the
+    passing tokens past each head's sinks, as ``threshold_positions`` gives its cap), for
+    the total beyond the sinks."""
     assert scores is not None  # settings refuse model-wide sharing without scores
     prefix = torch.tensor(lens, device=device) - settings.window
     quota = torch.tensor(per_layer, device=device) - settings.window
-    total = quota.sum(dim=1) * num_kv_heads
+    threshold = settings.score_threshold
+    sinks = (sink_counts(quota, settings.sink_tokens) if threshold is not None
+             else torch.zeros_like(quota))
+    total = (quota - sinks).sum(dim=1) * num_kv_heads
 
-    def keys_of(layers: slice) -> torch.Tensor:
+    def keys_of(layers: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slice's keys ``[R, L' * H * S]`` and, under a threshold, which are
+        candidates (the others' scores are -inf: they rank last, never kept)."""
         pooled = _pooled_prefix_scores(settings, lens, [score[layers] for score in scores],
                                        prefix)
-        return model_wide_keys(pooled, layers.start)
+        candidate = None
+        if threshold is not None:
+            candidate = threshold_candidates(pooled, threshold, sinks[:, layers])
+            pooled.masked_fill_(~candidate, float("-inf"))
+        return model_wide_keys(pooled, layers.start), candidate
 
     def key_slices() -> Iterator[torch.Tensor]:
         # Nothing of a slice stays referenced here while its keys are read.
-        return (keys_of(layers) for layers in slices)
+        return (keys_of(layers)[0] for layers in slices)
 
     cutoff = model_wide_cutoffs(key_slices, total)
-    selected = [model_wide_counts(keys.view(len(lens), -1, max(lens)), cutoff, total)
-                for keys in key_slices()]
-    return cutoff, total, int(max(int(part.max()) for part in selected)) + settings.window
+    width = 0
+    for layers in slices:
+        keys, candidate = keys_of(layers)
+        counted = model_wide_counts(keys.view(len(lens), -1, max(lens)), cutoff, total,
+                                    None if candidate is None else candidate.view(keys.shape[0],
+                                                                                  -1, max(lens)))
+        del keys, candidate
+        layer_sinks = sinks[:, layers].repeat_interleave(num_kv_heads, dim=1)
+        width = max(width, int((counted + layer_sinks).max()))
+    return cutoff, total, width + settings.window
 
 
 def _widened(kept: torch.Tensor | None, shape: tuple[int, int, int], width: int,

@@ -147,8 +147,6 @@ def test_hybrid_model_wide_plans_by_slices_are_the_whole_rankings(monkeypatch, o
     assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
 
 
-@pytest.mark.xfail(strict=True, reason="a threshold shared model-wide plans in one slice "
-                   "(issue 41 item 1)")
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-source", "hybrid"])
 def test_a_capped_score_threshold_shared_model_wide_stays_in_the_workspace(hybrid):
     """A score threshold capped by a ratio shared model-wide: the passing tokens compete
