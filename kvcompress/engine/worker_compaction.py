@@ -33,7 +33,7 @@ from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging.page_format import PageFormat
-from kvcompress.policies import KeepPlan, PolicySettings, plan_keep, pool_scores, rank_union
+from kvcompress.policies import KeepPlan, PolicySettings, plan_keep_each, pool_scores, rank_union
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.plan import PLAN_BYTES_PER_SCORE, model_wide_total, workspace_scores
 from kvcompress.policies.selection import PAD_INDEX
@@ -142,15 +142,15 @@ def compact_completed_prompts(
         assert request.config is not None, "configs are resolved when the step is prepared"
         groups[request.config, request.adopted_rows is not None,
                request.query_agnostic].append(request_id)
-    planned = [(config, adopters, batch, plan)
+    planned = [(adopters, request_id, plan)
                for (config, adopters, _query_agnostic), req_ids in groups.items()
-               for batch, plan in _plan_isolated(state, config, req_ids, step, adopters)]
-    # The step's one device->host transfer: every group's plan, every chosen eviction. On
+               for request_id, plan in _plan_isolated(state, config, req_ids, step, adopters)]
+    # The step's one device->host transfer: every request's plan, every chosen eviction. On
     # CUDA its wait is where an asynchronous fault of the step's kernels surfaces: raised.
     host = iter(to_host([*(tensor for *_, plan in planned for tensor in plan),
                          *(eviction.kept for eviction in along)]))
-    planned = [(config, adopters, batch, (next(host), next(host)))
-               for config, adopters, batch, _plan_tensors in planned]
+    planned = [(adopters, request_id, (next(host), next(host)))
+               for adopters, request_id, _plan_tensors in planned]
     for eviction in along:
         eviction.kept_host = next(host)
     compactions: dict[str, Compaction] = {}
@@ -158,36 +158,34 @@ def compact_completed_prompts(
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     # Only full-attention rows are planned; sliding-window rows stay as they are.
     rows = state.layout.compressed_rows
-    for _config, adopters, batch, (all_counts, all_indices) in planned:
-        for number, request_id in enumerate(batch):
-            request = state.requests[request_id]
-            counts = all_counts[number].reshape(len(rows))
-            indices = all_indices[number].reshape(len(rows), -1)
-            segment_kept = int(counts.sum())
-            try:
-                if adopters:
-                    counts, indices = _after_adopted(counts, indices,
-                                                     request.adopted_rows[rows])
-                row_moves, kept_lengths = plan_prompt_moves(
-                    counts, indices, request.lengths[rows], request.prompt_end()[rows],
-                )
-            except Exception as error:
-                _record_failure(step, [request_id], "planning the moves", error)
-                continue
-            row_moves.rows = rows[row_moves.rows]
-            new_lengths = request.lengths.copy()
-            new_lengths[rows] = kept_lengths
-            moves.add(request_id, request.table.pages, row_moves)
-            if stats is not None:
-                stats.requests += 1
-                stats.tokens_moved += len(row_moves)
-                stats.tokens_evicted += int((request.lengths - new_lengths).sum())
-                stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
-                                              * len(rows))
-                stats.prompt_rows_kept += segment_kept
-            compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
-            request.prompt_kept = request.prompt_end()
-            request.prompt_kept[rows] = counts.numpy()
+    for adopters, request_id, (counts, indices) in planned:
+        request = state.requests[request_id]
+        counts = counts.reshape(len(rows))
+        indices = indices.reshape(len(rows), -1)
+        segment_kept = int(counts.sum())
+        try:
+            if adopters:
+                counts, indices = _after_adopted(counts, indices, request.adopted_rows[rows])
+            row_moves, kept_lengths = plan_prompt_moves(
+                counts, indices, request.lengths[rows], request.prompt_end()[rows],
+            )
+        except Exception as error:
+            _record_failure(step, [request_id], "planning the moves", error)
+            continue
+        row_moves.rows = rows[row_moves.rows]
+        new_lengths = request.lengths.copy()
+        new_lengths[rows] = kept_lengths
+        moves.add(request_id, request.table.pages, row_moves)
+        if stats is not None:
+            stats.requests += 1
+            stats.tokens_moved += len(row_moves)
+            stats.tokens_evicted += int((request.lengths - new_lengths).sum())
+            stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
+                                          * len(rows))
+            stats.prompt_rows_kept += segment_kept
+        compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
+        request.prompt_kept = request.prompt_end()
+        request.prompt_kept[rows] = counts.numpy()
     _apply(state, step, compactions, moves, pool, mover)
     for request_id in compactions:
         request = state.requests[request_id]
@@ -511,25 +509,27 @@ def _plan_isolated(
     state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str],
     step: CompletingPrompts,
     adopters: bool = False,
-) -> list[tuple[list[str], tuple[torch.Tensor, torch.Tensor]]]:
-    """(request ids, (counts, indices)) of every batch of requests whose planning worked,
-    on the scores' device: the group in one policy call or, if that fails, each request
-    alone, so that only the culprits fail (``raise_if_fatal``: not after a CUDA fault).
-    ``adopters``: the requests adopted cached contexts, their new prompt tokens are planned
-    (positions within that segment)."""
+) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(request id, (counts, indices)) of every request whose planning worked, on the
+    scores' device, each plan as wide as its own rows (``policies.plan_keep_each``): the
+    group in one policy call or, if that fails, each request alone, so that only the
+    culprits fail (``raise_if_fatal``: not after a CUDA fault). ``adopters``: the requests
+    adopted cached contexts, their new prompt tokens are planned (positions within that
+    segment)."""
     layout = state.layout
 
-    def plan_for(batch: list[str]) -> tuple[list[str], tuple[torch.Tensor, torch.Tensor]]:
+    def plan_for(batch: list[str]) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
         requests = [state.requests[request_id] for request_id in batch]
         maybe_fail("plan", [request.prompt_len for request in requests])
         # The plan is made where the window scores live (the runner's device); the caller
         # brings it to the host with the step's other plans.
-        plan = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
-                     adopters)
-        return batch, (plan.counts, plan.indices)
+        plans = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
+                      adopters)
+        return [(request_id, (plan.counts, plan.indices))
+                for request_id, plan in zip(batch, plans)]
 
     try:
-        return [plan_for(req_ids)]
+        return plan_for(req_ids)
     except Exception as error:
         raise_if_fatal(error, state.device, "planning the compression")
         if len(req_ids) == 1:
@@ -538,7 +538,7 @@ def _plan_isolated(
     planned = []
     for request_id in req_ids:
         try:
-            planned.append(plan_for([request_id]))
+            planned += plan_for([request_id])
         except Exception as error:
             raise_if_fatal(error, state.device, "planning the compression")
             _record_failure(step, [request_id], "planning the compression", error)
@@ -552,11 +552,12 @@ def _record_failure(step: CompletingPrompts, request_ids: list[str], stage: str,
 
 
 def _plan(config: KVCompressionConfig, requests: list[RequestKV],
-          layers: tuple[int, ...], num_kv_heads: int, adopters: bool = False) -> KeepPlan:
-    """The policy's plan over the compressed ``layers`` (full attention, depth order): their
-    budgets follow the policy's schedule as if they were the only layers. ``adopters``: of
-    the requests' new prompt tokens only, without attention sinks (the adopted context
-    holds them)."""
+          layers: tuple[int, ...], num_kv_heads: int,
+          adopters: bool = False) -> list[KeepPlan]:
+    """The policy's plan of each request over the compressed ``layers`` (full attention,
+    depth order): their budgets follow the policy's schedule as if they were the only
+    layers. ``adopters``: of the requests' new prompt tokens only, without attention sinks
+    (the adopted context holds them). One plan per request, as wide as its own rows."""
     policy = config.policy
     if adopters:
         policy = replace(policy, sink_tokens=0)
@@ -572,7 +573,7 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
                   for request in requests]
         if hybrid:
             policy = replace(policy, pooling="none")  # pooled above
-    return plan_keep(
+    return plan_keep_each(
         policy,
         [request.new_prompt_tokens(request.prompt_len) for request in requests],
         scores,

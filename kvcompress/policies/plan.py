@@ -91,7 +91,43 @@ def plan_keep(
     (CPU when no scores are given). With ``settings.score_threshold`` a request keeps what
     passes it (threshold.py), at most its budgets when a budget or ratio caps it; only a
     prompt no longer than the window is kept whole without being looked at.
+
+    The requests' plans padded to the widest row of any of them: ``plan_keep_each`` gives
+    each its own (what the engine transfers: no padding to another request's width).
     """
+    plans = plan_keep_each(settings, prompt_lens, scores, num_layers=num_layers,
+                           num_kv_heads=num_kv_heads)
+    if len(plans) == 1:
+        return plans[0]
+    device = _device_of(scores)
+    width = max((plan.indices.shape[-1] for plan in plans), default=0)
+    indices = torch.full((len(plans), num_layers, num_kv_heads, width), PAD_INDEX,
+                         dtype=INDEX_DTYPE, device=device)
+    for number, plan in enumerate(plans):
+        indices[number, :, :, : plan.indices.shape[-1]] = plan.indices[0]
+    if not plans:
+        return KeepPlan(torch.empty((0, num_layers, num_kv_heads), dtype=torch.long,
+                                    device=device), indices,
+                        torch.empty(0, dtype=torch.long, device=device),
+                        torch.empty(0, dtype=torch.bool, device=device))
+    return KeepPlan(torch.cat([plan.counts for plan in plans]), indices,
+                    torch.cat([plan.prompt_lens for plan in plans]),
+                    torch.cat([plan.compressed for plan in plans]))
+
+
+@torch.no_grad()
+def plan_keep_each(
+    settings: PolicySettings,
+    prompt_lens: list[int],
+    scores: Sequence[torch.Tensor | None] | None,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+) -> list[KeepPlan]:
+    """``plan_keep``'s plan, one ``KeepPlan`` per request (``R = 1``), each as wide as its own
+    widest row (at most its prompt): the requests are planned together, in the same blocks,
+    but a short request's plan is never padded to a long one's width (the engine reserves
+    each prompt's plan, not the group's widest)."""
     num_layers = check_int("num_layers", num_layers, 1)
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
     lens = [check_int(f"prompt_lens[{i}]", q, 1) for i, q in enumerate(prompt_lens)]
@@ -108,13 +144,14 @@ def plan_keep(
         _check_scores(scores, lens, keeps_all, num_layers, num_kv_heads)
     else:
         scores = None  # not read: they only told the device
-    counts, indices = _plan_requests(
-        settings, lens, scores, per_layer, keeps_all,
-        num_layers=num_layers, num_kv_heads=num_kv_heads, device=device,
-    )
-    prompt_lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    compressed = (counts < prompt_lens_t[:, None, None]).flatten(1).any(dim=1)
-    return KeepPlan(counts, indices, prompt_lens_t, compressed)
+    plans = []
+    for q, (counts, indices) in zip(lens, _plan_requests(
+            settings, lens, scores, per_layer, keeps_all,
+            num_layers=num_layers, num_kv_heads=num_kv_heads, device=device)):
+        prompt_len = torch.tensor([q], dtype=torch.long, device=device)
+        plans.append(KeepPlan(counts, indices, prompt_len,
+                              (counts < q).flatten(1).any(dim=1)))
+    return plans
 
 
 def model_wide_total(settings: PolicySettings, num_layers: int, num_kv_heads: int,
@@ -146,12 +183,13 @@ def _plan_requests(
     num_layers: int,
     num_kv_heads: int,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Requests that compress go through padded blocks, the rest keep all."""
-    counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
-    blocks = []  # (request ids, counts, kept positions)
-    groups = _request_groups(lens, keeps_all, num_layers * num_kv_heads)
-    for group in groups:
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's (counts ``[1, L, H]``, kept positions ``[1, L, H, K]``), ``K`` its own
+    widest row: requests that compress go through padded blocks (a block of several is at
+    most MAX_BLOCK_ELEMENTS scores, its requests' plans copied out at their own widths; a
+    request alone is its block's plan), the rest keep all (``arange`` rows, broadcast)."""
+    planned: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(lens)
+    for group in _request_groups(lens, keeps_all, num_layers * num_kv_heads):
         block_counts, block_kept = _plan_block(
             settings,
             [lens[i] for i in group],
@@ -160,29 +198,22 @@ def _plan_requests(
             num_kv_heads,
             device,
         )
-        blocks.append((torch.tensor(group, device=device), block_counts, block_kept))
-
-    whole = [i for i, keep in enumerate(keeps_all) if keep]
-    if groups == [list(range(len(lens)))]:
-        # One block of every request in order (a long prompt alone, the usual case): it is
-        # the plan, not copied again.
-        return blocks[0][1], blocks[0][2]
-    max_keep = max([lens[i] for i in whole] + [kept.shape[-1] for _, _, kept in blocks] + [0])
-    indices = torch.full(
-        (len(lens), num_layers, num_kv_heads, max_keep), PAD_INDEX, dtype=INDEX_DTYPE,
-        device=device,
-    )
-    if whole:  # counts = prompt_len, indices = arange(prompt_len)
-        whole_ids = torch.tensor(whole, device=device)
-        whole_lens = torch.tensor([lens[i] for i in whole], device=device)
-        positions = torch.arange(max_keep, device=device)
-        counts[whole_ids] = whole_lens[:, None, None]
-        aranges = torch.where(positions < whole_lens[:, None], positions, PAD_INDEX)
-        indices[whole_ids] = aranges[:, None, None, :].to(INDEX_DTYPE)
-    for ids, block_counts, block_kept in blocks:
-        counts[ids] = block_counts
-        indices[ids, :, :, : block_kept.shape[-1]] = block_kept  # both int32
-    return counts, indices
+        if len(group) == 1:
+            planned[group[0]] = block_counts, block_kept
+            continue
+        widths = block_counts.flatten(1).max(dim=1).values.tolist()  # one sync per block
+        for number, (request, width) in enumerate(zip(group, widths)):
+            planned[request] = (block_counts[number : number + 1].clone(),
+                                block_kept[number : number + 1, :, :, :width].clone())
+        del block_counts, block_kept
+    for request, keep in enumerate(keeps_all):
+        if keep:  # counts = prompt_len, indices = arange(prompt_len)
+            q = lens[request]
+            planned[request] = (
+                torch.full((1, num_layers, num_kv_heads), q, dtype=torch.long, device=device),
+                torch.arange(q, dtype=INDEX_DTYPE, device=device).expand(
+                    1, num_layers, num_kv_heads, q))
+    return planned  # type: ignore[return-value]  # every request is planned above
 
 
 def _check_scores(

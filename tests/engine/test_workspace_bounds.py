@@ -9,8 +9,10 @@ per score of one layer (42 MB at 128k), against which the whole request's plan u
 ~1.3 GB. Planning also holds its outputs, which grow with the prompt times the layers and are
 reserved like the accumulators (``scoring_memory.plan_output_bytes``): the int32 plan, and
 with hybrid scoring the rank union of its two sources. Besides them the temporaries stay within
-the workspace. Reconstruction and expected scoring are measured on one layer (they run one
-layer at a time) at 16k tokens.
+the workspace. Every sharing is measured: by layer, model-wide (hybrid's union selected slice
+by slice, a capped score threshold's candidates too), and a group of a long prompt with short
+ones (each request's plan as wide as its own rows). Reconstruction and expected scoring are
+measured on one layer (they run one layer at a time) at 16k tokens.
 """
 
 from __future__ import annotations
@@ -69,11 +71,11 @@ def planned_peak(options: dict, hybrid: bool,
         torch.rand(LAYERS, HEADS, prompt, generator=generator) if hybrid else None)
         for prompt in prompts]
     with LiveBytes() as memory:
-        plan = _plan(config, requests, tuple(range(LAYERS)), HEADS)  # type: ignore[arg-type]
-        host = to_host([plan.counts, plan.indices])
+        plans = _plan(config, requests, tuple(range(LAYERS)), HEADS)  # type: ignore[arg-type]
+        host = to_host([tensor for plan in plans for tensor in (plan.counts, plan.indices)])
     assert int(host[0].sum()) > 0
     union = LAYERS * HEADS * max(prompts) * 4 if hybrid else 0
-    return memory.peak, plan.counts.nbytes + plan.indices.nbytes + union
+    return memory.peak, sum(tensor.nbytes for tensor in host) + union
 
 
 def planning_reserve(hybrid: bool, prompts: tuple[int, ...] = (PROMPT,)) -> int:
@@ -135,8 +137,8 @@ def test_hybrid_model_wide_plans_by_slices_are_the_whole_rankings(monkeypatch, o
                 for prompt in (3000, 2100)]
 
     def plan():
-        result = _plan(config, requests, tuple(range(8)), 4)  # type: ignore[arg-type]
-        return result.counts, result.indices
+        plans = _plan(config, requests, tuple(range(8)), 4)  # type: ignore[arg-type]
+        return [tensor for plan in plans for tensor in (plan.counts, plan.indices)]
 
     monkeypatch.setattr(worker_compaction, "UNION_BYTES_PER_SCORE", 0)  # ranked whole
     whole = plan()
@@ -144,7 +146,7 @@ def test_hybrid_model_wide_plans_by_slices_are_the_whole_rankings(monkeypatch, o
     if workspace is not None:
         monkeypatch.setattr(worker_compaction, "workspace_scores", lambda *_: workspace)
     sliced = plan()
-    assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+    assert all(torch.equal(one, other) for one, other in zip(whole, sliced, strict=True))
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-source", "hybrid"])
@@ -161,8 +163,6 @@ def test_a_capped_score_threshold_shared_model_wide_stays_in_the_workspace(hybri
 GROUP_PROMPTS = (PROMPT, *[2048] * 8)  # one long prompt and short ones completing with it
 
 
-@pytest.mark.xfail(strict=True, reason="a group's plan is padded to its widest row "
-                   "(issue 41 item 1)")
 @pytest.mark.parametrize("sharing", ["layer", "model"])
 def test_a_group_of_requests_is_not_padded_to_its_widest_row(sharing):
     """Requests sharing a config are planned in one call, but each request's plan is as
