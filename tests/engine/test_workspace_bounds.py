@@ -89,6 +89,14 @@ def mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
 
 
+def assert_temporaries_in_the_workspace(peak: int, outputs: int) -> None:
+    """Besides the plan (and hybrid's union) planning holds at most the workspace of the
+    longest prompt, PROMPT."""
+    workspace = workspace_bytes(HEADS, PROMPT)
+    assert peak - outputs <= workspace, (
+        f"temporaries {mib(peak - outputs)}, workspace {mib(workspace)}")
+
+
 @pytest.mark.parametrize("options, hybrid", [
     ({"kv_budget": 2048, "kv_budget_sharing": "layer"}, False),
     ({"kv_budget": 2048, "kv_budget_sharing": "layer"}, True),
@@ -104,18 +112,18 @@ def test_planning_a_long_prompt_stays_in_the_workspace(options, hybrid):
     peak, outputs = planned_peak(options, hybrid)
     reserve = planning_reserve(hybrid)
     assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
-    assert peak - outputs <= workspace_bytes(HEADS, PROMPT), (
-        f"temporaries {mib(peak - outputs)}, workspace {mib(workspace_bytes(HEADS, PROMPT))}")
+    assert_temporaries_in_the_workspace(peak, outputs)
 
 
 def test_planning_a_long_hybrid_prompt_shared_model_wide_stays_in_the_workspace():
     """Hybrid scoring shared model-wide: the union of the two sources' rankings over the
     request's whole ``[L, H, S]`` is selected at its cut-off slice by slice, never ranked
     whole (``policies.union``)."""
-    peak, _outputs = planned_peak(
+    peak, outputs = planned_peak(
         {"kv_compression_ratio": 0.5, "kv_budget_sharing": "model"}, True)
     reserve = planning_reserve(True)
     assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
 
 
 @pytest.mark.parametrize("options", [
@@ -155,9 +163,10 @@ def test_a_capped_score_threshold_shared_model_wide_stays_in_the_workspace(hybri
     for the request's total slice by slice (their cut-off found first), as without one."""
     options = {"kv_compression_ratio": 0.5, "kv_budget_sharing": "model",
                "kv_score_threshold": -1.0}
-    peak, _outputs = planned_peak(options, hybrid)
+    peak, outputs = planned_peak(options, hybrid)
     reserve = planning_reserve(hybrid)
     assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
 
 
 GROUP_PROMPTS = (PROMPT, *[2048] * 8)  # one long prompt and short ones completing with it
@@ -169,9 +178,10 @@ def test_a_group_of_requests_is_not_padded_to_its_widest_row(sharing):
     wide as its own rows: the short prompts of a group are not padded to the long one's
     width (which the reserve, per prompt token, does not cover)."""
     options = {"kv_compression_ratio": 0.5, "kv_budget_sharing": sharing}
-    peak, _outputs = planned_peak(options, False, GROUP_PROMPTS)
+    peak, outputs = planned_peak(options, False, GROUP_PROMPTS)
     reserve = planning_reserve(False, GROUP_PROMPTS)
     assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
 
 
 RECONSTRUCTED = 16 * 1024  # prompt tokens of the reconstruction and expected-scoring checks
