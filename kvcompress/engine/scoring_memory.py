@@ -77,10 +77,10 @@ def reserved_bytes(scored_tokens: int, num_layers: int, num_kv_heads: int,
     one layer of one request when that alone is larger; a reconstruction pass's scoring
     needs ``scoring_workspace`` bytes per layer, whatever the prompt
     (``attention.reconstruction_scores.scoring_workspace_bytes``). Planning also holds its
-    outputs (``plan_output_bytes``) for every scored prompt token. (Not bounded yet, issue 41
-    item 1: a group of requests planned together pads every request's plan to the group's
-    widest row; hybrid scoring, or a score threshold, shared model-wide plans a request's
-    layers at once.)"""
+    outputs (``plan_output_bytes``) for every scored prompt token: each request's plan is
+    as wide as its own rows (``policies.plan_keep_each``), hybrid scoring shared model-wide
+    selects its union slice by slice (``policies.union``), and a score threshold shared
+    model-wide is planned in layer slices like a budget."""
     scores = scored_tokens * num_layers * num_kv_heads
     planning = min(2 * scores * PLAN_BYTES_PER_SCORE,
                    workspace_bytes(num_kv_heads, longest_prompt))

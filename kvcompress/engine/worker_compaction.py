@@ -17,7 +17,7 @@ trailing pages before the next step.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -32,9 +32,11 @@ from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging.page_format import PageFormat
-from kvcompress.policies import KeepPlan, PolicySettings, plan_keep, pool_scores, rank_union
+from kvcompress.policies import KeepPlan, PolicySettings, plan_keep_each, pool_scores, rank_union
 from kvcompress.policies.decode import DecodeEviction
+from kvcompress.policies.plan import PLAN_BYTES_PER_SCORE, model_wide_total, workspace_scores
 from kvcompress.policies.selection import PAD_INDEX
+from kvcompress.policies.union import UNION_POINT_BYTES, model_wide_union_selection
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import KVMover, StepBatch
 
@@ -140,15 +142,15 @@ def compact_completed_prompts(
         assert request.config is not None, "configs are resolved when the step is prepared"
         groups[request.config, request.adopted_rows is not None,
                request.query_agnostic].append(request_id)
-    planned = [(config, adopters, batch, plan)
+    planned = [(adopters, request_id, plan)
                for (config, adopters, _query_agnostic), req_ids in groups.items()
-               for batch, plan in _plan_isolated(state, config, req_ids, step, adopters)]
-    # The step's one device->host transfer: every group's plan, every chosen eviction. On
+               for request_id, plan in _plan_isolated(state, config, req_ids, step, adopters)]
+    # The step's one device->host transfer: every request's plan, every chosen eviction. On
     # CUDA its wait is where an asynchronous fault of the step's kernels surfaces: raised.
     host = iter(to_host([*(tensor for *_, plan in planned for tensor in plan),
                          *(eviction.kept for eviction in along)]))
-    planned = [(config, adopters, batch, (next(host), next(host)))
-               for config, adopters, batch, _plan_tensors in planned]
+    planned = [(adopters, request_id, (next(host), next(host)))
+               for adopters, request_id, _plan_tensors in planned]
     for eviction in along:
         eviction.kept_host = next(host)
     compactions: dict[str, Compaction] = {}
@@ -156,36 +158,34 @@ def compact_completed_prompts(
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     # Only full-attention rows are planned; sliding-window rows stay as they are.
     rows = state.layout.compressed_rows
-    for _config, adopters, batch, (all_counts, all_indices) in planned:
-        for number, request_id in enumerate(batch):
-            request = state.requests[request_id]
-            counts = all_counts[number].reshape(len(rows))
-            indices = all_indices[number].reshape(len(rows), -1)
-            segment_kept = int(counts.sum())
-            try:
-                if adopters:
-                    counts, indices = _after_adopted(counts, indices,
-                                                     request.adopted_rows[rows])
-                row_moves, kept_lengths = plan_prompt_moves(
-                    counts, indices, request.lengths[rows], request.prompt_end()[rows],
-                )
-            except Exception as error:
-                _record_failure(step, [request_id], "planning the moves", error)
-                continue
-            row_moves.rows = rows[row_moves.rows]
-            new_lengths = request.lengths.copy()
-            new_lengths[rows] = kept_lengths
-            moves.add(request_id, request.table.pages, row_moves)
-            if stats is not None:
-                stats.requests += 1
-                stats.tokens_moved += len(row_moves)
-                stats.tokens_evicted += int((request.lengths - new_lengths).sum())
-                stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
-                                              * len(rows))
-                stats.prompt_rows_kept += segment_kept
-            compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
-            request.prompt_kept = request.prompt_end()
-            request.prompt_kept[rows] = counts.numpy()
+    for adopters, request_id, (counts, indices) in planned:
+        request = state.requests[request_id]
+        counts = counts.reshape(len(rows))
+        indices = indices.reshape(len(rows), -1)
+        segment_kept = int(counts.sum())
+        try:
+            if adopters:
+                counts, indices = _after_adopted(counts, indices, request.adopted_rows[rows])
+            row_moves, kept_lengths = plan_prompt_moves(
+                counts, indices, request.lengths[rows], request.prompt_end()[rows],
+            )
+        except Exception as error:
+            _record_failure(step, [request_id], "planning the moves", error)
+            continue
+        row_moves.rows = rows[row_moves.rows]
+        new_lengths = request.lengths.copy()
+        new_lengths[rows] = kept_lengths
+        moves.add(request_id, request.table.pages, row_moves)
+        if stats is not None:
+            stats.requests += 1
+            stats.tokens_moved += len(row_moves)
+            stats.tokens_evicted += int((request.lengths - new_lengths).sum())
+            stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
+                                          * len(rows))
+            stats.prompt_rows_kept += segment_kept
+        compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
+        request.prompt_kept = request.prompt_end()
+        request.prompt_kept[rows] = counts.numpy()
     _apply(state, step, compactions, moves, pool, mover)
     for request_id in compactions:
         request = state.requests[request_id]
@@ -452,7 +452,10 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
 
     num_layers = accumulators[0].shape[0]
     if policy.budget_sharing == "model" and policy.score_threshold is None:
-        return combined(slice(0, num_layers))
+        if num_layers * accumulators[0].shape[1] * prompt * UNION_BYTES_PER_SCORE <= (
+                workspace_scores(accumulators[0].shape[1], prompt) * PLAN_BYTES_PER_SCORE):
+            return combined(slice(0, num_layers))  # small enough to rank whole
+        return _model_wide_union(accumulators, policy, prompt, prefix)
     # Rows are pooled and ranked apart: one layer at a time, into the one output, so the
     # temporaries are one layer's (the output is reserved: scoring_memory.plan_output_bytes).
     union = torch.empty((num_layers, accumulators[0].shape[1], prompt), device=device)
@@ -461,29 +464,72 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     return union
 
 
+# Peak bytes per score of ranking two sources' union whole (``rank_union``, ranked_dims=3:
+# two argsorts per source, their float ranks, the stacked maximum; 36 measured on CPU).
+UNION_BYTES_PER_SCORE = 40
+
+
+def _model_wide_union(accumulators: list[torch.Tensor], policy: PolicySettings, prompt: int,
+                      prefix: torch.Tensor) -> torch.Tensor:
+    """Hybrid scoring shared model-wide, a long prompt: what ``rank_union`` over the
+    request's whole ``[L, H, prompt]`` would make the plan keep, found a slice of rows at a
+    time (``policies.union``) and given as scores the plan keeps exactly: 1 where kept,
+    0 elsewhere. The temporaries fit the planning workspace: slices and the keys gathered
+    between the bracket's thresholds of a quarter of it each, the histograms of the
+    bracket's points another quarter; the output is reserved (``plan_output_bytes``)."""
+    num_layers, heads = accumulators[0].shape[:2]
+    device = accumulators[0].device
+    workspace = workspace_scores(heads, prompt)
+    rows = [scores.reshape(num_layers * heads, scores.shape[-1]) for scores in accumulators]
+    rows_at_once = max(1, workspace // 4 // prompt)
+
+    def source_slices() -> Iterator[tuple[int, list[torch.Tensor]]]:
+        for first_row in range(0, num_layers * heads, rows_at_once):
+            yield first_row * prompt, [
+                pool_scores(source[first_row:first_row + rows_at_once, :prompt],
+                            policy.pooling, policy.pooling_kernel, lengths=prefix).view(-1)
+                for source in rows]
+
+    selection = model_wide_union_selection(
+        source_slices, num_layers * heads * prompt,
+        model_wide_total(policy, num_layers, heads, prompt), capacity=workspace // 4,
+        points=max(1, workspace * PLAN_BYTES_PER_SCORE // 4 // UNION_POINT_BYTES - 2),
+        device=device)
+    union = torch.empty((num_layers, heads, prompt), device=device)
+    flat = union.view(-1)
+    for first, pooled in source_slices():
+        kept = selection(first, pooled)
+        del pooled
+        flat[first:first + kept.numel()] = kept
+        del kept
+    return union
+
+
 def _plan_isolated(
     state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str],
     step: CompletingPrompts,
     adopters: bool = False,
-) -> list[tuple[list[str], tuple[torch.Tensor, torch.Tensor]]]:
-    """(request ids, (counts, indices)) of every batch of requests whose planning worked,
-    on the scores' device: the group in one policy call or, if that fails, each request
-    alone, so that only the culprits fail (``raise_if_fatal``: not after a CUDA fault).
-    ``adopters``: the requests adopted cached contexts, their new prompt tokens are planned
-    (positions within that segment)."""
+) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(request id, (counts, indices)) of every request whose planning worked, on the
+    scores' device, each plan as wide as its own rows (``policies.plan_keep_each``): the
+    group in one policy call or, if that fails, each request alone, so that only the
+    culprits fail (``raise_if_fatal``: not after a CUDA fault). ``adopters``: the requests
+    adopted cached contexts, their new prompt tokens are planned (positions within that
+    segment)."""
     layout = state.layout
 
-    def plan_for(batch: list[str]) -> tuple[list[str], tuple[torch.Tensor, torch.Tensor]]:
+    def plan_for(batch: list[str]) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
         requests = [state.requests[request_id] for request_id in batch]
         maybe_fail("plan", [request.prompt_len for request in requests])
         # The plan is made where the window scores live (the runner's device); the caller
         # brings it to the host with the step's other plans.
-        plan = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
-                     adopters)
-        return batch, (plan.counts, plan.indices)
+        plans = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
+                      adopters)
+        return [(request_id, (plan.counts, plan.indices))
+                for request_id, plan in zip(batch, plans)]
 
     try:
-        return [plan_for(req_ids)]
+        return plan_for(req_ids)
     except Exception as error:
         raise_if_fatal(error, state.device, "planning the compression")
         if len(req_ids) == 1:
@@ -492,7 +538,7 @@ def _plan_isolated(
     planned = []
     for request_id in req_ids:
         try:
-            planned.append(plan_for([request_id]))
+            planned += plan_for([request_id])
         except Exception as error:
             raise_if_fatal(error, state.device, "planning the compression")
             _record_failure(step, [request_id], "planning the compression", error)
@@ -506,11 +552,12 @@ def _record_failure(step: CompletingPrompts, request_ids: list[str], stage: str,
 
 
 def _plan(config: KVCompressionConfig, requests: list[RequestKV],
-          layers: tuple[int, ...], num_kv_heads: int, adopters: bool = False) -> KeepPlan:
-    """The policy's plan over the compressed ``layers`` (full attention, depth order): their
-    budgets follow the policy's schedule as if they were the only layers. ``adopters``: of
-    the requests' new prompt tokens only, without attention sinks (the adopted context
-    holds them)."""
+          layers: tuple[int, ...], num_kv_heads: int,
+          adopters: bool = False) -> list[KeepPlan]:
+    """The policy's plan of each request over the compressed ``layers`` (full attention,
+    depth order): their budgets follow the policy's schedule as if they were the only
+    layers. ``adopters``: of the requests' new prompt tokens only, without attention sinks
+    (the adopted context holds them). One plan per request, as wide as its own rows."""
     policy = config.policy
     if adopters:
         policy = replace(policy, sink_tokens=0)
@@ -526,7 +573,7 @@ def _plan(config: KVCompressionConfig, requests: list[RequestKV],
                   for request in requests]
         if hybrid:
             policy = replace(policy, pooling="none")  # pooled above
-    return plan_keep(
+    return plan_keep_each(
         policy,
         [request.new_prompt_tokens(request.prompt_len) for request in requests],
         scores,

@@ -8,14 +8,17 @@
 - selection: keep masks (top-k per head, Ada-KV shared allocation, sinks + recent) and indices.
 - threshold: threshold eviction (``PolicySettings.score_threshold``): keep what scores above
              it, with a floor per head, optionally capped by the budget.
-- plan:      ``plan_keep(settings, ...)``, the engine's entry point, returning a ``KeepPlan``.
+- union:     hybrid scoring's union of rankings shared model-wide, its kept set found slice
+             by slice (the whole request never ranked at once).
+- plan:      ``plan_keep(settings, ...)``, returning a ``KeepPlan``, and the engine's entry
+             point ``plan_keep_each`` (one per request, each as wide as its own rows).
 - decode:    decode-time eviction of generated tokens (``--kv-decode-policy``): one module per
              method, ``DecodeEviction`` (a request's resolved settings), ``get_decode_method``.
 """
 
 from .budgets import distribute_exactly, layer_budgets, resolve_budget
 from .methods.base import CompressionMethod, SelectionBlock, SelectionSettings
-from .plan import KeepPlan, plan_keep
+from .plan import KeepPlan, plan_keep, plan_keep_each
 from .registry import COMPRESSION_METHODS, METHODS, get_method, temporarily_registered
 from .scores import (
     accumulate_attention_mass,
@@ -58,6 +61,7 @@ __all__ = [
     "mask_to_indices",
     "observation_window_scores",
     "plan_keep",
+    "plan_keep_each",
     "pool_scores",
     "positions_to_mask",
     "rank_union",

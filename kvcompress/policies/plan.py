@@ -19,7 +19,7 @@ from .sharing import (
     model_wide_positions,
     model_wide_slice_positions,
 )
-from .threshold import threshold_positions
+from .threshold import sink_counts, threshold_candidates, threshold_positions
 from .validation import check_int
 
 # Largest padded score block ([requests, layers, heads, longest prompt]) planned at once; larger
@@ -91,7 +91,43 @@ def plan_keep(
     (CPU when no scores are given). With ``settings.score_threshold`` a request keeps what
     passes it (threshold.py), at most its budgets when a budget or ratio caps it; only a
     prompt no longer than the window is kept whole without being looked at.
+
+    The requests' plans padded to the widest row of any of them: ``plan_keep_each`` gives
+    each its own (what the engine transfers: no padding to another request's width).
     """
+    plans = plan_keep_each(settings, prompt_lens, scores, num_layers=num_layers,
+                           num_kv_heads=num_kv_heads)
+    if len(plans) == 1:
+        return plans[0]
+    device = _device_of(scores)
+    width = max((plan.indices.shape[-1] for plan in plans), default=0)
+    indices = torch.full((len(plans), num_layers, num_kv_heads, width), PAD_INDEX,
+                         dtype=INDEX_DTYPE, device=device)
+    for number, plan in enumerate(plans):
+        indices[number, :, :, : plan.indices.shape[-1]] = plan.indices[0]
+    if not plans:
+        return KeepPlan(torch.empty((0, num_layers, num_kv_heads), dtype=torch.long,
+                                    device=device), indices,
+                        torch.empty(0, dtype=torch.long, device=device),
+                        torch.empty(0, dtype=torch.bool, device=device))
+    return KeepPlan(torch.cat([plan.counts for plan in plans]), indices,
+                    torch.cat([plan.prompt_lens for plan in plans]),
+                    torch.cat([plan.compressed for plan in plans]))
+
+
+@torch.no_grad()
+def plan_keep_each(
+    settings: PolicySettings,
+    prompt_lens: list[int],
+    scores: Sequence[torch.Tensor | None] | None,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+) -> list[KeepPlan]:
+    """``plan_keep``'s plan, one ``KeepPlan`` per request (``R = 1``), each as wide as its own
+    widest row (at most its prompt): the requests are planned together, in the same blocks,
+    but a short request's plan is never padded to a long one's width (the engine reserves
+    each prompt's plan, not the group's widest)."""
     num_layers = check_int("num_layers", num_layers, 1)
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
     lens = [check_int(f"prompt_lens[{i}]", q, 1) for i, q in enumerate(prompt_lens)]
@@ -108,13 +144,22 @@ def plan_keep(
         _check_scores(scores, lens, keeps_all, num_layers, num_kv_heads)
     else:
         scores = None  # not read: they only told the device
-    counts, indices = _plan_requests(
-        settings, lens, scores, per_layer, keeps_all,
-        num_layers=num_layers, num_kv_heads=num_kv_heads, device=device,
-    )
-    prompt_lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    compressed = (counts < prompt_lens_t[:, None, None]).flatten(1).any(dim=1)
-    return KeepPlan(counts, indices, prompt_lens_t, compressed)
+    plans = []
+    for q, (counts, indices) in zip(lens, _plan_requests(
+            settings, lens, scores, per_layer, keeps_all,
+            num_layers=num_layers, num_kv_heads=num_kv_heads, device=device)):
+        prompt_len = torch.tensor([q], dtype=torch.long, device=device)
+        plans.append(KeepPlan(counts, indices, prompt_len,
+                              (counts < q).flatten(1).any(dim=1)))
+    return plans
+
+
+def model_wide_total(settings: PolicySettings, num_layers: int, num_kv_heads: int,
+                     prompt_len: int) -> int:
+    """Tokens a request of ``prompt_len`` keeps besides its windows when its budget is
+    shared model-wide: what its layers' caps give every head, summed."""
+    caps = _layer_caps(settings, num_layers, prompt_len)
+    return num_kv_heads * sum(cap - settings.window for cap in caps)
 
 
 def _layer_caps(settings: PolicySettings, num_layers: int, prompt_len: int) -> list[int]:
@@ -138,12 +183,13 @@ def _plan_requests(
     num_layers: int,
     num_kv_heads: int,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Requests that compress go through padded blocks, the rest keep all."""
-    counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
-    blocks = []  # (request ids, counts, kept positions)
-    groups = _request_groups(lens, keeps_all, num_layers * num_kv_heads)
-    for group in groups:
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's (counts ``[1, L, H]``, kept positions ``[1, L, H, K]``), ``K`` its own
+    widest row: requests that compress go through padded blocks (a block of several is at
+    most MAX_BLOCK_ELEMENTS scores, its requests' plans copied out at their own widths; a
+    request alone is its block's plan), the rest keep all (``arange`` rows, broadcast)."""
+    planned: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(lens)
+    for group in _request_groups(lens, keeps_all, num_layers * num_kv_heads):
         block_counts, block_kept = _plan_block(
             settings,
             [lens[i] for i in group],
@@ -152,29 +198,22 @@ def _plan_requests(
             num_kv_heads,
             device,
         )
-        blocks.append((torch.tensor(group, device=device), block_counts, block_kept))
-
-    whole = [i for i, keep in enumerate(keeps_all) if keep]
-    if groups == [list(range(len(lens)))]:
-        # One block of every request in order (a long prompt alone, the usual case): it is
-        # the plan, not copied again.
-        return blocks[0][1], blocks[0][2]
-    max_keep = max([lens[i] for i in whole] + [kept.shape[-1] for _, _, kept in blocks] + [0])
-    indices = torch.full(
-        (len(lens), num_layers, num_kv_heads, max_keep), PAD_INDEX, dtype=INDEX_DTYPE,
-        device=device,
-    )
-    if whole:  # counts = prompt_len, indices = arange(prompt_len)
-        whole_ids = torch.tensor(whole, device=device)
-        whole_lens = torch.tensor([lens[i] for i in whole], device=device)
-        positions = torch.arange(max_keep, device=device)
-        counts[whole_ids] = whole_lens[:, None, None]
-        aranges = torch.where(positions < whole_lens[:, None], positions, PAD_INDEX)
-        indices[whole_ids] = aranges[:, None, None, :].to(INDEX_DTYPE)
-    for ids, block_counts, block_kept in blocks:
-        counts[ids] = block_counts
-        indices[ids, :, :, : block_kept.shape[-1]] = block_kept  # both int32
-    return counts, indices
+        if len(group) == 1:
+            planned[group[0]] = block_counts, block_kept
+            continue
+        widths = block_counts.flatten(1).max(dim=1).values.tolist()  # one sync per block
+        for number, (request, width) in enumerate(zip(group, widths)):
+            planned[request] = (block_counts[number : number + 1].clone(),
+                                block_kept[number : number + 1, :, :, :width].clone())
+        del block_counts, block_kept
+    for request, keep in enumerate(keeps_all):
+        if keep:  # counts = prompt_len, indices = arange(prompt_len)
+            q = lens[request]
+            planned[request] = (
+                torch.full((1, num_layers, num_kv_heads), q, dtype=torch.long, device=device),
+                torch.arange(q, dtype=INDEX_DTYPE, device=device).expand(
+                    1, num_layers, num_kv_heads, q))
+    return planned  # type: ignore[return-value]  # every request is planned above
 
 
 def _check_scores(
@@ -248,16 +287,15 @@ def _plan_block(
               for first in range(0, num_layers, layers_at_once)]
     shared: tuple[torch.Tensor, torch.Tensor] | None = None  # model-wide (cut-off, total)
     kept: torch.Tensor | None = None
-    if settings.budget_sharing == "model" and len(slices) > 1:
-        if settings.score_threshold is None:
-            # Every layer of a request competes: its cut-off key first, slice by slice, and
-            # the widest row it leaves, so the plan is allocated once.
-            cutoff, total, width = _model_wide_cutoffs(settings, lens, scores, per_layer,
-                                                       num_kv_heads, device, slices)
-            shared = cutoff, total
-            kept = _widened(None, (len(lens), num_layers, num_kv_heads), width, device)
-        else:  # a threshold's candidates compete across the request at once: one slice
-            slices = [slice(0, num_layers)]
+    # Every layer of a request competes (a threshold's passing tokens too, for its cap): its
+    # cut-off key first, slice by slice, and the widest row it leaves, so the plan is
+    # allocated once. (Without a cap a threshold's rows do not compete.)
+    if (settings.budget_sharing == "model" and len(slices) > 1
+            and (settings.score_threshold is None or settings.capped)):
+        cutoff, total, width = _model_wide_cutoffs(settings, lens, scores, per_layer,
+                                                   num_kv_heads, device, slices)
+        shared = cutoff, total
+        kept = _widened(None, (len(lens), num_layers, num_kv_heads), width, device)
     counts = torch.empty((len(lens), num_layers, num_kv_heads), dtype=torch.long, device=device)
     for layers in slices:
         part_counts, part = _plan_layers(settings, lens, scores, per_layer, num_kv_heads,
@@ -282,25 +320,43 @@ def _model_wide_cutoffs(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Each request's model-wide cut-off key and total (``sharing.model_wide_cutoffs``),
     its scores pooled and ranked a slice of layers at a time, and the most tokens a head
-    keeps then (its window included)."""
+    keeps then (its window included). Under a score threshold the candidates compete (the
+    passing tokens past each head's sinks, as ``threshold_positions`` gives its cap), for
+    the total beyond the sinks."""
     assert scores is not None  # settings refuse model-wide sharing without scores
     prefix = torch.tensor(lens, device=device) - settings.window
     quota = torch.tensor(per_layer, device=device) - settings.window
-    total = quota.sum(dim=1) * num_kv_heads
+    threshold = settings.score_threshold
+    sinks = (sink_counts(quota, settings.sink_tokens) if threshold is not None
+             else torch.zeros_like(quota))
+    total = (quota - sinks).sum(dim=1) * num_kv_heads
 
-    def keys_of(layers: slice) -> torch.Tensor:
+    def keys_of(layers: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slice's keys ``[R, L' * H * S]`` and, under a threshold, which are
+        candidates (the others' scores are -inf: they rank last, never kept)."""
         pooled = _pooled_prefix_scores(settings, lens, [score[layers] for score in scores],
                                        prefix)
-        return model_wide_keys(pooled, layers.start)
+        candidate = None
+        if threshold is not None:
+            candidate = threshold_candidates(pooled, threshold, sinks[:, layers])
+            pooled.masked_fill_(~candidate, float("-inf"))
+        return model_wide_keys(pooled, layers.start), candidate
 
     def key_slices() -> Iterator[torch.Tensor]:
         # Nothing of a slice stays referenced here while its keys are read.
-        return (keys_of(layers) for layers in slices)
+        return (keys_of(layers)[0] for layers in slices)
 
     cutoff = model_wide_cutoffs(key_slices, total)
-    selected = [model_wide_counts(keys.view(len(lens), -1, max(lens)), cutoff, total)
-                for keys in key_slices()]
-    return cutoff, total, int(max(int(part.max()) for part in selected)) + settings.window
+    width = 0
+    for layers in slices:
+        keys, candidate = keys_of(layers)
+        counted = model_wide_counts(keys.view(len(lens), -1, max(lens)), cutoff, total,
+                                    None if candidate is None else candidate.view(keys.shape[0],
+                                                                                  -1, max(lens)))
+        del keys, candidate
+        layer_sinks = sinks[:, layers].repeat_interleave(num_kv_heads, dim=1)
+        width = max(width, int((counted + layer_sinks).max()))
+    return cutoff, total, width + settings.window
 
 
 def _widened(kept: torch.Tensor | None, shape: tuple[int, int, int], width: int,

@@ -163,7 +163,9 @@ def rank_union(scores: Sequence[torch.Tensor], ranked_dims: int = 1) -> torch.Te
     among the positions of its last ``ranked_dims`` dimensions (1: each row's positions;
     3 over ``[L, H, S]``: the whole request's, for methods that share budgets model-wide),
     scaled to [0, 1], and the ranks are max-combined (so the top k/2 of each source rank above
-    everything else, whatever their scales)."""
+    everything else, whatever their scales). Equal scores of a source rank by position (a
+    stable sort: the later one higher), as ``union.model_wide_union_selection`` reproduces
+    without ranking a long prompt whole."""
     if not scores:
         raise ValueError("rank_union needs at least one score tensor")
     shape = scores[0].shape
@@ -174,5 +176,6 @@ def rank_union(scores: Sequence[torch.Tensor], ranked_dims: int = 1) -> torch.Te
         raise ValueError(f"ranked_dims must be in [1, {len(shape)}], got {ranked_dims}")
     flat = [score.float().flatten(-ranked_dims) for score in scores]
     scale = 1.0 / max(1, flat[0].shape[-1] - 1)
-    ranks = [score.argsort(dim=-1).argsort(dim=-1).float() * scale for score in flat]
+    ranks = [score.argsort(dim=-1, stable=True).argsort(dim=-1).float() * scale
+             for score in flat]
     return torch.stack(ranks).amax(dim=0).view(shape)

@@ -91,11 +91,14 @@ def model_wide_cutoffs(key_slices: Callable[[], Iterator[torch.Tensor]],
     return prefix
 
 
-def model_wide_counts(keys: torch.Tensor, cutoff: torch.Tensor,
-                      total: torch.Tensor) -> torch.Tensor:
+def model_wide_counts(keys: torch.Tensor, cutoff: torch.Tensor, total: torch.Tensor,
+                      candidate: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, rows]``: how many of each row's keys (``keys [R, rows, S]``) are kept, at or
-    above its request's cut-off."""
-    return (keys >= cutoff[:, None, None]).sum(dim=-1) * (total > 0)[:, None]
+    above its request's cut-off (and ``candidate``, where given)."""
+    kept = keys >= cutoff[:, None, None]
+    if candidate is not None:
+        kept &= candidate
+    return kept.sum(dim=-1) * (total > 0)[:, None]
 
 
 def model_wide_slice_positions(scores: torch.Tensor, first_layer: int, cutoff: torch.Tensor,

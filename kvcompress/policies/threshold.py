@@ -37,6 +37,17 @@ def sink_counts(quota: torch.Tensor, sink_tokens: int) -> torch.Tensor:
     return quota.clamp(max=sink_tokens)
 
 
+def threshold_candidates(scores: torch.Tensor, threshold: float,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """``[R, L, H, S]``: the tokens of ``scores`` (pooled) that pass ``threshold`` past each
+    head's first ``sinks [R, L]`` positions (kept anyway): what a cap's selection picks
+    among."""
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    candidate = passes_threshold(scores, threshold)
+    candidate &= positions >= sinks[:, :, None, None]
+    return candidate
+
+
 def threshold_positions(
     block: SelectionBlock,
     threshold: float,
@@ -56,8 +67,7 @@ def threshold_positions(
     device = scores.device
     positions = torch.arange(length, device=device)
     sinks = sink_counts(block.quota, sink_tokens)  # [R, L]
-    is_sink = positions < sinks[:, :, None, None]  # [R, L, 1, S]
-    candidate = passes_threshold(scores, threshold) & ~is_sink
+    candidate = threshold_candidates(scores, threshold, sinks)
     if capped_selection is None:
         most = int(candidate.sum(dim=-1).max()) if candidate.numel() else 0
         picked = mask_to_indices(candidate, most)

@@ -21,7 +21,7 @@ from kvcompress.engine.worker_compaction import (
 )
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
-from kvcompress.policies import KeepPlan, plan_keep
+from kvcompress.policies import KeepPlan, plan_keep, plan_keep_each
 from kvcompress.settings.config import KVCompressionConfig
 from tests.device_emulation import DeviceTensor, emulate_transfers, is_on_device, on_device
 from tests.engine.test_worker_compaction import labelled_case, token_ids_in_slots
@@ -43,13 +43,13 @@ def emulated_device(monkeypatch):
 
 @pytest.mark.parametrize("method", ["pyramidkv", "snapkv", "adakv", "streamingllm"])
 def test_a_plan_made_on_the_device_is_brought_to_the_host_for_the_moves(monkeypatch, method):
-    # plan_keep returns its plan on the scores' device (documented); emulate that device.
+    # plan_keep_each returns its plans on the scores' device (documented); emulate that device.
     def plan_on_device(*args, **kwargs):
-        plan = plan_keep(*args, **kwargs)
-        return KeepPlan(*(on_device(tensor) for tensor in
-                          (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
+        return [KeepPlan(*(on_device(tensor) for tensor in
+                           (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
+                for plan in plan_keep_each(*args, **kwargs)]
 
-    monkeypatch.setattr(worker_compaction, "plan_keep", plan_on_device)
+    monkeypatch.setattr(worker_compaction, "plan_keep_each", plan_on_device)
     sharing = "layer" if method == "streamingllm" else "model"  # model: the harder plan
     config = KVCompressionConfig.from_mapping({"kv_compression": method, "kv_budget": 24,
                                                "kv_budget_sharing": sharing})
@@ -171,11 +171,11 @@ def step_of_many(monkeypatch):
         groups.append(list(prompt_lens))
         scores = None if scores is None else [score.as_subclass(torch.Tensor)
                                               for score in scores]
-        plan = plan_keep(policy, prompt_lens, scores, **kwargs)
-        return KeepPlan(*(on_device(tensor) for tensor in
-                          (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
+        return [KeepPlan(*(on_device(tensor) for tensor in
+                           (plan.counts, plan.indices, plan.prompt_lens, plan.compressed)))
+                for plan in plan_keep_each(policy, prompt_lens, scores, **kwargs)]
 
-    monkeypatch.setattr(worker_compaction, "plan_keep", plan_on_device)
+    monkeypatch.setattr(worker_compaction, "plan_keep_each", plan_on_device)
     prompts = [100, 80, 90]
     case = build_case(CPU_PAGE_FORMAT, [[n - 1] * 4 for n in prompts] + [[134] * 4] * 3,
                       [1] * 6, num_layers=2, num_kv_heads=2, group=1, head_size=32,

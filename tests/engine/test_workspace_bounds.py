@@ -9,8 +9,10 @@ per score of one layer (42 MB at 128k), against which the whole request's plan u
 ~1.3 GB. Planning also holds its outputs, which grow with the prompt times the layers and are
 reserved like the accumulators (``scoring_memory.plan_output_bytes``): the int32 plan, and
 with hybrid scoring the rank union of its two sources. Besides them the temporaries stay within
-the workspace. Reconstruction and expected scoring are measured on one layer (they run one
-layer at a time) at 16k tokens.
+the workspace. Every sharing is measured: by layer, model-wide (hybrid's union selected slice
+by slice, a capped score threshold's candidates too), and a group of a long prompt with short
+ones (each request's plan as wide as its own rows). Reconstruction and expected scoring are
+measured on one layer (they run one layer at a time) at 16k tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvcompress.attention.reconstruction_scores import (
     SCORING_WORKSPACE_BYTES,
     accumulate_reconstruction_scores,
 )
+from kvcompress.engine import worker_compaction
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.scoring_memory import plan_output_bytes, workspace_bytes
 from kvcompress.engine.worker_compaction import _plan
@@ -56,27 +59,42 @@ class ScoredRequest:
         return prompt_len
 
 
-def planned_peak(options: dict, hybrid: bool) -> tuple[int, int]:
-    """Peak bytes of planning and bringing the plan to the host, and of those the plan's
-    own outputs (the plan, and with hybrid the union of its sources' ranks)."""
+def planned_peak(options: dict, hybrid: bool,
+                 prompts: tuple[int, ...] = (PROMPT,)) -> tuple[int, int]:
+    """Peak bytes of planning ``prompts`` (one group: one policy call) and bringing the plan
+    to the host, and of those the plan's own outputs (the plan, and with hybrid the union
+    of its sources' ranks)."""
     config = KVCompressionConfig.from_mapping({"kv_compression": "snapkv", **options})
     generator = torch.Generator().manual_seed(0)
-    window = torch.rand(LAYERS, HEADS, PROMPT, generator=generator)
-    query = torch.rand(LAYERS, HEADS, PROMPT, generator=generator) if hybrid else None
-    request = ScoredRequest(PROMPT, window, query)
+    requests = [ScoredRequest(
+        prompt, torch.rand(LAYERS, HEADS, prompt, generator=generator),
+        torch.rand(LAYERS, HEADS, prompt, generator=generator) if hybrid else None)
+        for prompt in prompts]
     with LiveBytes() as memory:
-        plan = _plan(config, [request], tuple(range(LAYERS)), HEADS)  # type: ignore[list-item]
-        host = to_host([plan.counts, plan.indices])
+        plans = _plan(config, requests, tuple(range(LAYERS)), HEADS)  # type: ignore[arg-type]
+        host = to_host([tensor for plan in plans for tensor in (plan.counts, plan.indices)])
     assert int(host[0].sum()) > 0
-    union = LAYERS * HEADS * PROMPT * 4 if hybrid else 0
-    return memory.peak, plan.counts.nbytes + plan.indices.nbytes + union
+    union = LAYERS * HEADS * max(prompts) * 4 if hybrid else 0
+    return memory.peak, sum(tensor.nbytes for tensor in host) + union
 
 
-def planning_reserve(hybrid: bool) -> int:
-    """What the engine reserves for planning one prompt of PROMPT tokens: the workspace
-    and the outputs (``scoring_memory.reserved_bytes``)."""
-    return workspace_bytes(HEADS, PROMPT) + plan_output_bytes(LAYERS, HEADS, PROMPT,
-                                                             2 if hybrid else 1)
+def planning_reserve(hybrid: bool, prompts: tuple[int, ...] = (PROMPT,)) -> int:
+    """What the engine reserves for planning ``prompts``: the workspace (of the longest)
+    and the outputs of all of them (``scoring_memory.reserved_bytes``)."""
+    return workspace_bytes(HEADS, max(prompts)) + plan_output_bytes(
+        LAYERS, HEADS, sum(prompts), 2 if hybrid else 1)
+
+
+def mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def assert_temporaries_in_the_workspace(peak: int, outputs: int) -> None:
+    """Besides the plan (and hybrid's union) planning holds at most the workspace of the
+    longest prompt, PROMPT."""
+    workspace = workspace_bytes(HEADS, PROMPT)
+    assert peak - outputs <= workspace, (
+        f"temporaries {mib(peak - outputs)}, workspace {mib(workspace)}")
 
 
 @pytest.mark.parametrize("options, hybrid", [
@@ -93,22 +111,77 @@ def test_planning_a_long_prompt_stays_in_the_workspace(options, hybrid):
     the temporaries are one layer's, within the workspace."""
     peak, outputs = planned_peak(options, hybrid)
     reserve = planning_reserve(hybrid)
-    assert peak <= reserve, f"peak {peak / 2**20:.1f} MiB, reserve {reserve / 2**20:.1f} MiB"
-    assert peak - outputs <= workspace_bytes(HEADS, PROMPT), (
-        f"temporaries {(peak - outputs) / 2**20:.1f} MiB, "
-        f"workspace {workspace_bytes(HEADS, PROMPT) / 2**20:.1f} MiB")
+    assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
 
 
-# Not bounded yet (issue 41 item 1, left for the next change): hybrid scoring shared
-# model-wide ranks each source over the request's whole [L, H, S] at once (``rank_union``
-# with ranked_dims=3: ~290 MiB at 32k).
-@pytest.mark.xfail(strict=True, reason="hybrid model-wide ranking is not chunked yet "
-                   "(issue 41 item 1)")
 def test_planning_a_long_hybrid_prompt_shared_model_wide_stays_in_the_workspace():
-    peak, _outputs = planned_peak(
+    """Hybrid scoring shared model-wide: the union of the two sources' rankings over the
+    request's whole ``[L, H, S]`` is selected at its cut-off slice by slice, never ranked
+    whole (``policies.union``)."""
+    peak, outputs = planned_peak(
         {"kv_compression_ratio": 0.5, "kv_budget_sharing": "model"}, True)
     reserve = planning_reserve(True)
-    assert peak <= reserve, f"peak {peak / 2**20:.1f} MiB, reserve {reserve / 2**20:.1f} MiB"
+    assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
+
+
+@pytest.mark.parametrize("options", [
+    {"kv_compression_ratio": 0.5},
+    {"kv_budget": 700, "kv_pooling": "avg"},
+    {"kv_compression_ratio": 0.3, "kv_pooling": "none"},
+], ids=["ratio-maxpool", "budget-avgpool", "ratio-no-pooling"])
+@pytest.mark.parametrize("workspace", [None, 3000], ids=["own-workspace", "small-workspace"])
+def test_hybrid_model_wide_plans_by_slices_are_the_whole_rankings(monkeypatch, options,
+                                                                  workspace):
+    """The plan of hybrid scores shared model-wide, selected slice by slice, is the plan of
+    ranking each source over the whole request (``rank_union``), index for index (a small
+    workspace: many slices and narrowing rounds)."""
+    config = KVCompressionConfig.from_mapping(
+        {"kv_compression": "snapkv", "kv_budget_sharing": "model", **options})
+    generator = torch.Generator().manual_seed(3)
+    requests = [ScoredRequest(prompt, torch.rand(8, 4, prompt, generator=generator),
+                              torch.rand(8, 4, prompt, generator=generator) ** 3)
+                for prompt in (3000, 2100)]
+
+    def plan():
+        plans = _plan(config, requests, tuple(range(8)), 4)  # type: ignore[arg-type]
+        return [tensor for plan in plans for tensor in (plan.counts, plan.indices)]
+
+    monkeypatch.setattr(worker_compaction, "UNION_BYTES_PER_SCORE", 0)  # ranked whole
+    whole = plan()
+    monkeypatch.setattr(worker_compaction, "UNION_BYTES_PER_SCORE", 2**40)  # by slices
+    if workspace is not None:
+        monkeypatch.setattr(worker_compaction, "workspace_scores", lambda *_: workspace)
+    sliced = plan()
+    assert all(torch.equal(one, other) for one, other in zip(whole, sliced, strict=True))
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-source", "hybrid"])
+def test_a_capped_score_threshold_shared_model_wide_stays_in_the_workspace(hybrid):
+    """A score threshold capped by a ratio shared model-wide: the passing tokens compete
+    for the request's total slice by slice (their cut-off found first), as without one."""
+    options = {"kv_compression_ratio": 0.5, "kv_budget_sharing": "model",
+               "kv_score_threshold": -1.0}
+    peak, outputs = planned_peak(options, hybrid)
+    reserve = planning_reserve(hybrid)
+    assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
+
+
+GROUP_PROMPTS = (PROMPT, *[2048] * 8)  # one long prompt and short ones completing with it
+
+
+@pytest.mark.parametrize("sharing", ["layer", "model"])
+def test_a_group_of_requests_is_not_padded_to_its_widest_row(sharing):
+    """Requests sharing a config are planned in one call, but each request's plan is as
+    wide as its own rows: the short prompts of a group are not padded to the long one's
+    width (which the reserve, per prompt token, does not cover)."""
+    options = {"kv_compression_ratio": 0.5, "kv_budget_sharing": sharing}
+    peak, outputs = planned_peak(options, False, GROUP_PROMPTS)
+    reserve = planning_reserve(False, GROUP_PROMPTS)
+    assert peak <= reserve, f"peak {mib(peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(peak, outputs)
 
 
 RECONSTRUCTED = 16 * 1024  # prompt tokens of the reconstruction and expected-scoring checks

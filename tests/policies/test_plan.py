@@ -303,6 +303,27 @@ def test_model_wide_sharing_of_a_request_larger_than_a_block_is_exact(
         assert kept_lists(split) == ref_plan(policy, lens, scores, **shape)
 
 
+@pytest.mark.parametrize("layers_at_once", [1, 2])
+@pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "ties"])
+@pytest.mark.parametrize("cap", [{"budget": 24}, {"budget": 70}, {"ratio": 0.4}, {}],
+                         ids=["budget-24", "budget-70", "ratio", "uncapped"])
+def test_a_score_threshold_shared_model_wide_is_planned_in_layer_slices_exactly(
+        monkeypatch, layers_at_once, levels, cap):
+    """A threshold's passing tokens compete for the request's cap in layer slices (their
+    cut-off found first, past each head's sinks): the same plan as at once."""
+    lens, shape = [90, 61, 12], {"num_layers": 5, "num_kv_heads": 2}
+    scores = random_scores(lens, 5, 2, seed=11, levels=levels)
+    for threshold in (-2.0, -0.7, -0.001):  # most pass, some pass, few pass
+        policy = PolicySettings("snapkv", window=4, budget_sharing="model", sink_tokens=3,
+                                score_threshold=threshold, **cap)
+        whole = plan_keep(policy, lens, scores, **shape)
+        monkeypatch.setattr(plan_module, "MAX_BLOCK_ELEMENTS", layers_at_once * 2 * 90)
+        split = plan_keep(policy, lens, scores, **shape)
+        monkeypatch.undo()
+        assert torch.equal(whole.counts, split.counts), threshold
+        assert torch.equal(whole.indices, split.indices), threshold
+
+
 def test_empty_batch():
     plan = plan_keep(PolicySettings("snapkv", budget=8), [], [], num_layers=2, num_kv_heads=3)
     assert plan.counts.shape == (0, 2, 3) and plan.indices.shape == (0, 2, 3, 0)
