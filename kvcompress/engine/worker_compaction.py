@@ -409,13 +409,45 @@ def _after_adopted(counts: torch.Tensor, indices: torch.Tensor,
     return full_counts, full
 
 
+def _shift_to_segment(request: RequestKV) -> None:
+    """An adopter's accumulators become ``[L, H, N]`` views of its ``N`` new prompt tokens
+    (``_segment_scores``), once: a group's planning retried request by request finds them
+    shifted (``N`` wide already)."""
+    segment = request.new_prompt_tokens(request.prompt_len)
+    if request.window_scores is not None and request.window_scores.shape[-1] != segment:
+        request.window_scores = _segment_scores(request, request.window_scores)
+    if request.query_scores is not None and request.query_scores.shape[-1] != segment:
+        request.query_scores = _segment_scores(request, request.query_scores)
+
+
+def _keep_compressed_layers(request: RequestKV, layers: tuple[int, ...]) -> None:
+    """A model with sliding-window layers: the accumulators become views of the compressed
+    ``layers``' scores, moved to the front in place (layer ``layers[i]`` into ``i``, in
+    order, so no score is overwritten before it is read): no copy of them all. Once:
+    planned again, they are ``len(layers)`` deep already."""
+    for name in ("window_scores", "query_scores"):
+        scores = getattr(request, name)
+        if scores is None or scores.shape[0] == len(layers):
+            continue
+        for position, layer in enumerate(layers):
+            if position != layer:
+                scores[position] = scores[layer]
+        setattr(request, name, scores[: len(layers)])
+
+
 def _segment_scores(request: RequestKV, scores: torch.Tensor) -> torch.Tensor:
     """``[L, H, N]`` of an accumulator of an adopter's ``N`` new prompt tokens: row
-    ``(l, h)``'s token ``j`` sits at physical slot ``adopted_rows[l, h] + j``."""
+    ``(l, h)``'s token ``j`` sits at physical slot ``adopted_rows[l, h] + j``. Shifted to
+    the row's start in place, a layer at a time, so the temporaries are one layer's (a
+    whole copy would grow with the prompt beyond the reserve); the accumulator serves
+    nothing else once its request is planned."""
     assert request.adopted_rows is not None
     segment = request.new_prompt_tokens(request.prompt_len)
     first = torch.as_tensor(request.adopted_rows, device=scores.device).view(*scores.shape[:2], 1)
-    return scores.gather(-1, first + torch.arange(segment, device=scores.device))
+    offsets = torch.arange(segment, device=scores.device)
+    for layer in range(scores.shape[0]):
+        scores[layer, :, :segment] = scores[layer].gather(-1, first[layer] + offsets)
+    return scores[:, :, :segment]
 
 
 def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
@@ -426,13 +458,11 @@ def _request_scores(request: RequestKV, adopters: bool, policy: PolicySettings,
     pooling ranks instead would spread the top of either source over everything (under a
     score threshold the larger of the two pooled scores instead). Hybrid scores come
     pooled."""
+    if adopters:
+        _shift_to_segment(request)
+    _keep_compressed_layers(request, layers)
     accumulators = [scores for scores in (request.window_scores, request.query_scores)
                     if scores is not None]
-    if adopters:
-        accumulators = [_segment_scores(request, scores) for scores in accumulators]
-    if len(layers) != accumulators[0].shape[0]:
-        index = torch.as_tensor(layers, device=accumulators[0].device)
-        accumulators = [scores.index_select(0, index) for scores in accumulators]
     if not hybrid:
         return accumulators[0]
     prompt = request.new_prompt_tokens(request.prompt_len)

@@ -244,3 +244,41 @@ def test_expected_scoring_of_a_long_prompt_stays_in_the_workspace():
         del scores
     assert memory.peak <= workspace_bytes(HEADS, RECONSTRUCTED), (
         f"peak {memory.peak / 2**20:.1f} MiB")
+
+
+@dataclass
+class AdoptingRequest(ScoredRequest):
+    """An adopter: row ``(l, h)``'s new prompt tokens start at slot ``adopted_rows[l, h]``."""
+
+    new_tokens: int = 0
+
+    def new_prompt_tokens(self, prompt_len: int) -> int:
+        return self.new_tokens
+
+
+def test_an_adopters_long_new_part_is_planned_within_the_workspace():
+    """An adopter of a compressed context (rows of unequal length) with a 32k-token new
+    part: its scores are shifted to the rows' starts in place, a layer at a time (a whole
+    ``[L, H, N]`` copy and its int64 index were ~100 MiB at these shapes), and the plan is
+    the one of the explicitly gathered segment scores."""
+    config = KVCompressionConfig.from_mapping({"kv_compression": "snapkv",
+                                               "kv_compression_ratio": 0.5})
+    generator = torch.Generator().manual_seed(1)
+    adopted = torch.randint(0, 512, (LAYERS, HEADS), generator=generator).numpy()
+    scores = torch.rand(LAYERS, HEADS, 512 + PROMPT, generator=generator)
+    slots = torch.as_tensor(adopted)[:, :, None] + torch.arange(PROMPT)
+    reference = _plan(config, [ScoredRequest(PROMPT, scores.gather(-1, slots))],  # type: ignore[list-item]
+                      tuple(range(LAYERS)), HEADS)[0]
+    request = AdoptingRequest(PROMPT + 512, scores, adopted_rows=adopted, new_tokens=PROMPT)
+    with LiveBytes() as memory:
+        plan = _plan(config, [request], tuple(range(LAYERS)), HEADS,  # type: ignore[list-item]
+                     adopters=True)[0]
+        host = to_host([plan.counts, plan.indices])
+    reserve = planning_reserve(False)
+    assert memory.peak <= reserve, f"peak {mib(memory.peak)}, reserve {mib(reserve)}"
+    assert_temporaries_in_the_workspace(memory.peak, sum(tensor.nbytes for tensor in host))
+    assert torch.equal(host[0], reference.counts) and torch.equal(host[1], reference.indices)
+    # planned again (a group's planning retried request by request): the same plan
+    again = _plan(config, [request], tuple(range(LAYERS)), HEADS,  # type: ignore[list-item]
+                  adopters=True)[0]
+    assert torch.equal(again.indices, reference.indices)
