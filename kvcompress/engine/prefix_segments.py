@@ -64,7 +64,9 @@ class Candidate:
     request_id: str
     tokens: np.ndarray  # int64, its prompt
     settings: Hashable
-    cached: int  # tokens a cached entry already gives it (its lookup's hit)
+    # Tokens a cached entry already gives it (its lookup's hit); None: not looked up yet
+    # (``PrefixSegments.plan`` looks up only requests that start like another).
+    cached: int | None = None
 
 
 def shared_length(first: np.ndarray, second: np.ndarray) -> int:
@@ -90,7 +92,8 @@ def choose_segment(first: Candidate, others: Sequence[Candidate],
     best, readers = 0, []
     for length in sorted(set(shared.values()), reverse=True):
         members = [first, *(other for other in others if shared.get(other.request_id, 0) >= length)]
-        if len(members) < 2 or length < min_tokens + max(member.cached for member in members):
+        if len(members) < 2 or length < min_tokens + max(member.cached or 0
+                                                         for member in members):
             continue
         if length * len(members) > best * len(readers):
             best, readers = length, [member.request_id for member in members]
@@ -104,9 +107,9 @@ class PrefixSegments:
     pending: dict[str, Segment] = field(default_factory=dict)
     min_tokens: int = MIN_SEGMENT_TOKENS
     _ids: Iterable[int] = field(default_factory=lambda: itertools.count(1))
-    # Hashes of the first block of each request's prompt seen so far (requests are grouped
-    # only with others starting alike), dropped with the request.
-    _first_blocks: dict[str, int] = field(default_factory=dict)
+    # Each waiting request's prompt tokens and the hash of their first block (requests are
+    # grouped only with others starting alike), kept while it lives: prompts do not change.
+    _prompts: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
     # Segment requests queued and tokens they prefilled, since the start (tests, figures).
     made: int = 0
     tokens: int = 0
@@ -116,8 +119,16 @@ class PrefixSegments:
         held no longer."""
         for request_id in [rid for rid in self.pending if not live(rid)]:
             del self.pending[request_id]
-        for request_id in [rid for rid in self._first_blocks if not live(rid)]:
-            del self._first_blocks[request_id]
+        for request_id in [rid for rid in self._prompts if not live(rid)]:
+            del self._prompts[request_id]
+
+    def prompt_of(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
+        """The request's prompt as int64 tokens (converted once)."""
+        known = self._prompts.get(request_id)
+        if known is None:
+            tokens = np.asarray(token_ids, dtype=np.int64)
+            known = self._prompts[request_id] = (tokens, hash(tokens[:_BLOCK].tobytes()))
+        return known[0]
 
     def is_segment(self, request_id: str) -> bool:
         return request_id.startswith(SEGMENT_ID_PREFIX)
@@ -130,20 +141,26 @@ class PrefixSegments:
     def next_id(self) -> str:
         return f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]
 
-    def plan(self, candidates: Sequence[Candidate]) -> list[tuple[Segment, list[str]]]:
+    def plan(self, candidates: Sequence[Candidate],
+             cached_of: Callable[[str], int] = lambda request_id: 0,
+             ) -> list[tuple[Segment, list[str]]]:
         """New segments among waiting ``candidates`` (in queue order, none held): for each
         request not yet in a group, ``choose_segment`` among those behind it that start with
-        the same block. Returns each new segment (its id assigned, now pending) with its
-        readers' request ids, in queue order."""
+        the same block (``cached_of`` gives what a cached entry gives a request, asked only
+        of those). Returns each new segment (its id assigned, now pending) with its readers'
+        request ids, in queue order."""
         by_block: dict[int, list[Candidate]] = {}
         for candidate in candidates:
             if len(candidate.tokens) <= self.min_tokens:
                 continue
-            block = self._first_blocks.get(candidate.request_id)
-            if block is None:
-                block = self._first_blocks[candidate.request_id] = hash(
-                    candidate.tokens[:_BLOCK].tobytes())
+            self.prompt_of(candidate.request_id, candidate.tokens)
+            block = self._prompts[candidate.request_id][1]
             by_block.setdefault(block, []).append(candidate)
+        for group in by_block.values():
+            if len(group) > 1:
+                for candidate in group:
+                    if candidate.cached is None:
+                        candidate.cached = cached_of(candidate.request_id)
         made: list[tuple[Segment, list[str]]] = []
         grouped: set[str] = set()
         for group in by_block.values():

@@ -6,7 +6,6 @@ import itertools
 import os
 from typing import Any
 
-import numpy as np
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -154,22 +153,27 @@ class KVCompressScheduler(Scheduler):
                        and not request.is_finished())
         if not self.waiting:
             return [], {}
+        if len(self.waiting) < 2 and not segments.pending:
+            return [], {}
         held: list[Any] = []
         candidates: list[Candidate] = []
         for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD):
             if (segments.is_segment(request.request_id) or request.sampling_params is None
                     or not self.reuse.may_read(request)):
                 continue
-            tokens = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            tokens = segments.prompt_of(request.request_id, request.prompt_token_ids)
             settings = resolve(self.compression_config, request.sampling_params)
             if segments.pending and segments.holding(tokens, request.num_prompt_tokens, settings):
                 held.append(request)
             elif (request.status == RequestStatus.WAITING and not request.num_computed_tokens
                   and may_segment(settings, request.num_prompt_tokens)):
-                match = self.reuse.lookup(request)
-                candidates.append(Candidate(request.request_id, tokens, settings,
-                                            0 if match is None else match.hit))
-        for segment, readers in segments.plan(candidates):
+                candidates.append(Candidate(request.request_id, tokens, settings))
+
+        def cached_of(request_id: str) -> int:
+            match = self.reuse.lookup(self.requests[request_id])
+            return 0 if match is None else match.hit
+
+        for segment, readers in segments.plan(candidates, cached_of):
             first = self.requests[readers[0]]
             request = segment_request(segment.request_id, segment.tokens, first)
             self.add_request(request)

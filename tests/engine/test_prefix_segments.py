@@ -20,7 +20,8 @@ def prompt(*parts: tuple[int, int]) -> np.ndarray:
     return np.concatenate([np.arange(first, first + count) for first, count in parts])
 
 
-def candidate(name: str, tokens: np.ndarray, settings: str = "s", cached: int = 0) -> Candidate:
+def candidate(name: str, tokens: np.ndarray, settings: str = "s",
+              cached: int | None = None) -> Candidate:
     return Candidate(name, tokens, settings, cached)
 
 
@@ -64,7 +65,9 @@ def test_plan_makes_one_segment_per_shared_prefix_and_holds_its_readers_until_it
                candidate("a1", prompt(SYSTEM, (7, 40))),
                candidate("b1", prompt((3000, 200), (8, 40))),
                candidate("c0", prompt((5000, 500)))]
-    made = segments.plan(waiting)
+    looked_up = []
+    made = segments.plan(waiting, lambda request_id: looked_up.append(request_id) or 0)
+    assert looked_up == ["a0", "a1", "b0", "b1"], "c0 starts like nobody: no lookup"
     assert [(len(segment.tokens), readers) for segment, readers in made] == [
         (300, ["a0", "a1"]), (200, ["b0", "b1"])]
     assert all(segment.request_id.startswith(SEGMENT_ID_PREFIX) for segment, _ in made)
