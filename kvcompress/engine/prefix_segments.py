@@ -199,7 +199,7 @@ def segment_request(request_id: str, tokens: np.ndarray, reader: Any) -> Any:
     """A vLLM request whose prompt is the segment's tokens, with the reader's compression
     settings and sampling defaults: two output tokens (a request that ends in its prefill
     step is not compressed; the scheduler ends it once its prompt is compacted), no logprobs,
-    no structured output, one sample."""
+    no structured output, one sample, no KV connector transfer."""
     from vllm.v1.request import Request
 
     params = reader.sampling_params.clone()
@@ -207,6 +207,9 @@ def segment_request(request_id: str, tokens: np.ndarray, reader: Any) -> Any:
     params.max_tokens = params.min_tokens = 2
     params.logprobs = params.prompt_logprobs = None
     params.structured_outputs = None
+    if params.extra_args:  # its compression settings, not a KV connector's transfer
+        params.extra_args = {key: value for key, value in params.extra_args.items()
+                             if key not in ("kv_transfer_params", "ec_transfer_params")}
     return Request(request_id, [int(token) for token in tokens], params, None,
                    client_index=reader.client_index, arrival_time=reader.arrival_time,
                    priority=reader.priority)

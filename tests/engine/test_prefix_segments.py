@@ -106,3 +106,33 @@ def test_only_query_agnostic_scores_or_a_prompt_kept_whole_make_a_segment():
     assert may_segment(config(kv_scoring="window", kv_budget=4096), 2000)  # kept whole
     assert may_segment(config(kv_scoring="window", kv_compression="streamingllm"), 2000)
     assert may_segment(KVCompressionConfig.from_mapping({"kv_compression": "none"}), 2000)
+
+
+def test_held_requests_go_back_where_they_were_behind_those_queued_meanwhile():
+    """The scheduler takes held readers out of vLLM's FCFS queue while it schedules and puts
+    them back in their places; requests vLLM put in meanwhile (preempted) go first."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+    from kvcompress.engine.scheduler import KVCompressScheduler
+
+    class Waiting:  # hashable by identity, as vLLM's requests
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+
+    request = Waiting
+
+    a, r1, b, r2, c, preempted = (request(name) for name in
+                                  ("a", "r1", "b", "r2", "c", "preempted"))
+    scheduler = object.__new__(KVCompressScheduler)
+    scheduler.__dict__.update(policy=SchedulingPolicy.FCFS,
+                              waiting=create_request_queue(SchedulingPolicy.FCFS))
+    for item in (a, r1, b, r2, c):
+        scheduler.waiting.add_request(item)
+    positions = {item.request_id: index for index, item in enumerate(scheduler.waiting)}
+    scheduler.waiting.remove_requests([r1, r2])
+    # vLLM admits a, preempts a running request (prepended) and leaves b and c waiting.
+    scheduler.waiting.pop_request()
+    scheduler.waiting.prepend_request(preempted)
+    KVCompressScheduler._unhold(scheduler, [r1, r2], positions)
+    assert [item.request_id for item in scheduler.waiting] == [
+        "preempted", "r1", "b", "r2", "c"]
