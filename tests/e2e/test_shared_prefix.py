@@ -168,3 +168,25 @@ def test_parallel_samples_share_their_prompt(tiny_llama):
         assert_pages_back(harness)
     finally:
         harness.shutdown()
+
+
+def test_a_segment_scored_by_reconstruction_passes_is_filed_after_them(tiny_llama):
+    """--kv-scoring reconstruct: the segment request waits for its passes (parked) and is
+    ended only once its prompt is compacted; the questions adopt the compressed segment."""
+    rng = random.Random(61)
+    prefix = new_tokens(rng, 300)
+    questions = questions_on(prefix, 3, 40, seed=62)
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
+                                         "kv_scoring": "reconstruct"}, **ENGINE)
+    try:
+        answers = harness.generate(questions, greedy(6))
+        assert all(len(answer) == 6 for answer in answers.values())
+        reuse = harness.scheduler.reuse.totals
+        assert (reuse.segments, reuse.segment_tokens, reuse.adopted_tokens) == (1, 300, 900)
+        assert all(harness.cached_tokens[q] == 300 for q in questions)
+        entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
+        (segment,) = [entry for entry in entries if entry.prompt_len == 300]
+        assert not segment.exact_prompt and segment.logical_len == 300
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
