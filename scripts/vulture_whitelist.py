@@ -112,3 +112,7 @@ _.tokens_granted
 # out of running.
 _.max_num_running_reqs
 _.max_num_active_reqs
+# engine/prefix_segments.py: a segment request's SamplingParams fields, read by vLLM.
+_.logprobs
+_.prompt_logprobs
+_.structured_outputs

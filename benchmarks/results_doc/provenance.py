@@ -148,6 +148,11 @@ CHANGES: tuple[Change, ...] = (
            "prefix-cache entries that waiting requests will adopt are evicted last, the one "
            "needed latest first (was least recently used first)",
            ("multi_turn", "multi_turn_recall", "shared_prefix")),
+    Change("f251d03", "2026-12-04T14:32:36+00:00",
+           "waiting requests that share a prefix compute and compress it once (a segment "
+           "request of its own) and wait for it, then read it in place (was: each prefilled "
+           "and compressed its own copy)",
+           ("shared_prefix",), measured_by=("shared_prefix_segments.json",)),
 )
 
 

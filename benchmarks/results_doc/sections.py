@@ -214,7 +214,8 @@ SECTIONS: tuple[Section, ...] = (
             ("streaming_latency.json", "streaming_latency_inline_passes.json"),
             _streaming_latency),
     Section("shared_prefix", "A prefix shared by running requests",
-            ("shared_prefix.json", "shared_prefix_n4_scoring.json"), _shared_prefix),
+            ("shared_prefix_segments.json", "shared_prefix.json",
+             "shared_prefix_n4_scoring.json"), _shared_prefix),
 )
 
 

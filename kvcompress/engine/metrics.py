@@ -117,6 +117,11 @@ class _Metrics:
         self.evicted_entries = Counter("kvcompress:cache_evicted_entries",
                                        "Cached caches evicted because running requests needed "
                                        "their pages", labels)
+        self.segment_tokens = Counter("kvcompress:prefix_segment_tokens",
+                                      "Prompt tokens of prefixes that waiting requests share, "
+                                      "prefilled and compressed once by a request of their own "
+                                      "(no client's request: not in vLLM's prompt tokens)",
+                                      labels)
 
 
 _METRICS: _Metrics | None = None
@@ -161,6 +166,7 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.adoptions.labels(engine, "share").inc(figures.get("shares", 0))
         metrics.adoptions.labels(engine, "handover").inc(figures.get("handovers", 0))
         metrics.evicted_entries.labels(engine).inc(figures.get("evicted_entries", 0))
+        metrics.segment_tokens.labels(engine).inc(figures.get("segment_tokens", 0))
 
     def log_engine_initialized(self) -> None:
         pass

@@ -63,6 +63,10 @@ class PrefixCacheFigures:
     shares: int = 0
     handovers: int = 0
     evicted_entries: int = 0
+    # Shared prefixes computed once by a segment request (``prefix_segments``) and their
+    # prompt tokens (prefilled by no client request).
+    segments: int = 0
+    segment_tokens: int = 0
 
     def take(self) -> dict[str, int]:
         figures = dataclasses.asdict(self)
@@ -147,6 +151,14 @@ class PrefixCachePolicy:
         for entry_id in self.pages.entry_ids():
             self.pages.drop_entry(entry_id)
             self.index.remove(entry_id)
+
+    def count_segment(self, tokens: int) -> None:
+        """A segment request of ``tokens`` prompt tokens was queued (``prefix_segments``)."""
+        self._count(segments=1, segment_tokens=tokens)
+
+    def may_read(self, request: Any) -> bool:
+        """Whether the request may look up (and so adopt) an entry."""
+        return self.enabled and self._may_read(request)
 
     def _count(self, **figures: int) -> None:
         for counts in (self.figures, self.totals):

@@ -23,6 +23,13 @@ from kvcompress.engine.messages import (
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.pass_schedule import PassSchedule, StepPasses
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.prefix_segments import (
+    SEGMENT_LOOKAHEAD,
+    Candidate,
+    PrefixSegments,
+    may_segment,
+    segment_request,
+)
 from kvcompress.engine.request_settings import resolve
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.scoring_memory import ScoringGate
@@ -85,6 +92,9 @@ class KVCompressScheduler(Scheduler):
         self._full_token_budget = self.max_num_scheduled_tokens
         self.passes = PassSchedule()
         self._parked_now: list[Any] = []  # out of self.running while vLLM schedules
+        # Shared prefixes of waiting requests, each computed once by a request of its own
+        # (``engine.prefix_segments``); their readers are out of self.waiting meanwhile.
+        self.segments = PrefixSegments()
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
@@ -118,15 +128,108 @@ class KVCompressScheduler(Scheduler):
         self._order_running_by_recompute_cost()
         self._plan_cache_evictions()
         freed_before = self.kv_cache_manager.window_freed_pages
+        held, positions = self._share_prefixes()
         passes = self._grant_passes()
         try:
             scheduler_output = super().schedule(*args, **kwargs)
         finally:
             self._unpark(passes)
+            self._unhold(held, positions)
         self.figures.window_freed_pages += self.kv_cache_manager.window_freed_pages - freed_before
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
+
+    def _share_prefixes(self) -> tuple[list[Any], dict[str, int]]:
+        """Queue a segment request for each prefix that waiting requests share
+        (``PrefixSegments.plan``), and take out of ``self.waiting`` the requests whose
+        prompts start with a segment still being computed: held while vLLM schedules, so that
+        they adopt it once filed rather than prefill it again, without blocking the requests
+        behind them. Returns the held requests and the queue positions (``_unhold``)."""
+        segments = self.segments
+        if not self.reuse.enabled:
+            return [], {}
+        segments.prune(lambda request_id: (request := self.requests.get(request_id)) is not None
+                       and not request.is_finished())
+        if not self.waiting:
+            return [], {}
+        if len(self.waiting) < 2 and not segments.pending:
+            return [], {}
+        held: list[Any] = []
+        candidates: list[Candidate] = []
+        for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD):
+            if (segments.is_segment(request.request_id) or request.sampling_params is None
+                    or not self.reuse.may_read(request)):
+                continue
+            tokens = segments.prompt_of(request.request_id, request.prompt_token_ids)
+            settings = resolve(self.compression_config, request.sampling_params)
+            if segments.pending and segments.holding(tokens, request.num_prompt_tokens, settings):
+                held.append(request)
+            elif (request.status == RequestStatus.WAITING and not request.num_computed_tokens
+                  and may_segment(settings, request.num_prompt_tokens)):
+                candidates.append(Candidate(request.request_id, tokens, settings))
+
+        def cached_of(request_id: str) -> int:
+            match = self.reuse.lookup(self.requests[request_id])
+            return 0 if match is None else match.hit
+
+        for segment, readers in segments.plan(candidates, cached_of):
+            first = self.requests[readers[0]]
+            request = segment_request(segment.request_id, segment.tokens, first)
+            self.add_request(request)
+            # First in the queue: a short prefill that unblocks every reader.
+            self.waiting.remove_request(request)
+            self.waiting.prepend_request(request)
+            self.reuse.count_segment(len(segment.tokens))
+            held.extend(self.requests[request_id] for request_id in readers)
+            logger.debug("kvcompress: %d waiting requests share %d prompt tokens, computed "
+                         "once by %s", len(readers), len(segment.tokens), segment.request_id)
+        if not held:
+            return [], {}
+        positions = {request.request_id: index for index, request in enumerate(self.waiting)}
+        self.waiting.remove_requests(held)
+        return held, positions
+
+    def _unhold(self, held: list[Any], positions: dict[str, int]) -> None:
+        """Put the held requests back into ``self.waiting`` where they were (first come,
+        first served: requests queued during the step, preempted ones, go first)."""
+        if not held:
+            return
+        if self.policy != SchedulingPolicy.FCFS:
+            for request in held:
+                self.waiting.add_request(request)
+            return
+        rest = list(self.waiting)
+        self.waiting.remove_requests(rest)
+        new = [request for request in rest if request.request_id not in positions]
+        old = sorted([*(request for request in rest if request.request_id in positions), *held],
+                     key=lambda request: positions[request.request_id])
+        for request in [*new, *old]:
+            self.waiting.add_request(request)
+
+    def _end_segment_requests(self, outputs: dict[int, Any]) -> None:
+        """A segment request ends once its prompt is computed and compacted (not while it
+        waits for reconstruction passes): finished as aborted, its pages are filed as an
+        entry cut at its prompt's end. Its outputs never leave the engine."""
+        segments = self.segments
+        if not segments.pending and not self.segments.made:
+            return
+        done = [request_id for request_id in segments.pending
+                if (request := self.requests.get(request_id)) is not None
+                and not request.is_finished()
+                and request.num_computed_tokens >= request.num_prompt_tokens
+                and request_id not in self.passes.parked()]
+        if done:
+            self.finish_requests(done, RequestStatus.FINISHED_ABORTED)
+            for request_id in done:
+                segments.pending.pop(request_id, None)
+        for batch in outputs.values():
+            batch.outputs = [output for output in batch.outputs
+                             if not segments.is_segment(output.request_id)]
+            finished = getattr(batch, "finished_requests", None)
+            if finished:
+                batch.finished_requests = {request_id for request_id in finished
+                                           if not segments.is_segment(request_id)}
 
     def _plan_cache_evictions(self) -> None:
         """The prefix-cache entries the first waiting requests will adopt are evicted last,
@@ -219,6 +322,7 @@ class KVCompressScheduler(Scheduler):
             self.scoring_gate.prune(self.requests, held=self.passes.parked())
             if failed:
                 self._finish_with_error(failed, outputs)
+            self._end_segment_requests(outputs)
         finally:
             self.kv_cache_manager.unfileable = set()
         if self.check_pages_every_step:

@@ -110,6 +110,37 @@ def test_next_chat_turn_reports_the_previous_turn_as_cached(server):
     assert kv_usage(base) == 0.0  # cached pages are evictable, not in use
 
 
+def test_chats_sent_at_once_share_their_system_prompt(server):
+    """Eight chats on one long system prompt sent at once (issue 40): the engine computes the
+    shared prefix once for those that wait together (a segment request, not seen by any
+    client: every reply is a client's), they report it as cached, and all answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, model, _ = server
+    system = long_question(700).rsplit("\n", 1)[0]
+    before = requests.get(f"{base}/metrics", timeout=10).text
+
+    def ask(number: int):
+        return client(base).chat.completions.create(
+            model=model, max_tokens=8, temperature=0,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": f"Question {number}: what color is the "
+                                                  "sky? One word."}])
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, range(8)))
+    assert all(reply.choices[0].message.content.strip() for reply in replies)
+    cached = [reply.usage.prompt_tokens_details.cached_tokens or 0 for reply in replies]
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    segment_tokens = metric(text, "kvcompress:prefix_segment_tokens_total") - (
+        metric(before, "kvcompress:prefix_segment_tokens_total")
+        if "kvcompress:prefix_segment_tokens_total" in before else 0)
+    # The first chat may be admitted alone (it then computes the prefix itself); those that
+    # waited together read one segment.
+    assert segment_tokens > 500
+    assert sum(count >= 500 for count in cached) >= 6, cached
+
+
 def assert_bad_budget_is_http_400(base: str, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         client(base).chat.completions.create(

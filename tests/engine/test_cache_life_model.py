@@ -50,6 +50,7 @@ from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import REPORT_ATTR
 from kvcompress.engine.pass_schedule import PassSchedule
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.prefix_segments import PrefixSegments
 from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_moves import MoveBatch
@@ -142,7 +143,7 @@ class CacheLife:
             log_stats=False, check_pages_every_step=True, requests=self.requests,
             num_pages_freed_by_compression=0,
             scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
-            passes=PassSchedule())
+            passes=PassSchedule(), segments=PrefixSegments())
 
         def update_from_output(self, scheduler_output, model_runner_output):
             for request_id, num_new in scheduler_output.num_scheduled_tokens.items():

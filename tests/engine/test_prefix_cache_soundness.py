@@ -26,6 +26,7 @@ from kvcompress.engine.admission import AdmissionPlanner, peak_pages
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
 from kvcompress.engine.pass_schedule import PassSchedule
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.prefix_segments import PrefixSegments
 from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_runtime import PagedKVRuntime
@@ -222,7 +223,7 @@ def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that
         kv_cache_manager=manager, page_manager=manager.pages, reuse=manager.reuse,
         log_stats=False, check_pages_every_step=False, requests={"a": done},
         scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
-            passes=PassSchedule())
+            passes=PassSchedule(), segments=PrefixSegments())
 
     def vllm_update(self, scheduler_output, model_runner_output):
         # vLLM: "a" hit its stop condition in this step, so it is finished and freed.

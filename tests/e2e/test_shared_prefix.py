@@ -1,0 +1,192 @@
+"""Requests that arrive together with one prefix (issue 40 items 2-3): the prefix is computed
+and compressed once, by a segment request of its own, the requests wait for it and read it
+in place (``engine/prefix_segments.py``). Page invariants are checked every step
+(KVCOMPRESS_CHECK_PAGES=1)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.request import RequestStatus
+
+from .harness import EngineHarness, assert_default_scoring, greedy
+
+pytestmark = pytest.mark.slow
+
+EXACT = {"kv_compression": "pyramidkv", "kv_budget": 100_000}
+ENGINE = dict(dtype="float32", max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8,
+              kv_cache_memory_bytes=64 << 20)
+
+
+def new_tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(100, 49000) for _ in range(count)]
+
+
+def questions_on(prefix: list[int], count: int, own: int, seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"q{i}": prefix + new_tokens(rng, own) for i in range(count)}
+
+
+def assert_pages_back(harness: EngineHarness) -> None:
+    pages = harness.page_manager
+    assert not pages.request_ids() and pages.num_available == pages.total_pages
+    harness.scheduler.check_pages()
+
+
+def segment_ids(harness: EngineHarness) -> list[str]:
+    return [request_id for request_id in harness.scheduler.requests
+            if harness.scheduler.segments.is_segment(request_id)]
+
+
+def test_arriving_together_they_compute_the_prefix_once_and_answer_as_vanilla(tiny_llama):
+    """Four questions on one 300-token prefix, sent at once, no warm-up: one segment request
+    prefills the prefix (300 tokens), the four wait for it, then each adopts it by sharing,
+    prefills only its 40 tokens and reports 300 cached; the pages they hold together count
+    the prefix's once; with a budget above every prompt the answers are vanilla's (with
+    vLLM's prefix caching), and no output of the segment request reaches the client."""
+    rng = random.Random(21)
+    prefix = new_tokens(rng, 300)
+    questions = questions_on(prefix, 4, 40, seed=22)
+    answers, held = {}, {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
+        harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True, **ENGINE)
+        try:
+            for request_id, prompt in questions.items():
+                harness.add(request_id, prompt, greedy(12))
+            if compression:
+                harness.step()
+                scheduler = harness.scheduler
+                assert len(segment_ids(harness)) == 1, "one segment request for the four"
+                # The questions wait while the segment request prefills (256-token chunks).
+                assert not any(scheduler.page_manager.shards[0].request_ids()
+                               & {harness.internal_id(q) for q in questions})
+                while not all(harness.internal_id(q) in harness.page_manager
+                              for q in questions):
+                    harness.step()
+                pages = harness.rank_pages()
+                ids = [harness.internal_id(q) for q in questions]
+                own = sum(pages.owned_pages(i) - int(pages.shared_pages([i])[0]) for i in ids)
+                held = {"together": pages.owned_pages(), "read": pages.num_read, "own": own}
+            answers[name] = harness.run_until_done()
+            if compression:
+                assert all(harness.cached_tokens[q] == 300 for q in questions)
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.segments, reuse.segment_tokens) == (1, 300)
+                assert reuse.adopted_tokens == 4 * 300 and reuse.shares + reuse.handovers == 4
+                assert set(answers[name]) == set(questions), "segment outputs stay inside"
+                assert not segment_ids(harness)
+                assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["kvcompress"] == answers["vanilla"]
+    assert held["read"] > 0 and held["together"] == held["read"] + held["own"]
+
+
+def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
+    """The default serve settings (pyramidkv, surrogate scoring, reuse on) on the embedded
+    SmolLM2: eight questions on a 600-token prefix; the prefix is compressed once (its entry
+    holds fewer tokens per row than the prefix), every question reads it and compresses
+    only its own part, and each answer matches what the question gets adopting the same
+    segment alone."""
+    rng = random.Random(31)
+    prefix = new_tokens(rng, 600)
+    questions = questions_on(prefix, 8, 120, seed=32)
+    settings = {"kv_compression": "pyramidkv", "kv_budget": 128}
+    answers = {}
+    for mode in ("together", "alone"):
+        harness = EngineHarness(embedded_model, settings, dtype="float32", max_model_len=1024,
+                                max_num_batched_tokens=1024, max_num_seqs=16,
+                                kv_cache_memory_bytes=256 << 20)
+        try:
+            assert_default_scoring(harness)
+            if mode == "together":
+                answers[mode] = harness.generate(questions, greedy(8))
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.segments, reuse.segment_tokens) == (1, 600)
+                entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
+                segment = [e for e in entries if e.prompt_len == 600]
+                # Compressed (budget shared model-wide: some rows keep all, most keep few).
+                assert len(segment) == 1 and segment[0].prompt_evicted.mean() > 300
+            else:
+                # The same segment made by a two-token warm-up, then each question alone.
+                harness.generate({"warm": prefix}, SamplingParams(
+                    temperature=0.0, max_tokens=2, min_tokens=2))
+                answers[mode] = {q: harness.generate({q: p}, greedy(8))[q]
+                                 for q, p in questions.items()}
+            assert all(harness.cached_tokens[q] == 600 for q in questions)
+            assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["together"] == answers["alone"]
+
+
+def test_aborting_the_segment_request_releases_its_readers(tiny_llama):
+    """The segment request aborted while it prefills (256 of its 600 tokens computed): the
+    questions are held no longer. What it computed was filed (an aborted prompt is kept
+    whole), so the next step makes a second segment request that adopts those 256 tokens
+    and computes the rest; the questions adopt its 600 and answer as vanilla."""
+    rng = random.Random(41)
+    prefix = new_tokens(rng, 600)
+    questions = questions_on(prefix, 3, 30, seed=42)
+    answers = {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
+        harness = EngineHarness(tiny_llama, compression, **ENGINE)
+        try:
+            for request_id, prompt in questions.items():
+                harness.add(request_id, prompt, greedy(6))
+            if compression:
+                harness.step()
+                (segment,) = segment_ids(harness)
+                harness.scheduler.finish_requests(segment, RequestStatus.FINISHED_ABORTED)
+            answers[name] = harness.run_until_done()
+            if compression:
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.segments, reuse.segment_tokens) == (2, 1200)
+                assert reuse.adopted_tokens == 256 + 3 * 600
+                assert all(harness.cached_tokens[q] == 600 for q in questions)
+                assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["kvcompress"] == answers["vanilla"]
+
+
+def test_parallel_samples_share_their_prompt(tiny_llama):
+    """n = 4: vLLM's four sample requests of one prompt compute it once between them (all
+    but its last token, which each computes for its own logits)."""
+    rng = random.Random(51)
+    prompt = new_tokens(rng, 200)
+    harness = EngineHarness(tiny_llama, EXACT, **ENGINE)
+    try:
+        harness.add("p", prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=6, n=4))
+        harness.run_until_done()
+        reuse = harness.scheduler.reuse.totals
+        assert (reuse.segments, reuse.segment_tokens) == (1, 199)
+        assert reuse.adopted_tokens == 4 * 199
+        assert harness.cached_tokens["p"] == 199
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+
+
+def test_a_segment_scored_by_reconstruction_passes_is_filed_after_them(tiny_llama):
+    """--kv-scoring reconstruct: the segment request waits for its passes (parked) and is
+    ended only once its prompt is compacted; the questions adopt the compressed segment."""
+    rng = random.Random(61)
+    prefix = new_tokens(rng, 300)
+    questions = questions_on(prefix, 3, 40, seed=62)
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
+                                         "kv_scoring": "reconstruct"}, **ENGINE)
+    try:
+        answers = harness.generate(questions, greedy(6))
+        assert all(len(answer) == 6 for answer in answers.values())
+        reuse = harness.scheduler.reuse.totals
+        assert (reuse.segments, reuse.segment_tokens, reuse.adopted_tokens) == (1, 300, 900)
+        assert all(harness.cached_tokens[q] == 300 for q in questions)
+        entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
+        (segment,) = [entry for entry in entries if entry.prompt_len == 300]
+        assert not segment.exact_prompt and segment.logical_len == 300
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()

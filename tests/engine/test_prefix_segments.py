@@ -1,0 +1,138 @@
+"""Where a shared prefix ends, who computes it and who waits for it (``prefix_segments``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcompress.engine.prefix_segments import (
+    SEGMENT_ID_PREFIX,
+    Candidate,
+    PrefixSegments,
+    choose_segment,
+    may_segment,
+    shared_length,
+)
+from kvcompress.settings.config import KVCompressionConfig
+
+
+def prompt(*parts: tuple[int, int]) -> np.ndarray:
+    """Concatenated runs ``(first_token, count)``: runs with equal first tokens are equal."""
+    return np.concatenate([np.arange(first, first + count) for first, count in parts])
+
+
+def candidate(name: str, tokens: np.ndarray, settings: str = "s",
+              cached: int | None = None) -> Candidate:
+    return Candidate(name, tokens, settings, cached)
+
+
+SYSTEM = (1000, 300)
+
+
+def test_shared_length_leaves_each_prompt_its_last_token():
+    a, b = prompt(SYSTEM, (5, 10)), prompt(SYSTEM, (90, 10))
+    assert shared_length(a, b) == 300
+    assert shared_length(a, a.copy()) == len(a) - 1  # parallel samples: all but the last
+    assert shared_length(a[:1], a) == 0
+
+
+def test_the_segment_is_what_most_readers_share_not_a_stray_pair_or_a_stray_request():
+    first = candidate("q0", prompt(SYSTEM, (5, 40)))
+    others = [candidate(f"q{i}", prompt(SYSTEM, (100 * i, 40))) for i in range(1, 6)]
+    # q6 shares 20 tokens more with q0 (the same first question words); q7 only 100 tokens.
+    others.append(candidate("q6", prompt(SYSTEM, (5, 20), (9000, 20))))
+    others.append(candidate("q7", prompt((1000, 100), (7000, 240))))
+    length, readers = choose_segment(first, others)
+    assert length == 300
+    assert readers == ["q0", "q1", "q2", "q3", "q4", "q5", "q6"]
+
+
+def test_no_segment_alone_short_or_already_cached_or_under_other_settings():
+    first = candidate("q0", prompt(SYSTEM, (5, 40)))
+    assert choose_segment(first, []) == (0, [])
+    assert choose_segment(first, [candidate("q1", prompt(SYSTEM, (9, 40)), "other")]) == (0, [])
+    short = candidate("q1", prompt((1000, 40), (9, 40)))
+    assert choose_segment(first, [short]) == (0, [])
+    # A cached entry gives them 280 already: 20 more tokens are not worth a request.
+    cached = [candidate("q1", prompt(SYSTEM, (9, 40)), cached=280)]
+    assert choose_segment(first, cached) == (0, [])
+    assert choose_segment(first, [candidate("q1", prompt(SYSTEM, (9, 40)), cached=100)])[0] == 300
+
+
+def test_plan_makes_one_segment_per_shared_prefix_and_holds_its_readers_until_it_is_gone():
+    segments = PrefixSegments()
+    waiting = [candidate("a0", prompt(SYSTEM, (5, 40))),
+               candidate("b0", prompt((3000, 200), (6, 40))),
+               candidate("a1", prompt(SYSTEM, (7, 40))),
+               candidate("b1", prompt((3000, 200), (8, 40))),
+               candidate("c0", prompt((5000, 500)))]
+    looked_up = []
+    made = segments.plan(waiting, lambda request_id: looked_up.append(request_id) or 0)
+    assert looked_up == ["a0", "a1", "b0", "b1"], "c0 starts like nobody: no lookup"
+    assert [(len(segment.tokens), readers) for segment, readers in made] == [
+        (300, ["a0", "a1"]), (200, ["b0", "b1"])]
+    assert all(segment.request_id.startswith(SEGMENT_ID_PREFIX) for segment, _ in made)
+    assert segments.is_segment(made[0][0].request_id) and not segments.is_segment("a0")
+    assert (segments.made, segments.tokens) == (2, 500)
+    # A request arriving while the segment is computed waits for it; one under other
+    # settings, or whose prompt is the prefix itself, does not.
+    late = prompt(SYSTEM, (11, 30))
+    assert segments.holding(late, len(late), "s")
+    assert not segments.holding(late, len(late), "other")
+    assert not segments.holding(prompt(SYSTEM), 300, "s")
+    # Held requests are not grouped again (the scheduler leaves them out), and the
+    # segment request gone (filed, aborted, failed) holds nobody.
+    first_id = made[0][0].request_id
+    segments.prune(lambda request_id: request_id != first_id)
+    assert not segments.holding(late, len(late), "s")
+    assert segments.holding(prompt((3000, 200), (1, 9)), 209, "s")
+    segments.prune(lambda request_id: False)
+    assert not segments.pending
+
+
+def test_parallel_samples_share_all_but_their_last_token():
+    same = prompt(SYSTEM, (5, 40))
+    made = PrefixSegments().plan([candidate(f"{i}_r", same.copy()) for i in range(4)])
+    assert [(len(segment.tokens), len(readers)) for segment, readers in made] == [(339, 4)]
+
+
+def test_only_query_agnostic_scores_or_a_prompt_kept_whole_make_a_segment():
+    def config(**values):
+        return KVCompressionConfig.from_mapping({"kv_compression": "pyramidkv", **values})
+
+    assert may_segment(config(kv_scoring="surrogate"), 2000)
+    assert may_segment(config(kv_scoring="reconstruct"), 2000)
+    assert not may_segment(config(kv_scoring="window"), 2000)
+    assert not may_segment(config(kv_scoring="hybrid-surrogate"), 2000)
+    assert may_segment(config(kv_scoring="window", kv_budget=4096), 2000)  # kept whole
+    assert may_segment(config(kv_scoring="window", kv_compression="streamingllm"), 2000)
+    assert may_segment(KVCompressionConfig.from_mapping({"kv_compression": "none"}), 2000)
+
+
+def test_held_requests_go_back_where_they_were_behind_those_queued_meanwhile():
+    """The scheduler takes held readers out of vLLM's FCFS queue while it schedules and puts
+    them back in their places; requests vLLM put in meanwhile (preempted) go first."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+    from kvcompress.engine.scheduler import KVCompressScheduler
+
+    class Waiting:  # hashable by identity, as vLLM's requests
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+
+    request = Waiting
+
+    a, r1, b, r2, c, preempted = (request(name) for name in
+                                  ("a", "r1", "b", "r2", "c", "preempted"))
+    scheduler = object.__new__(KVCompressScheduler)
+    scheduler.__dict__.update(policy=SchedulingPolicy.FCFS,
+                              waiting=create_request_queue(SchedulingPolicy.FCFS))
+    for item in (a, r1, b, r2, c):
+        scheduler.waiting.add_request(item)
+    positions = {item.request_id: index for index, item in enumerate(scheduler.waiting)}
+    scheduler.waiting.remove_requests([r1, r2])
+    # vLLM admits a, preempts a running request (prepended) and leaves b and c waiting.
+    scheduler.waiting.pop_request()
+    scheduler.waiting.prepend_request(preempted)
+    KVCompressScheduler._unhold(scheduler, [r1, r2], positions)
+    assert [item.request_id for item in scheduler.waiting] == [
+        "preempted", "r1", "b", "r2", "c"]
