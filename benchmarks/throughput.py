@@ -4,7 +4,9 @@ Every configuration gets the same engine settings (KV-cache memory, max_num_seqs
 max_num_batched_tokens, max_model_len, dtype, eager/compiled) and the same prompts (token ids
 made once, here), and runs in its own worker process, one after the other:
 
-    python -m benchmarks.throughput                                    # defaults (CPU: ~22 min)
+    python -m benchmarks.throughput              # defaults: both workloads (CPU: ~35-40 min?)
+    python -m benchmarks.throughput --workload random                  # (CPU: ~22 min)
+    python -m benchmarks.throughput --workload system-prompt           # issue 40's chats
     python -m benchmarks.throughput --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
         --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
     python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
@@ -23,6 +25,20 @@ kvcompress its multi-turn reuse and the reconstruction pass of ``--kv-scoring au
 synthetic prompts are random token ids, so no two share a prefix; the prefix cache is
 emptied after the warm-up and before the prefill-only pass, which would otherwise find its
 prompts cached. ``--no-prefix-caching`` turns it off (recorded, and said above the table).
+
+Workloads (``--workload``, both by default, each with its own table and ratios to vanilla):
+``random``, random token ids (``--num-prompts``, ``--input-len``, ``--output-len``,
+``--kv-cache-tokens``); ``system-prompt``, issue 40's first target: ``--system-prompt-chats``
+(32) chats sharing one system prompt of ``--system-prompt-tokens`` (1500: a document, the
+template's head included ~1520 shared ids), each with its own user message of
+``--question-tokens`` (270) and ``--output-len`` (128) tokens out, in
+``--system-prompt-kv-memory`` (130 MiB) of KV; its configurations: vanilla and
+``pyramidkv:r=0.875`` (``--system-prompt-configs``, or ``--configs`` when given). Its
+prompts share a prefix, so vanilla's prefix cache serves it from the running requests'
+blocks while kvcompress prefills each chat's copy (issue 40 is that gap). The headline and
+``--sweep-kv-memory`` / ``--long-generation`` are the random workload's. Time on 2 busy
+cores: the random workload ~22 min; the system-prompt one adds about one random-workload
+configuration per kvcompress configuration and a minute for vanilla (an estimate).
 
 Memory-bound by design: the KV cache holds only a few uncompressed requests
 (``--kv-cache-tokens``) while ``--max-num-seqs`` is large, so the number of requests that run

@@ -135,3 +135,32 @@ def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
     assert rows["pyramidkv:100000@h2o:40"]["prefix@80"] == 1.0
     window = rows["pyramidkv:100000@window:8"]
     assert 0.0 <= window["prefix@80"] <= window["match@80"] <= 1.0
+
+
+def test_shared_prefix_system_prompt_end_to_end(tmp_path, embedded_model):
+    out = tmp_path / "shared_prefix.json"
+    run_script([
+        "-m", "benchmarks.shared_prefix", "--model", embedded_model, "--workload",
+        "system-prompt", "--configs", "vanilla,pyramidkv:r=0.75", "--requests", "3",
+        "--arrivals", "concurrent,staggered", "--doc-tokens", "300", "--question-tokens", "40",
+        "--answer-tokens", "4", "--kv-pools", "2,20M", "--output-json", str(out),
+        "--no-progress",
+    ], timeout=900)
+    report = json.loads(out.read_text())
+    assert report["workload"]["kind"] == "system-prompt"
+    assert "kv_held_derivation" in report and set(report["settings"]["kv_pools"]) == {"2x", "20M"}
+    rows = report["configs"]
+    assert [(r["pool"], r["label"]) for r in rows] == [
+        ("2x", "vanilla"), ("2x", "pyramidkv:r=0.75"), ("20M", "vanilla"),
+        ("20M", "pyramidkv:r=0.75")]
+    for row in rows:
+        assert row["ok"], row.get("error")
+        assert [s["scenario"] for s in row["scenarios"]] == ["n3-concurrent", "n3-staggered"]
+        for figures in row["scenarios"]:
+            assert figures["output_tokens"] == 12 and figures["kv_held_per_request"] > 0
+            assert figures["peak_kv_held"] <= row["kv_cache_memory_bytes"]
+            assert figures["vs_vanilla"]["kv_held_per_request"] is not None
+    # vanilla reads the running first request's prefix blocks: the staggered readers find
+    # it cached
+    staggered = rows[0]["scenarios"][1]
+    assert staggered["requests_with_cache_hit"] >= 2
