@@ -55,17 +55,18 @@ bytes; ``KV MB/req``): the mean over engine steps with requests running of the p
 (vLLM's ``kv_cache_usage``: blocks or pages that running requests hold, a shared one counted
 once, cached ones no running request reads not counted) times the KV bytes, over the running
 requests. It is the pool's occupancy divided among its readers, not any one request's pages:
-which pages "belong" to a request is ambiguous once they are shared, and what a shared
-prefix saves shows as less memory per reader. Also its peak (``peak_kv_held``: the most
-bytes running requests held at once) and the per-request figure in tokens of the model's
-dtype (``kv_held_per_request_tokens``). Prefill tokens computed (vLLM's iteration
-details: tokens scheduled per step less one per decoding request; a preempted request's
-recompute counts), and the same in copies of the shared prefix (``prefix_computed``:
+which pages "belong" to a request is ambiguous once they are shared, and what a shared prefix
+saves shows as less memory per reader. kvcompress's usage is a share of its page pool, which
+leaves out its scoring reserve, so its bytes are an upper bound. Also its peak
+(``peak_kv_held``: the most bytes running requests held at once) and the per-request figure in
+tokens of the model's dtype (``kv_held_per_request_tokens``). Prefill tokens computed (vLLM's
+iteration details: tokens scheduled per step less one per decoding request; a preempted
+request's recompute counts), and the same in copies of the shared prefix (``prefix_computed``:
 (prefill - every prompt's own part) / prefix length); cached tokens
-(``RequestOutput.num_cached_tokens``); peak running requests, preemptions; time to first
-token (from each request's submission to the step that returned its first token, monotonic
-clock) mean and median; output tokens per second over the scenario's wall time; answers
-right. Ratios: every kvcompress figure over vanilla's in the same pool and scenario.
+(``RequestOutput.num_cached_tokens``); peak running requests, preemptions; time to first token
+(from each request's submission to the step that returned its first token, monotonic clock)
+mean and median; output tokens per second over the scenario's wall time; answers right.
+Ratios: every kvcompress figure over vanilla's in the same pool and scenario.
 """
 
 from __future__ import annotations
@@ -270,7 +271,9 @@ def scenario_figures(scenario: Mapping[str, Any], records: Sequence[Mapping[str,
 KV_HELD_DERIVATION = (
     "kv_held_per_request: mean over engine steps with running > 0 of kv_cache_usage * "
     "kv_cache_memory_bytes / running (usage: blocks or pages running requests hold, a shared "
-    "one once); peak_kv_held: max of kv_cache_usage * kv_cache_memory_bytes")
+    "one once); peak_kv_held: max of kv_cache_usage * kv_cache_memory_bytes. kvcompress's "
+    "usage is out of its page pool, which excludes its scoring reserve, so its figures are "
+    "upper bounds")
 
 
 def kv_held(busy: Sequence[Any], kv_bytes: int, per_token: int | None) -> dict[str, Any]:
