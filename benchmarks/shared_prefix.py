@@ -63,10 +63,12 @@ tokens of the model's dtype (``kv_held_per_request_tokens``). Prefill tokens com
 iteration details: tokens scheduled per step less one per decoding request; a preempted
 request's recompute counts), and the same in copies of the shared prefix (``prefix_computed``:
 (prefill - every prompt's own part) / prefix length); cached tokens
-(``RequestOutput.num_cached_tokens``); peak running requests, preemptions; time to first token
-(from each request's submission to the step that returned its first token, monotonic clock)
-mean and median; output tokens per second over the scenario's wall time; answers right.
-Ratios: every kvcompress figure over vanilla's in the same pool and scenario.
+(``RequestOutput.num_cached_tokens``), and the fewest any reader but the first (request 0) had
+(``min_cached_after_first``; the table: over the prefix length); peak running requests,
+preemptions; time to first token (from each request's submission to the step that returned its
+first token, monotonic clock) mean and median; output tokens per second over the scenario's
+wall time; answers right. Ratios: every kvcompress figure over vanilla's in the same pool and
+scenario.
 """
 
 from __future__ import annotations
@@ -257,6 +259,9 @@ def scenario_figures(scenario: Mapping[str, Any], records: Sequence[Mapping[str,
         "prompt_tokens": sum(r["prompt_tokens"] for r in records),
         "cached_tokens": sum(r["cached_tokens"] for r in records),
         "requests_with_cache_hit": sum(1 for r in records if r["cached_tokens"] > 0),
+        # issue 40's target: every reader after the first finds the prefix cached
+        "min_cached_after_first": min((r["cached_tokens"] for r in records
+                                       if r["index"] > 0), default=None),
         "prefill_tokens": prefill_tokens,
         "prefix_computed": (prefill_tokens - own) / prefix if prefix else None,
         "ttft_mean": _mean(ttfts), "ttft_p50": statistics.median(ttfts) if ttfts else None,
@@ -304,7 +309,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                       and base.get(key) else None) for key in RATIO_KEYS}
 
 
-KV_HELD_COLUMNS = ("kv_held_mb", "kv_held_per_request_x", "peak_kv_mb")
+# shown once a result has KV held (results from before it keep their table)
+KV_HELD_COLUMNS = ("kv_held_mb", "kv_held_per_request_x", "peak_kv_mb",
+                   "cached_after_first")
 
 
 def _mb(value: float | None) -> float | None:
@@ -318,11 +325,17 @@ def render(rows: Sequence[Mapping[str, Any]]) -> str:
             ratios = s.get("vs_vanilla") or {}
             table.append({"pool": row["pool"], "config": row["label"], **s,
                           "kv_held_mb": _mb(s.get("kv_held_per_request")),
+                          "cached_after_first": (
+                              s["min_cached_after_first"] / s["prefix_tokens"]
+                              if s.get("min_cached_after_first") is not None
+                              and s.get("prefix_tokens") else None),
                           "peak_kv_mb": _mb(s.get("peak_kv_held")),
                           **{f"{key}_x": value for key, value in ratios.items()}})
     columns = [("pool", "pool"), ("config", "config"), ("scenario", "scenario"),
                ("prefix_computed", "prefix x computed"), ("cached_tokens", "cached tok"),
-               ("prefill_tokens_x", "prefill x van"), ("peak_running", "peak run"),
+               ("prefill_tokens_x", "prefill x van"),
+               ("cached_after_first", "min cached after 1st / prefix"),
+               ("peak_running", "peak run"),
                ("preemptions", "preempt"), ("kv_held_mb", "KV MB/req"),
                ("kv_held_per_request_x", "x van"), ("peak_kv_mb", "peak KV MB"),
                ("ttft_mean", "TTFT s"),

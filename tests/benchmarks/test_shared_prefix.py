@@ -138,6 +138,7 @@ def test_figures_count_the_prefix_computations_and_time_to_first_token():
                             elapsed_s=2.0, prefill_tokens=134, steps=STEPS)
     assert once["prefix_computed"] == pytest.approx(1.04)  # (134 - 30) / 100
     assert once["cached_tokens"] == 96 and once["requests_with_cache_hit"] == 1
+    assert once["min_cached_after_first"] == 96  # the reader after the first found 96
     assert once["ttft_mean"] == 2.0 and once["ttft_p50"] == 2.0
     assert once["output_tok_s"] == 4.0 and once["peak_running"] == 2
     twice = scenario_figures(_scenario(), _records([2.0, 6.0]), elapsed_s=4.0,
@@ -240,6 +241,7 @@ def test_the_table_shows_kv_held_when_measured_and_keeps_older_tables():
     assert rows[1]["scenarios"][0]["vs_vanilla"]["kv_held_per_request"] == 2.5
     table = render(rows)
     assert "KV MB/req" in table and "peak KV MB" in table and "15.00" in table
+    assert "min cached after 1st / prefix" in table
 
 
 def test_defaults_quick_and_workload_defaults():
