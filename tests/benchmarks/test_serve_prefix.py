@@ -1,6 +1,7 @@
 """serve_prefix without servers: the sides' flags, the vllm bench serve command, the parser
-of its saved result (a file recorded from a real run: vLLM 0.32, 4 prompts of a 64-token
-prefix + 16, 8 out, on 2 CPU cores), /metrics counters, ratios and the table."""
+of its saved result (a file recorded from a real run against the vanilla server: vLLM 0.32,
+4 prompts of a 512-token prefix + 32, 8 out, on 2 CPU cores, with the /metrics counters that
+run recorded), /metrics counters, ratios and the table."""
 
 from __future__ import annotations
 
@@ -64,17 +65,22 @@ def test_every_side_gets_the_same_memory_and_the_bench_its_dataset(tmp_path):
 
 def test_the_recorded_result_parses():
     result = load_bench_result(RECORDED)
-    counters = {"vllm:prompt_tokens_total": 320.0, "vllm:prompt_tokens_cached_total": 0.0,
-                "vllm:prefix_cache_queries_total": 320.0, "vllm:prefix_cache_hits_total": 0.0}
-    figures = bench_figures(result, counters, prefix_len=64, num_prompts=4)
+    # what the server's counters grew by over that bench
+    counters = {"vllm:prefix_cache_queries_total": 2176.0,
+                "vllm:prefix_cache_hits_total": 1536.0, "vllm:prompt_tokens_total": 2176.0,
+                "vllm:prompt_tokens_cached_total": 1536.0,
+                "vllm:generation_tokens_total": 32.0}
+    figures = bench_figures(result, counters, prefix_len=512, num_prompts=4)
     assert figures["completed"] == 4 and figures["failed"] == 0
-    assert figures["total_output_tokens"] == 32 and figures["total_input_tokens"] == 320
-    assert figures["output_throughput"] == pytest.approx(42.545, rel=1e-3)
-    assert figures["mean_ttft_ms"] == pytest.approx(346.23, rel=1e-3)
-    assert figures["p99_ttft_ms"] == pytest.approx(420.01, rel=1e-3)
+    assert figures["total_output_tokens"] == 32 and figures["total_input_tokens"] == 2176
+    assert figures["output_throughput"] == pytest.approx(28.388, rel=1e-3)
+    assert figures["mean_ttft_ms"] == pytest.approx(831.41, rel=1e-3)
+    assert figures["p99_ttft_ms"] == pytest.approx(870.22, rel=1e-3)
     assert figures["median_tpot_ms"] > 0 and figures["p99_e2el_ms"] > 0
-    assert figures["prefill_tokens"] == 320 and figures["cached_per_reader"] == 0
-    assert figures["prefix_cache_hit_rate"] == 0
+    # the first prompt computed its prefix, the three others found it cached
+    assert figures["prefill_tokens"] == 2176 - 1536 == 512 + 4 * 32
+    assert figures["cached_per_reader"] == 512 == figures["prefix_len"]
+    assert figures["prefix_cache_hit_rate"] == pytest.approx(1536 / 2176)
 
 
 def test_appended_results_read_the_last(tmp_path):
