@@ -321,6 +321,12 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     result["score_s"], result["compaction_s"] = spent
     result["score_share"] = spent[0] / elapsed if elapsed > 0 else None
     result["prefill_only_s"] = prefill_only
+    # prompt tokens the prefix cache served (vLLM's num_cached_tokens), and the fewest any
+    # request but the first found (issue 40: every chat after the first finds the system
+    # prompt cached)
+    result["cached_tokens"] = sum(o.cached_tokens for o in outputs)
+    result["min_cached_after_first"] = min((o.cached_tokens for o in outputs[1:]),
+                                           default=None)
     result["all_outputs_full_length"] = all(
         len(o.token_ids) == p["max_tokens"] for o, p in zip(outputs, prompts)
     )

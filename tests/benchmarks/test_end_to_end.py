@@ -24,7 +24,7 @@ def run_script(args: list[str], timeout: int = 400) -> subprocess.CompletedProce
 def test_throughput_end_to_end(tmp_path, embedded_model):
     out = tmp_path / "throughput.json"
     run_script([
-        "-m", "benchmarks.throughput", "--model", embedded_model,
+        "-m", "benchmarks.throughput", "--model", embedded_model, "--workload", "random",
         "--configs", "vanilla,pyramidkv:r=0.75", "--num-prompts", "3", "--input-len", "96",
         "--output-len", "6", "--kv-cache-tokens", "512", "--max-num-batched-tokens", "512",
         "--output-json", str(out), "--no-progress",
@@ -40,6 +40,7 @@ def test_throughput_end_to_end(tmp_path, embedded_model):
         assert row["output_tok_s"] > 0 and row["total_tok_s"] > row["output_tok_s"]
         assert row["peak_running"] >= 1 and row["steps"] >= 6
         assert row["mean_kv_tokens_per_running"] > 0
+        assert row["cached_tokens"] == 0  # random prompts share no prefix
         # the prefill-only pass ran, and decoding is not free
         assert 0 < row["prefill_only_s"] < row["elapsed_s"]
         assert 0 < row["cap"]["reached"] < 1
