@@ -4,9 +4,9 @@ Every configuration gets the same engine settings (KV-cache memory, max_num_seqs
 max_num_batched_tokens, max_model_len, dtype, eager/compiled) and the same prompts (token ids
 made once, here), and runs in its own worker process, one after the other:
 
-    python -m benchmarks.throughput              # defaults: both workloads (CPU: ~35-40 min?)
-    python -m benchmarks.throughput --workload random                  # (CPU: ~22 min)
-    python -m benchmarks.throughput --workload system-prompt           # issue 40's chats
+    python -m benchmarks.throughput                  # defaults: both workloads (CPU: ~11 min)
+    python -m benchmarks.throughput --workload random                  # (CPU: ~5 min)
+    python -m benchmarks.throughput --workload system-prompt           # (CPU: ~6 min)
     python -m benchmarks.throughput --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
         --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
     python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
@@ -37,8 +37,9 @@ template's head included ~1520 shared ids), each with its own user message of
 prompts share a prefix, so vanilla's prefix cache serves it from the running requests'
 blocks while kvcompress prefills each chat's copy (issue 40 is that gap). The headline and
 ``--sweep-kv-memory`` / ``--long-generation`` are the random workload's. Time on 2 busy
-cores: the random workload ~22 min; the system-prompt one adds about one random-workload
-configuration per kvcompress configuration and a minute for vanilla (an estimate).
+cores: the random workload 308 s (``throughput.json``), the system-prompt one 336 s
+(2026-12-04: vanilla 55 s of generation, ``pyramidkv:r=0.875`` 110 s, each plus its
+prefill-only pass and engine start).
 
 Memory-bound by design: the KV cache holds only a few uncompressed requests
 (``--kv-cache-tokens``) while ``--max-num-seqs`` is large, so the number of requests that run
