@@ -2,17 +2,18 @@
 requests and kvcompress does not yet (issue 40, "compress once, share everywhere"), in one
 invocation, same KV-cache bytes.
 
-    python -m benchmarks.shared_prefix --quick                   # N = 8, 32 (tens of minutes)
+    python -m benchmarks.shared_prefix --quick                   # N = 8, 32 (~10-15 min)
     python -m benchmarks.shared_prefix --workload system-prompt --quick   # issue 40's chats
-    python -m benchmarks.shared_prefix       # N = 8, 32, 128, concurrent + staggered (hours)
+    python -m benchmarks.shared_prefix     # N = 8, 32, 128, concurrent + staggered (> 1 h)
     python -m benchmarks.shared_prefix --configs vanilla,pyramidkv:r=0.75 --requests 8 \\
         --arrivals concurrent,warmed --kv-pools 3
 
-Time on 2 busy cores: vanilla takes seconds a scenario; kvcompress prefilled and compressed
-~1.5k-token prompts at 10-20 s a request in ``shared_prefix.json`` (2026-12-03), so each
-kvcompress configuration costs about that times the requests: the defaults' 336 requests
-(N = 8 + 32 + 128, two arrivals) are hours per configuration; ``--quick`` (N = 8, 32, one
-kvcompress configuration: 80 requests) is tens of minutes. Estimates, not measured here.
+Time on 2 busy cores (2026-12-04): ``--workload system-prompt --requests 8
+--configs vanilla,pyramidkv:r=0.75`` (both default arrivals) took 180 s: 35 s of scenarios for
+vanilla, 54 s for kvcompress, the rest engine starts. Work grows with N, so ``--quick``
+(N = 8 and 32: five times the requests) should take ~10-15 minutes for either workload, and
+the defaults (N = 128 too: 21 times; three configurations; the document workload's two
+pools) over an hour: estimates from that run.
 
 Workloads (``--workload``; each sets its own defaults for the options left unset):
 - ``document`` (the default): per scenario a document of about ``--doc-tokens`` tokens
