@@ -11,9 +11,9 @@ invocation, same KV-cache bytes.
 Time on 2 busy cores (2026-12-04): ``--workload system-prompt --requests 8
 --configs vanilla,pyramidkv:r=0.75`` (both default arrivals) took 180 s: 35 s of scenarios for
 vanilla, 54 s for kvcompress, the rest engine starts. Work grows with N, so ``--quick``
-(N = 8 and 32: five times the requests) should take ~10-15 minutes for either workload, and
-the defaults (N = 128 too: 21 times; three configurations; the document workload's two
-pools) over an hour: estimates from that run.
+(N = 8 and 32: five times the requests) should take ~10-15 minutes with the system-prompt
+workload (the document one has two pools and 16-token answers: of the same order), and the
+defaults (N = 128 too: 21 times; three configurations) over an hour: estimates from that run.
 
 Workloads (``--workload``; each sets its own defaults for the options left unset):
 - ``document`` (the default): per scenario a document of about ``--doc-tokens`` tokens
