@@ -21,6 +21,8 @@ from benchmarks.quality.tasks import fill_haystack, spread_depths, unique_names
 from benchmarks.quality.words import CITIES, PROFESSIONS
 
 HEADER = "Read the following document carefully. I will ask you questions about it."
+SYSTEM_HEADER = ("You are the assistant of the company whose handbook follows. Answer the "
+                 "user's questions about it.")
 COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white", "brown")
 THINGS = ("umbrella", "bicycle", "kite", "scarf", "teapot", "backpack", "lamp", "notebook")
 
@@ -126,6 +128,36 @@ class Prompts:
         except ValueError as error:
             raise ValueError(f"the chat template renders earlier turns differently in a "
                              f"longer conversation: {error}") from None
+
+
+def system_prompt_prompts(prompts: Prompts, document: Document, requests: int,
+                          question_tokens: int, count: Callable[[str], int], seed: int
+                          ) -> tuple[list[int], list[list[int]], list[int]]:
+    """A chat with a system prompt: the document is the system message, every request's
+    user message about ``question_tokens`` tokens of its own (seeded filler, then the
+    numbered question), the assistant message continued from the answer's start. The
+    shared prefix ends with the document (the template's tokens after it are each
+    prompt's own)."""
+    prefix_ids: list[int] | None = None
+    prompts_ids, asked = [], []
+    for number in range(requests):
+        index = number % len(document.questions)
+        question = document.questions[index]
+        ask = f"Question {number + 1}: {question.text}"
+        rng = random.Random(f"{seed}/system-prompt/{document.index}/{number}")
+        context = " ".join(fill_haystack(rng, max(0, question_tokens - count(ask)), count,
+                                         (), ()))
+        text = prompts.render([
+            {"role": "system", "content": f"{SYSTEM_HEADER}\n\n{document.text}"},
+            {"role": "user", "content": f"{context}\n\n{ask}" if context else ask},
+            {"role": "assistant", "content": question.prefix}])
+        cut = text.index(document.text) + len(document.text)
+        if prefix_ids is None:
+            prefix_ids = prompts.encode(text[:cut])
+        prompts_ids.append(prefix_ids + prompts.encode(text[cut:]))
+        asked.append(index)
+    assert prefix_ids is not None, "at least one request"
+    return prefix_ids, prompts_ids, asked
 
 
 def score_answer(text: str, question: Question) -> float:

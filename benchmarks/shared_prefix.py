@@ -1,19 +1,35 @@
 """Concurrent requests on one long shared prefix: what vLLM's prefix cache shares among running
-requests and kvcompress does not (issue 30 item 6), in one invocation, same KV-cache bytes.
+requests and kvcompress does not yet (issue 40, "compress once, share everywhere"), in one
+invocation, same KV-cache bytes.
 
-    python -m benchmarks.shared_prefix                 # defaults (2 busy CPUs: over an hour)
+    python -m benchmarks.shared_prefix --quick                   # N = 8, 32 (~10-15 min)
+    python -m benchmarks.shared_prefix --workload system-prompt --quick   # issue 40's chats
+    python -m benchmarks.shared_prefix     # N = 8, 32, 128, concurrent + staggered (> 1 h)
     python -m benchmarks.shared_prefix --configs vanilla,pyramidkv:r=0.75 --requests 8 \\
         --arrivals concurrent,warmed --kv-pools 3
 
-Workload: per scenario a document of about ``--doc-tokens`` tokens (filler with four facts:
-``benchmarks.documents``, as in shared_context) and N questions about it, numbered and
-cycling through the document's five, each request the chat template's rendering of the
-document and one question, the assistant message continued from the answer's start. Token
-ids: the shared prefix (the template through the end of the document) tokenized once, the
-rest of each prompt on its own, so every prompt starts with exactly the same ids (a client
-that keeps a system prompt's ids). Answers: greedy, exactly ``--answer-tokens`` tokens
-(``min_tokens`` masks the stop tokens). Each scenario has a document of its own, so no
-scenario's cache serves another.
+Time on 2 busy cores (2026-12-04): ``--workload system-prompt --requests 8
+--configs vanilla,pyramidkv:r=0.75`` (both default arrivals) took 180 s: 35 s of scenarios for
+vanilla, 54 s for kvcompress, the rest engine starts. Work grows with N, so ``--quick``
+(N = 8 and 32: five times the requests) should take ~10-15 minutes with the system-prompt
+workload (the document one has two pools and 16-token answers: of the same order), and the
+defaults (N = 128 too: 21 times; three configurations) over an hour: estimates from that run.
+
+Workloads (``--workload``; each sets its own defaults for the options left unset):
+- ``document`` (the default): per scenario a document of about ``--doc-tokens`` tokens
+  (filler with four facts: ``benchmarks.documents``, as in shared_context) and N questions
+  about it, numbered and cycling through the document's five, each request the chat
+  template's rendering of the document and one question in one user message, the assistant
+  message continued from the answer's start; 16-token answers, pools of 3 longest requests
+  and ``all``.
+- ``system-prompt``: issue 40's chats: the document (~1.5k tokens) is the system message,
+  each user message ~``--question-tokens`` (270) tokens of its own (seeded filler, then the
+  numbered question), 128 tokens out, a 130 MiB pool (``--kv-pools 130M``).
+Token ids: the shared prefix (the template through the end of the document) tokenized once,
+the rest of each prompt on its own, so every prompt starts with exactly the same ids (a
+client that keeps a system prompt's ids). Answers: greedy, exactly ``--answer-tokens``
+tokens (``min_tokens`` masks the stop tokens). Each scenario has a document of its own, so
+no scenario's cache serves another.
 
 Arrivals (how the N requests reach the engine):
 - ``concurrent``: all N at once.
@@ -35,14 +51,25 @@ benchmarks' syntax (``pyramidkv:r=0.75``; defaults ``--kv-scoring auto`` = hybri
 ``all``: every request of the largest N its own uncompressed copy. The first default (3) is
 memory-bound: vanilla holds the prefix once and every request's own blocks, not N copies.
 
-Figures per pool, configuration and scenario: prefill tokens computed (vLLM's iteration
-details: tokens scheduled per step less one per decoding request; a preempted request's
-recompute counts), and the same in copies of the shared prefix (``prefix_computed``:
+Figures per pool, configuration and scenario: KV held per request (``kv_held_per_request``,
+bytes; ``KV MB/req``): the mean over engine steps with requests running of the pool's usage
+(vLLM's ``kv_cache_usage``: blocks or pages that running requests hold, a shared one counted
+once, cached ones no running request reads not counted) times the KV bytes, over the running
+requests. It is the pool's occupancy divided among its readers, not any one request's pages:
+which pages "belong" to a request is ambiguous once they are shared, and what a shared prefix
+saves shows as less memory per reader. kvcompress's usage is a share of its page pool, which
+leaves out its scoring reserve, so its bytes are an upper bound. Also its peak
+(``peak_kv_held``: the most bytes running requests held at once) and the per-request figure in
+tokens of the model's dtype (``kv_held_per_request_tokens``). Prefill tokens computed (vLLM's
+iteration details: tokens scheduled per step less one per decoding request; a preempted
+request's recompute counts), and the same in copies of the shared prefix (``prefix_computed``:
 (prefill - every prompt's own part) / prefix length); cached tokens
-(``RequestOutput.num_cached_tokens``); peak running requests, preemptions; time to first
-token (from each request's submission to the step that returned its first token, monotonic
-clock) mean and median; output tokens per second over the scenario's wall time; answers
-right. Ratios: every kvcompress figure over vanilla's in the same pool and scenario.
+(``RequestOutput.num_cached_tokens``), and the fewest any reader but the first (request 0) had
+(``min_cached_after_first``; the table: over the prefix length); peak running requests,
+preemptions; time to first token (from each request's submission to the step that returned its
+first token, monotonic clock) mean and median; output tokens per second over the scenario's
+wall time; answers right. Ratios: every kvcompress figure over vanilla's in the same pool and
+scenario.
 """
 
 from __future__ import annotations
@@ -52,12 +79,19 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.documents import HEADER, Document, Prompts, make_documents, score_answer
+from benchmarks.documents import (
+    HEADER,
+    Document,
+    Prompts,
+    make_documents,
+    score_answer,
+    system_prompt_prompts,
+)
 from benchmarks.engine import Wave
 from benchmarks.jobs import (
     Reporter,
@@ -86,6 +120,7 @@ from benchmarks.specs import (
     default_threads,
     detect_device,
     kv_bytes_per_token,
+    parse_bytes,
     parse_ints,
     parse_kv_options,
     parse_names,
@@ -96,11 +131,25 @@ from benchmarks.specs import (
 
 WORKER_MODULE = "benchmarks.shared_prefix"
 ARRIVALS = ("concurrent", "staggered", "warmed")
+DEFAULT_ARRIVALS = "concurrent,staggered"
+DEFAULT_REQUESTS = "8,32,128"
 DEFAULT_CONFIGS = "vanilla,pyramidkv:r=0.75,snapkv:r=0.75"
 ALL_POOL = "all"
+WORKLOADS = ("document", "system-prompt")
+# Each workload's defaults (flags given win): the document's questions (a short answer,
+# checked) and issue 40's chats (a ~1.5k-token system prompt, a ~270-token question each,
+# 128 tokens out, 130 MB of KV memory).
+WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "document": {"doc_tokens": 2000, "question_tokens": 0, "answer_tokens": 16,
+                 "kv_pools": f"3,{ALL_POOL}"},
+    "system-prompt": {"doc_tokens": 1500, "question_tokens": 270, "answer_tokens": 128,
+                      "kv_pools": "130M"},
+}
+# --quick: the two smaller N and one configuration against vanilla (see the docstring).
+QUICK = {"requests": "8,32", "configs": "vanilla,pyramidkv:r=0.75"}
 # The figures compared with vanilla's, and whether more is better (for the table's notes).
 RATIO_KEYS = ("prefill_tokens", "ttft_mean", "ttft_p50", "output_tok_s", "peak_running",
-              "elapsed_s")
+              "kv_held_per_request", "elapsed_s")
 
 
 # ----------------------------------------------------------------------------- workload
@@ -142,14 +191,27 @@ def shared_prefix_prompts(prompts: Prompts, document: Document,
 
 
 def make_scenarios(prompts: Prompts, documents: Sequence[Document], requests: Sequence[int],
-                   arrivals: Sequence[str]) -> list[Scenario]:
-    """Every N x arrivals, each on a document of its own (``documents`` holds enough)."""
+                   arrivals: Sequence[str], *, workload: str = "document",
+                   question_tokens: int = 0, count: Callable[[str], int] | None = None,
+                   seed: int = 0) -> list[Scenario]:
+    """Every N x arrivals, each on a document of its own (``documents`` holds enough);
+    ``workload``: the document and a question in one user message (``document``) or the
+    document as the system prompt and a question of ``question_tokens`` (``system-prompt``,
+    ``count`` counts tokens)."""
     scenarios = []
     combos = [(n, a) for n in requests for a in arrivals]
     if len(documents) < len(combos):
         raise ValueError(f"{len(combos)} scenarios need as many documents")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r}; allowed: {', '.join(WORKLOADS)}")
     for (n, kind), document in zip(combos, documents):
-        prefix_ids, ids, asked = shared_prefix_prompts(prompts, document, n)
+        if workload == "system-prompt":
+            if count is None:
+                raise ValueError("the system-prompt workload needs a token counter")
+            prefix_ids, ids, asked = system_prompt_prompts(prompts, document, n,
+                                                           question_tokens, count, seed)
+        else:
+            prefix_ids, ids, asked = shared_prefix_prompts(prompts, document, n)
         scenarios.append(Scenario(scenario_name(n, kind), n, kind, document.index, prefix_ids,
                                   ids, asked))
     return scenarios
@@ -198,6 +260,9 @@ def scenario_figures(scenario: Mapping[str, Any], records: Sequence[Mapping[str,
         "prompt_tokens": sum(r["prompt_tokens"] for r in records),
         "cached_tokens": sum(r["cached_tokens"] for r in records),
         "requests_with_cache_hit": sum(1 for r in records if r["cached_tokens"] > 0),
+        # issue 40's target: every reader after the first finds the prefix cached
+        "min_cached_after_first": min((r["cached_tokens"] for r in records
+                                       if r["index"] > 0), default=None),
         "prefill_tokens": prefill_tokens,
         "prefix_computed": (prefill_tokens - own) / prefix if prefix else None,
         "ttft_mean": _mean(ttfts), "ttft_p50": statistics.median(ttfts) if ttfts else None,
@@ -207,6 +272,29 @@ def scenario_figures(scenario: Mapping[str, Any], records: Sequence[Mapping[str,
         "accuracy": _mean([r["correct"] for r in records]),
         **steps,
     }
+
+
+KV_HELD_DERIVATION = (
+    "kv_held_per_request: mean over engine steps with running > 0 of kv_cache_usage * "
+    "kv_cache_memory_bytes / running (usage: blocks or pages running requests hold, a shared "
+    "one once); peak_kv_held: max of kv_cache_usage * kv_cache_memory_bytes. kvcompress's "
+    "usage is out of its page pool, which excludes its scoring reserve, so its figures are "
+    "upper bounds")
+
+
+def kv_held(busy: Sequence[Any], kv_bytes: int, per_token: int | None) -> dict[str, Any]:
+    """KV memory held, from the steps with requests running (``busy``: samples with
+    ``running`` and ``kv_cache_usage``). The pool's usage counts what running requests hold,
+    a page (kvcompress, reference-counted) or block (vanilla, by its ref count) that several
+    requests read once, so a shared prefix is divided among its readers: per request, the
+    mean over steps of ``usage * kv_bytes / running``; and the peak of ``usage * kv_bytes``
+    (cached entries no running request reads are free to both). Also in tokens of the
+    model's dtype (all layers and KV heads) with ``per_token``."""
+    per_request = _mean([s.kv_cache_usage * kv_bytes / s.running for s in busy])
+    peak = max((s.kv_cache_usage for s in busy), default=0.0) * kv_bytes
+    return {"kv_held_per_request": per_request, "peak_kv_held": peak,
+            "kv_held_per_request_tokens": (per_request / per_token
+                                           if per_request is not None and per_token else None)}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -222,20 +310,42 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                       and base.get(key) else None) for key in RATIO_KEYS}
 
 
+# shown once a result has KV held (results from before it keep their table)
+KV_HELD_COLUMNS = ("kv_held_mb", "kv_held_per_request_x", "peak_kv_mb",
+                   "cached_after_first")
+
+
+def _mb(value: float | None) -> float | None:
+    return value / 1e6 if value is not None else None
+
+
 def render(rows: Sequence[Mapping[str, Any]]) -> str:
     table = []
     for row in rows:
         for s in row.get("scenarios") or ():
             ratios = s.get("vs_vanilla") or {}
             table.append({"pool": row["pool"], "config": row["label"], **s,
+                          "kv_held_mb": _mb(s.get("kv_held_per_request")),
+                          "cached_after_first": (
+                              s["min_cached_after_first"] / s["prefix_tokens"]
+                              if s.get("min_cached_after_first") is not None
+                              and s.get("prefix_tokens") else None),
+                          "peak_kv_mb": _mb(s.get("peak_kv_held")),
                           **{f"{key}_x": value for key, value in ratios.items()}})
     columns = [("pool", "pool"), ("config", "config"), ("scenario", "scenario"),
                ("prefix_computed", "prefix x computed"), ("cached_tokens", "cached tok"),
-               ("prefill_tokens_x", "prefill x van"), ("peak_running", "peak run"),
-               ("preemptions", "preempt"), ("ttft_mean", "TTFT s"),
+               ("prefill_tokens_x", "prefill x van"),
+               ("cached_after_first", "min cached after 1st / prefix"),
+               ("peak_running", "peak run"),
+               ("preemptions", "preempt"), ("kv_held_mb", "KV MB/req"),
+               ("kv_held_per_request_x", "x van"), ("peak_kv_mb", "peak KV MB"),
+               ("ttft_mean", "TTFT s"),
                ("ttft_mean_x", "x van"), ("ttft_p50", "TTFT p50 s"), ("ttft_p50_x", "x van"),
                ("output_tok_s", "out tok/s"), ("output_tok_s_x", "x van"),
                ("accuracy", "right")]
+    if not any(row.get("kv_held_per_request") is not None for row in table):
+        # results from before KV held was measured keep their table
+        columns = [c for c in columns if c[0] not in KV_HELD_COLUMNS]
     return format_table(table, columns)
 
 
@@ -320,6 +430,8 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
                                       if busy else 0.0),
                      "peak_kv_usage": max((s.kv_cache_usage for s in sink.samples),
                                           default=0.0),
+                     **kv_held(busy, settings.kv_cache_memory_bytes,
+                               job.get("kv_bytes_per_token")),
                      "prefix_cache_queries": counts["prefix_cache_queries"],
                      "prefix_cache_hits": counts["prefix_cache_hits"]}
             results.append({"figures": scenario_figures(
@@ -333,13 +445,21 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- parent side
-def pool_tokens(pools: Sequence[str], longest: int, largest_n: int) -> list[tuple[str, int]]:
+def pool_tokens(pools: Sequence[str], longest: int, largest_n: int,
+                per_token: int | None = None) -> list[tuple[str, int]]:
     """(label, KV tokens) of every ``--kv-pools`` entry: a multiple of the longest request,
-    or ``all`` (every request of the largest N its own uncompressed copy)."""
+    ``all`` (every request of the largest N its own uncompressed copy), or bytes with a unit
+    (``130M``: 130 MiB, as vLLM reads ``--kv-cache-memory-bytes``; ``per_token`` bytes a
+    token, rounded down to whole tokens)."""
     out = []
     for pool in pools:
         if pool == ALL_POOL:
             out.append((ALL_POOL, largest_n * longest))
+            continue
+        if pool[-1:].isalpha():
+            if not per_token:
+                raise ValueError(f"KV pool {pool!r}: bytes need the KV bytes of a token")
+            out.append((pool, parse_bytes(pool) // per_token))
             continue
         multiple = float(pool)
         if multiple < 1:
@@ -354,26 +474,56 @@ def build_parser() -> argparse.ArgumentParser:
                         help="vanilla and kvcompress configurations (pyramidkv:r=0.75, "
                              "snapkv:r=0.75+scoring=window)")
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--requests", default="8,16",
-                          help="concurrent requests per scenario (N), comma-separated")
-    workload.add_argument("--arrivals", default=",".join(ARRIVALS))
-    workload.add_argument("--doc-tokens", type=int, default=2000)
-    workload.add_argument("--answer-tokens", type=int, default=16)
+    workload.add_argument("--workload", choices=WORKLOADS, default="document",
+                          help="document: the document and a question in one user message; "
+                               "system-prompt: the document as the system prompt, a question "
+                               "of --question-tokens each (issue 40's chats); each has its "
+                               "own defaults for the options below left unset: " + "; ".join(
+                                   f"{name}: " + ", ".join(f"{key}={value}"
+                                                           for key, value in values.items())
+                                   for name, values in WORKLOAD_DEFAULTS.items()))
+    workload.add_argument("--quick", action="store_true",
+                          help="a shorter run: " + ", ".join(f"{key}={value}" for key, value
+                                                             in QUICK.items())
+                               + " (flags given still win)")
+    workload.add_argument("--requests", default=DEFAULT_REQUESTS,
+                          help="readers of the prefix per scenario (N), comma-separated")
+    workload.add_argument("--arrivals", default=DEFAULT_ARRIVALS,
+                          help=f"comma-separated, of {', '.join(ARRIVALS)}")
+    workload.add_argument("--doc-tokens", type=int, default=None,
+                          help="the shared document's (system prompt's) tokens")
+    workload.add_argument("--question-tokens", type=int, default=None,
+                          help="system-prompt: each user message's tokens (filler + question)")
+    workload.add_argument("--answer-tokens", type=int, default=None)
     workload.add_argument("--seed", type=int, default=0)
     engine = parser.add_argument_group("engine (identical for every configuration)")
-    engine.add_argument("--kv-pools", default=f"3,{ALL_POOL}",
+    engine.add_argument("--kv-pools", default=None,
                         help="KV-cache sizes: multiples of the longest request (prompt + "
-                             f"answer), or '{ALL_POOL}' (every request its own copy)")
+                             f"answer), '{ALL_POOL}' (every request its own copy), or bytes "
+                             "as vLLM's --kv-cache-memory-bytes reads them (130M: 130 MiB)")
     add_engine_options(engine)
+    # N = 128 readers must be able to run at once where memory allows
+    parser.set_defaults(max_num_seqs=256)
     add_run_options(parser, RESULTS_DIR / "shared_prefix.json")
     return parser
+
+
+def apply_workload_defaults(args: argparse.Namespace) -> None:
+    """The options left unset take ``args.workload``'s defaults (WORKLOAD_DEFAULTS)."""
+    for key, value in WORKLOAD_DEFAULTS[args.workload].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker_main(argv[1:], run_job)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
+    apply_workload_defaults(args)
     started = time.perf_counter()
     try:
         specs = parse_specs(args.configs)
@@ -395,14 +545,16 @@ def main(argv: list[str] | None = None) -> int:
 
     documents = make_documents(len(requests) * len(arrivals), args.doc_tokens, args.seed,
                                count)
-    scenarios = make_scenarios(Prompts(tokenizer), documents, requests, arrivals)
+    scenarios = make_scenarios(Prompts(tokenizer), documents, requests, arrivals,
+                               workload=args.workload, question_tokens=args.question_tokens,
+                               count=count, seed=args.seed)
     longest = max(len(p) for s in scenarios for p in s.prompts) + args.answer_tokens
-    try:
-        sized = pool_tokens(pools, longest, max(requests))
-    except ValueError as error:
-        raise SystemExit(f"--kv-pools: {error}") from None
     dtype = resolve_dtype(args.dtype, device)
     per_token = kv_bytes_per_token(model, dtype)
+    try:
+        sized = pool_tokens(pools, longest, max(requests), per_token)
+    except ValueError as error:
+        raise SystemExit(f"--kv-pools: {error}") from None
     base = EngineSettings(
         model=model, dtype=dtype, max_model_len=longest, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=0,
@@ -422,8 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**vars(base), "kv_cache_memory_bytes": None, "threads": threads,
                      "kv_bytes_per_token": per_token,
                      "kv_pools": {label: tokens for label, tokens in sized}},
-        "workload": {"requests": requests, "arrivals": list(arrivals),
-                     "doc_tokens": args.doc_tokens, "answer_tokens": args.answer_tokens,
+        "kv_held_derivation": KV_HELD_DERIVATION,
+        "workload": {"kind": args.workload, "requests": requests, "arrivals": list(arrivals),
+                     "doc_tokens": args.doc_tokens, "question_tokens": args.question_tokens,
+                     "answer_tokens": args.answer_tokens,
                      "seed": args.seed, "longest_request": longest,
                      "prefix_tokens": {s.name: len(s.prefix_ids) for s in scenarios}},
     }
@@ -432,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"configs: {', '.join(s.label for s in specs)}; vLLM logs: {log_path}", flush=True)
     jobs = [{"id": f"{label}/{spec.label}", "pool": label, "spec": vars(spec),
              "settings": {**vars(base), "kv_cache_memory_bytes": tokens * per_token},
+             "kv_bytes_per_token": per_token,
              "isolate": True, "workload_path": str(workload_path)}
             for label, tokens in sized for spec in specs]
     units = float(sum(s.requests for s in scenarios))

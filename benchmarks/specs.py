@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,6 +260,19 @@ def parse_names(text: str, known: Sequence[str], what: str) -> list[str]:
     if unknown:
         raise ValueError(f"unknown {what} {unknown}; allowed: {list(known)}")
     return names
+
+
+_BYTE_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as vLLM's ``--kv-cache-memory-bytes`` reads it: an integer, or a number
+    and a unit (``k``/``m``/``g`` decimal, ``K``/``M``/``G`` binary: ``130M`` is 130 MiB)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    if not match:
+        raise ValueError(f"{text!r}: bytes, e.g. 130M (MiB), 136m (MB) or 136314880")
+    number, unit = match.groups()
+    return int(float(number) * _BYTE_UNITS.get(unit, 1))
 
 
 def parse_kv_options(items: Sequence[str]) -> dict[str, Any]:

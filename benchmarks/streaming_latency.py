@@ -20,8 +20,6 @@ import asyncio
 import contextlib
 import json
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +32,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.report import command_string, format_table, machine_info, write_json
-
-VLLM = str(Path(sys.executable).with_name("vllm"))
-STARTUP_TIMEOUT = 600
+from benchmarks.serve import vllm_server
 
 
 @dataclass
@@ -53,43 +49,14 @@ class Row:
     ratio_p99_vs_first: float = 1.0  # p99 against the first scoring's (the reference)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _server(args: argparse.Namespace, scoring: str, log_dir: Path) -> Iterator[str]:
-    port = _free_port()
-    command = [VLLM, "serve", args.model, "--kv-compression", args.method,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    options = ["--kv-compression", args.method, "--dtype", "float32",
                "--kv-cache-memory-bytes", args.kv_cache_memory]
     if scoring != "default":
-        command += ["--kv-scoring", scoring]
-    log_path = log_dir / f"serve-{scoring}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port),
-                                                                        timeout=1):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("vllm serve did not start")
-            time.sleep(1)
-        time.sleep(2)  # the socket opens before the routes are ready on some versions
+        options += ["--kv-scoring", scoring]
+    with vllm_server(args.model, options, log_dir / f"serve-{scoring}.log") as base:
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 async def _stream(session: aiohttp.ClientSession, base: str, model: str,

@@ -4,7 +4,9 @@ Every configuration gets the same engine settings (KV-cache memory, max_num_seqs
 max_num_batched_tokens, max_model_len, dtype, eager/compiled) and the same prompts (token ids
 made once, here), and runs in its own worker process, one after the other:
 
-    python -m benchmarks.throughput                                    # defaults (CPU: ~22 min)
+    python -m benchmarks.throughput                  # defaults: both workloads (CPU: ~11 min)
+    python -m benchmarks.throughput --workload random                  # (CPU: ~5 min)
+    python -m benchmarks.throughput --workload system-prompt           # (CPU: ~6 min)
     python -m benchmarks.throughput --configs vanilla,pyramidkv:r=0.875,snapkv:128 \\
         --num-prompts 64 --input-len 2048 --output-len 512 --kv-cache-tokens 40000
     python -m benchmarks.throughput --prompts-file prompts.jsonl     # {"prompt", "max_tokens"}
@@ -23,6 +25,21 @@ kvcompress its multi-turn reuse and the reconstruction pass of ``--kv-scoring au
 synthetic prompts are random token ids, so no two share a prefix; the prefix cache is
 emptied after the warm-up and before the prefill-only pass, which would otherwise find its
 prompts cached. ``--no-prefix-caching`` turns it off (recorded, and said above the table).
+
+Workloads (``--workload``, both by default, each with its own table and ratios to vanilla):
+``random``, random token ids (``--num-prompts``, ``--input-len``, ``--output-len``,
+``--kv-cache-tokens``); ``system-prompt``, issue 40's first target: ``--system-prompt-chats``
+(32) chats sharing one system prompt of ``--system-prompt-tokens`` (1500: a document, the
+template's head included ~1520 shared ids), each with its own user message of
+``--question-tokens`` (270) and ``--output-len`` (128) tokens out, in
+``--system-prompt-kv-memory`` (130 MiB) of KV; its configurations: vanilla and
+``pyramidkv:r=0.875`` (``--system-prompt-configs``, or ``--configs`` when given). Its
+prompts share a prefix, so vanilla's prefix cache serves it from the running requests'
+blocks while kvcompress prefills each chat's copy (issue 40 is that gap). The headline and
+``--sweep-kv-memory`` / ``--long-generation`` are the random workload's. Time on 2 busy
+cores: the random workload 308 s (``throughput.json``), the system-prompt one 336 s
+(2026-12-04: vanilla 55 s of generation, ``pyramidkv:r=0.875`` 110 s, each plus its
+prefill-only pass and engine start).
 
 Memory-bound by design: the KV cache holds only a few uncompressed requests
 (``--kv-cache-tokens``) while ``--max-num-seqs`` is large, so the number of requests that run
@@ -50,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_sweep
+from benchmarks.documents import Prompts, make_documents, system_prompt_prompts
 from benchmarks.jobs import (
     Reporter,
     make_workdir,
@@ -77,9 +95,12 @@ from benchmarks.specs import (
     default_threads,
     detect_device,
     kv_bytes_per_token,
+    parse_bytes,
     parse_kv_options,
+    parse_names,
     parse_specs,
     resolve_dtype,
+    token_counter,
 )
 
 WORKER_MODULE = "benchmarks.throughput"  # workers: python -m WORKER_MODULE --worker ...
@@ -94,6 +115,13 @@ LONG_GENERATION = {
     "ample_memory_reference": True,
     "output_json": RESULTS_DIR / "throughput_long_generation.json",
 }
+# Workloads (--workload): random token ids (the memory-bound default), and issue 40's chats
+# sharing a system prompt (benchmarks.documents.system_prompt_prompts): its own prompt count,
+# lengths and KV memory, and by default vanilla and the 8x configuration only (2 cores: each
+# kvcompress configuration of it takes about as long as the whole random workload's).
+WORKLOADS = ("random", "system-prompt")
+DEFAULT_WORKLOADS = "random,system-prompt"
+SYSTEM_PROMPT_CONFIGS = "vanilla,pyramidkv:r=0.875"
 # The reference row of --ample-memory-reference: vanilla, with memory for every request.
 AMPLE_LABEL = "vanilla, KV for all"
 RATIO_KEYS = ("output_tok_s", "total_tok_s", "peak_running", "mean_kv_tokens_per_running",
@@ -111,6 +139,18 @@ def synthetic_prompts(num: int, input_len: int, output_len: int, seed: int,
          "max_tokens": output_len}
         for _ in range(num)
     ]
+
+
+def chat_prompts(num: int, system_tokens: int, question_tokens: int, output_len: int,
+                 seed: int, tokenizer: Any) -> list[dict[str, Any]]:
+    """``num`` chats sharing one system prompt of about ``system_tokens`` tokens (a
+    document with facts), each with its own user message of about ``question_tokens``
+    tokens, through the model's chat template; every prompt starts with the same ids."""
+    count = token_counter(tokenizer)
+    (document,) = make_documents(1, system_tokens, seed, count)
+    _, ids, _ = system_prompt_prompts(Prompts(tokenizer), document, num, question_tokens,
+                                      count, seed)
+    return [{"prompt_token_ids": prompt, "max_tokens": output_len} for prompt in ids]
 
 
 def file_prompts(path: Path, tokenizer: Any, default_max_tokens: int,
@@ -282,6 +322,12 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     result["score_s"], result["compaction_s"] = spent
     result["score_share"] = spent[0] / elapsed if elapsed > 0 else None
     result["prefill_only_s"] = prefill_only
+    # prompt tokens the prefix cache served (vLLM's num_cached_tokens), and the fewest any
+    # request but the first found (issue 40: every chat after the first finds the system
+    # prompt cached)
+    result["cached_tokens"] = sum(o.cached_tokens for o in outputs)
+    result["min_cached_after_first"] = min((o.cached_tokens for o in outputs[1:]),
+                                           default=None)
     result["all_outputs_full_length"] = all(
         len(o.token_ids) == p["max_tokens"] for o, p in zip(outputs, prompts)
     )
@@ -308,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--sweep-points", default=memory_sweep.DEFAULT_MULTIPLES,
                           help="with --sweep-kv-memory: KV-cache sizes in multiples of the "
                           "longest request (prompt + output), comma-separated, >= 1")
+    workload.add_argument("--workload", default=DEFAULT_WORKLOADS,
+                          help=f"comma-separated, of {', '.join(WORKLOADS)}: random token ids "
+                               "(--num-prompts, --input-len), and chats sharing one system "
+                               "prompt (--system-prompt-*), each run with its own KV memory "
+                               "and its own ratios to vanilla; --prompts-file, "
+                               "--long-generation and --sweep-kv-memory run one workload")
     workload.add_argument("--num-prompts", type=int, default=24)
     workload.add_argument("--input-len", type=int, default=1024, help="synthetic prompt tokens")
     workload.add_argument("--output-len", type=int, default=128,
@@ -315,6 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--prompts-file", type=Path, default=None,
                           help='JSONL of {"prompt": str, "max_tokens": int}; replaces synthetic')
     workload.add_argument("--seed", type=int, default=0)
+    chats = parser.add_argument_group(
+        "system-prompt workload (issue 40's first target: 32 chats, 128 tokens out)")
+    chats.add_argument("--system-prompt-chats", type=int, default=32)
+    chats.add_argument("--system-prompt-tokens", type=int, default=1500,
+                       help="the shared system prompt (a document)")
+    chats.add_argument("--question-tokens", type=int, default=270,
+                       help="each chat's own user message")
+    chats.add_argument("--system-prompt-kv-memory", default="130M",
+                       help="its KV-cache bytes, as vLLM's --kv-cache-memory-bytes reads them "
+                            "(130M: 130 MiB), split over tensor-parallel ranks")
+    chats.add_argument("--system-prompt-configs", default=None,
+                       help=f"its configurations (default: {SYSTEM_PROMPT_CONFIGS}, or "
+                            "--configs when given)")
     engine = parser.add_argument_group("engine (identical for every configuration)")
     engine.add_argument("--kv-cache-tokens", type=int, default=3456,
                         help="KV-cache size in uncompressed tokens (all layers and heads), "
@@ -357,14 +422,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_prompts(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+def make_prompts(args: argparse.Namespace, model: str,
+                 workload: str = "random") -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     if args.prompts_file is not None:
         return file_prompts(args.prompts_file, tokenizer, args.output_len, args.num_prompts)
+    if workload == "system-prompt":
+        return chat_prompts(args.system_prompt_chats, args.system_prompt_tokens,
+                            args.question_tokens, args.output_len, args.seed, tokenizer)
     return synthetic_prompts(args.num_prompts, args.input_len, args.output_len, args.seed,
                              len(tokenizer), set(tokenizer.all_special_ids))
+
+
+def selected_workloads(args: argparse.Namespace) -> list[str]:
+    """The workloads this run measures, in order (the first is the headline's)."""
+    if args.prompts_file is not None:
+        return ["random"]  # the file replaces the synthetic prompts: one workload
+    names = parse_names(args.workload, WORKLOADS, "workload")
+    if not names:
+        raise ValueError("no workload")
+    if len(names) > 1 and (args.sweep_kv_memory or args.long_generation):
+        raise ValueError("--sweep-kv-memory and --long-generation run one workload")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,108 +454,147 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv[1:], run_job)
     parser = build_parser()
     if "--long-generation" in argv:
-        parser.set_defaults(**LONG_GENERATION)
+        parser.set_defaults(**LONG_GENERATION, workload="random")
     if "--sweep-kv-memory" in argv:
-        parser.set_defaults(**memory_sweep.SWEEP_DEFAULTS)
+        parser.set_defaults(**memory_sweep.SWEEP_DEFAULTS, workload="random")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
+        workloads = selected_workloads(args)
         specs = parse_specs(args.configs)
+        chat_specs = parse_specs(args.system_prompt_configs or (
+            args.configs if args.configs != DEFAULT_CONFIGS else SYSTEM_PROMPT_CONFIGS))
+        chat_bytes = parse_bytes(args.system_prompt_kv_memory)
     except ValueError as error:
-        raise SystemExit(f"--configs: {error}") from None
+        raise SystemExit(f"arguments: {error}") from None
     device = detect_device()
     model = args.model or default_model_dir()
-    prompts = make_prompts(args, model)
-    settings, per_token = build_settings(args, model, device, prompts)
-    capacity = settings.kv_cache_memory_bytes * settings.tensor_parallel_size // per_token
-    # Tensor parallelism: vLLM binds each rank's threads (VLLM_CPU_OMP_THREADS_BIND).
-    one_cpu_engine = device == "cpu" and settings.tensor_parallel_size == 1
-    threads = (args.threads or default_threads()) if one_cpu_engine else None
     workdir = make_workdir("throughput")
-    prompts_path = write_workload(workdir, prompts, "prompts.json")
     log_path = args.log_file or workdir / "vllm.log"
-    output_tokens = sum(p["max_tokens"] for p in prompts)
-    workload = describe_workload(args, prompts)
-    header = {
+    header: dict[str, Any] = {
         "benchmark": "throughput",
         "command": command_string([sys.argv[0], *argv]),
         "machine": machine_info(device),
-        "settings": {**vars(settings), "kv_cache_capacity_tokens": capacity, "threads": threads,
-                     "kv_bytes_per_token": per_token, "warmup": args.warmup},
-        "workload": workload,
         "kv_tokens_per_request_derivation": KV_DERIVATION,
         "tokens_held_derivation": HELD_DERIVATION,
     }
     print(f"command: {header['command']}")
-    print(f"settings: {json.dumps(header['settings'])}")
-    print(f"workload: {json.dumps(workload)}")
-    print(f"configs: {', '.join(s.label for s in specs)}; vLLM logs: {log_path}", flush=True)
-
-    pools = [capacity]
-    if args.sweep_kv_memory:
-        longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
-        pools = memory_sweep.pool_tokens(memory_sweep.parse_multiples(args.sweep_points),
-                                         longest)
-        print(f"KV-cache pools (uncompressed tokens): {pools}", flush=True)
-    jobs = []
-    job_pools = []  # each job's pool in uncompressed model-dtype tokens
-    for tokens in pools:
-        pool_settings = settings
-        if args.sweep_kv_memory:
-            pool_settings = dataclasses.replace(
-                settings, kv_cache_memory_bytes=tokens * per_token // settings.tensor_parallel_size)
-        jobs.extend(
-            {"id": memory_sweep.job_id(tokens, spec.label) if args.sweep_kv_memory
-             else spec.label,
-             "spec": vars(spec), "settings": vars(pool_settings), "isolate": True,
-             "prompts_path": str(prompts_path),
-             "capacity_tokens": tokens * DTYPE_BYTES[settings.dtype]
-             // spec.kv_element_bytes(settings.dtype),
-             "warmup": args.warmup, "measure_cap": args.measure_cap}
-            for spec in specs
-        )
-        job_pools.extend(tokens for _ in specs)
-    if args.ample_memory_reference and not args.sweep_kv_memory:
-        ample = sum(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
-        # its cap (prefill-only pass) would be vanilla's again: not measured
-        jobs.append({**jobs[0], "id": AMPLE_LABEL, "spec": vars(CompressionSpec()),
-                     "measure_cap": False,
-                     "settings": vars(dataclasses.replace(
-                         settings, kv_cache_memory_bytes=ample * per_token
-                         // settings.tensor_parallel_size)),
-                     "capacity_tokens": ample})
-        job_pools.append(ample)
+    jobs: list[dict[str, Any]] = []
+    job_pools: list[int] = []  # each job's pool in uncompressed model-dtype tokens
+    job_workloads: list[str] = []
+    threads = ranks = None
+    for index, name in enumerate(workloads):
+        prompts = make_prompts(args, model, name)
+        kv_bytes = chat_bytes if name == "system-prompt" else None
+        settings, per_token = build_settings(args, model, device, prompts, kv_bytes)
+        capacity = settings.kv_cache_memory_bytes * settings.tensor_parallel_size // per_token
+        # Tensor parallelism: vLLM binds each rank's threads (VLLM_CPU_OMP_THREADS_BIND).
+        one_cpu_engine = device == "cpu" and settings.tensor_parallel_size == 1
+        threads = (args.threads or default_threads()) if one_cpu_engine else None
+        ranks = settings.tensor_parallel_size if device == "cpu" else 1
+        prompts_path = write_workload(workdir, prompts, f"prompts-{name}.json")
+        workload = describe_workload(args, prompts, name)
+        run_settings = {**vars(settings), "kv_cache_capacity_tokens": capacity,
+                        "threads": threads, "kv_bytes_per_token": per_token,
+                        "warmup": args.warmup}
+        if index == 0:  # the first workload's, where every run before workloads had them
+            header["settings"], header["workload"] = run_settings, workload
+        header.setdefault("workloads", {})[name] = {"settings": run_settings,
+                                                    "workload": workload}
+        specs_here = chat_specs if name == "system-prompt" else specs
+        print(f"{name}: settings: {json.dumps(run_settings)}")
+        print(f"{name}: workload: {json.dumps(workload)}")
+        print(f"{name}: configs: {', '.join(s.label for s in specs_here)}", flush=True)
+        added = workload_jobs(args, name if index else None, specs_here, settings, per_token,
+                              prompts, str(prompts_path))
+        jobs.extend(job for job, _ in added)
+        job_pools.extend(tokens for _, tokens in added)
+        job_workloads.extend(name for _ in added)
+    print(f"vLLM logs: {log_path}", flush=True)
     results = run_jobs(
         WORKER_MODULE, jobs, workdir=workdir, log_path=log_path,
-        units={job["id"]: output_tokens for job in jobs}, job_timeout=args.job_timeout,
-        env=worker_env(args.verbose, args.multiprocess_engine, threads,
-                       ranks=settings.tensor_parallel_size if device == "cpu" else 1),
+        units={job["id"]: job["output_tokens"] for job in jobs}, job_timeout=args.job_timeout,
+        env=worker_env(args.verbose, args.multiprocess_engine, threads, ranks=ranks or 1),
         desc="throughput",
         show_progress=not args.no_progress,
     )
     rows = [{**config_row(CompressionSpec(**job["spec"]), results[job["id"]]),
              "kv_cache_tokens": tokens, "kv_cache_capacity_tokens": job["capacity_tokens"]}
             for job, tokens in zip(jobs, job_pools)]
-    if jobs[-1]["id"] == AMPLE_LABEL:
-        rows[-1]["label"] = AMPLE_LABEL
-    if args.sweep_kv_memory:  # ratios within each pool's configurations
-        for first in range(0, len(rows), len(specs)):
-            add_ratios(rows[first: first + len(specs)])
-    else:
-        add_ratios(rows)
+    for row, job, name in zip(rows, jobs, job_workloads):
+        if job.get("ample"):
+            row["label"] = AMPLE_LABEL
+        if len(workloads) > 1:
+            row["workload"] = name
+    for group in ratio_groups(rows, args.sweep_kv_memory, len(specs)):
+        add_ratios(group)
     report = save_report(header, rows, started, args.output_json)
     print()
     if args.sweep_kv_memory:
         png = args.output_json.with_suffix(".png")
+        workload = header["workload"]
         memory_sweep.plot(rows, png, f"{Path(model).name}: {workload['num_prompts']} prompts, "
                           f"{workload['input_len']} in / {workload['output_len']} out")
         print(memory_sweep.render_report(report))
         print(f"plot: {png}")
     else:
         print(render_report(report))
-        print(f"KV tok/req = {header['kv_tokens_per_request_derivation']} "
-              f"(capacity {capacity} tokens)")
+        print(f"KV tok/req = {header['kv_tokens_per_request_derivation']}")
     return conclude(report, str(args.output_json))
+
+
+def workload_jobs(args: argparse.Namespace, prefix: str | None,
+                  specs: list[CompressionSpec], settings: EngineSettings, per_token: int,
+                  prompts: list[dict[str, Any]], prompts_path: str
+                  ) -> list[tuple[dict[str, Any], int]]:
+    """One workload's jobs, each with its pool in uncompressed model-dtype tokens; job ids
+    ``PREFIX/LABEL`` (just the label for the first workload, as before workloads)."""
+    capacity = settings.kv_cache_memory_bytes * settings.tensor_parallel_size // per_token
+    output_tokens = sum(p["max_tokens"] for p in prompts)
+    pools = [capacity]
+    if args.sweep_kv_memory:
+        longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
+        pools = memory_sweep.pool_tokens(memory_sweep.parse_multiples(args.sweep_points),
+                                         longest)
+        print(f"KV-cache pools (uncompressed tokens): {pools}", flush=True)
+    out = []
+    for tokens in pools:
+        pool_settings = settings
+        if args.sweep_kv_memory:
+            pool_settings = dataclasses.replace(
+                settings, kv_cache_memory_bytes=tokens * per_token // settings.tensor_parallel_size)
+        for spec in specs:
+            label = (memory_sweep.job_id(tokens, spec.label) if args.sweep_kv_memory
+                     else spec.label)
+            out.append(({
+                "id": f"{prefix}/{label}" if prefix else label,
+                "spec": vars(spec), "settings": vars(pool_settings), "isolate": True,
+                "prompts_path": prompts_path, "output_tokens": output_tokens,
+                "capacity_tokens": tokens * DTYPE_BYTES[settings.dtype]
+                // spec.kv_element_bytes(settings.dtype),
+                "warmup": args.warmup, "measure_cap": args.measure_cap}, tokens))
+    if args.ample_memory_reference and not args.sweep_kv_memory:
+        ample = sum(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
+        first = out[0][0]
+        # its cap (prefill-only pass) would be vanilla's again: not measured
+        out.append(({**first, "id": f"{prefix}/{AMPLE_LABEL}" if prefix else AMPLE_LABEL,
+                     "spec": vars(CompressionSpec()), "measure_cap": False, "ample": True,
+                     "settings": vars(dataclasses.replace(
+                         settings, kv_cache_memory_bytes=ample * per_token
+                         // settings.tensor_parallel_size)),
+                     "capacity_tokens": ample}, ample))
+    return out
+
+
+def ratio_groups(rows: list[dict[str, Any]], sweep: bool,
+                 num_specs: int) -> list[list[dict[str, Any]]]:
+    """The rows compared with one vanilla: each workload's; in a sweep, each pool's."""
+    if sweep:
+        return [rows[first: first + num_specs] for first in range(0, len(rows), num_specs)]
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row.get("workload"), []).append(row)
+    return list(groups.values())
 
 
 HELD_DERIVATION = (
@@ -494,8 +614,10 @@ KV_DERIVATION = (
 
 
 def build_settings(args: argparse.Namespace, model: str, device: str,
-                   prompts: list[dict[str, Any]]) -> tuple[EngineSettings, int]:
-    """The engine settings every configuration shares, and the KV bytes of one token."""
+                   prompts: list[dict[str, Any]], kv_bytes: int | None = None
+                   ) -> tuple[EngineSettings, int]:
+    """The engine settings every configuration shares, and the KV bytes of one token;
+    ``kv_bytes``: the KV-cache bytes of every rank together (default: the options')."""
     dtype = resolve_dtype(args.dtype, device)
     longest = max(len(p["prompt_token_ids"]) + p["max_tokens"] for p in prompts)
     per_token = kv_bytes_per_token(model, dtype)
@@ -506,7 +628,8 @@ def build_settings(args: argparse.Namespace, model: str, device: str,
         model=model, dtype=dtype, max_model_len=args.max_model_len or longest,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         # vLLM's KV-cache memory is per rank: each rank holds 1/tp of every token's KV.
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes or args.kv_cache_tokens * per_token // tp,
+        kv_cache_memory_bytes=(kv_bytes // tp if kv_bytes else args.kv_cache_memory_bytes
+                               or args.kv_cache_tokens * per_token // tp),
         enforce_eager=not args.compile, seed=args.seed, multiprocess=args.multiprocess_engine,
         tensor_parallel_size=tp,
         compression_options=parse_kv_options(args.kv_option),
@@ -515,7 +638,19 @@ def build_settings(args: argparse.Namespace, model: str, device: str,
     return settings, per_token
 
 
-def describe_workload(args: argparse.Namespace, prompts: list[dict[str, Any]]) -> dict:
+def describe_workload(args: argparse.Namespace, prompts: list[dict[str, Any]],
+                      workload: str = "random") -> dict:
+    if workload == "system-prompt":
+        return {
+            "source": "chats sharing a system prompt (benchmarks.documents."
+                      "system_prompt_prompts)",
+            "num_prompts": len(prompts), "system_prompt_tokens": args.system_prompt_tokens,
+            "question_tokens": args.question_tokens, "output_len": args.output_len,
+            "shared_prefix_tokens": shared_prefix_length(prompts),
+            "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
+            "output_tokens": sum(p["max_tokens"] for p in prompts),
+            "seed": args.seed,
+        }
     return {
         "source": str(args.prompts_file) if args.prompts_file else "synthetic random token ids",
         "num_prompts": len(prompts),
@@ -525,6 +660,15 @@ def describe_workload(args: argparse.Namespace, prompts: list[dict[str, Any]]) -
         "output_tokens": sum(p["max_tokens"] for p in prompts),
         "seed": args.seed,
     }
+
+
+def shared_prefix_length(prompts: list[dict[str, Any]]) -> int:
+    """How many leading token ids every prompt has in common."""
+    ids = [p["prompt_token_ids"] for p in prompts]
+    length = 0
+    while all(len(p) > length and p[length] == ids[0][length] for p in ids):
+        length += 1
+    return length
 
 
 def config_row(spec: CompressionSpec, outcome: Any) -> dict[str, Any]:
@@ -539,8 +683,37 @@ def config_row(spec: CompressionSpec, outcome: Any) -> dict[str, Any]:
 
 def render_report(report: Mapping[str, Any]) -> str:
     """A run's table, headed by a line when it ran with prefix caching off (every run
-    before the setting was recorded did)."""
-    return with_prefix_caching(render(report["configs"]), report.get("settings") or {})
+    before the setting was recorded did); a table per workload where it ran several."""
+    rows = report["configs"]
+    names = list(dict.fromkeys(row.get("workload") for row in rows))
+    if len(names) <= 1:
+        return with_prefix_caching(render(rows), report.get("settings") or {})
+    workloads = report.get("workloads") or {}
+    parts = []
+    for name in names:
+        described = workloads.get(name) or {}
+        parts.append(f"Workload {name}{workload_line(described)}:\n\n" + with_prefix_caching(
+            render([row for row in rows if row.get("workload") == name]),
+            described.get("settings") or report.get("settings") or {}))
+    return "\n\n".join(parts)
+
+
+def workload_line(described: Mapping[str, Any]) -> str:
+    """`` (24 prompts, 1024 in / 128 out, 80 MB of KV)``, from a run's ``workloads`` entry."""
+    workload, settings = described.get("workload") or {}, described.get("settings") or {}
+    if not workload:
+        return ""
+    if "system_prompt_tokens" in workload:
+        shape = (f"{workload['num_prompts']} chats, a {workload['shared_prefix_tokens']}-token "
+                 f"shared prefix + ~{workload['question_tokens']} tokens each, "
+                 f"{workload['output_len']} out")
+    else:
+        shape = (f"{workload['num_prompts']} prompts, {workload.get('input_len')} in / "
+                 f"{workload.get('output_len')} out")
+    kv_bytes = settings.get("kv_cache_memory_bytes")
+    tp = settings.get("tensor_parallel_size") or 1
+    memory = f", {kv_bytes * tp / 1e6:.0f} MB of KV" if kv_bytes else ""
+    return f" ({shape}{memory})"
 
 
 def render(rows: list[dict[str, Any]]) -> str:

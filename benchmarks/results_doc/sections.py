@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import memory_sweep, shared_context, shared_prefix, streaming_latency, throughput
+from benchmarks import (
+    memory_sweep,
+    serve_prefix,
+    shared_context,
+    shared_prefix,
+    streaming_latency,
+    throughput,
+)
 from benchmarks.multi_turn import report as multi_turn_report
 from benchmarks.quality import report as quality_report
 from benchmarks.report import RESULTS_DIR, with_prefix_caching
@@ -154,6 +161,10 @@ def _streaming_latency(report: Report) -> str:
     return streaming_latency.render(report["rows"])
 
 
+def _serve_prefix(report: Report) -> str:
+    return serve_prefix.render_report(report)
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("throughput", "Throughput against vanilla vLLM",
             ("throughput_defaults.json", "throughput.json", "throughput_2threads.json",
@@ -216,6 +227,9 @@ SECTIONS: tuple[Section, ...] = (
     Section("shared_prefix", "A prefix shared by running requests",
             ("shared_prefix_segments.json", "shared_prefix.json",
              "shared_prefix_n4_scoring.json"), _shared_prefix),
+    # a folder: the section stands (its notes say how to run it) before its first result
+    Section("serve_prefix", "A shared prefix over HTTP (vllm bench serve)",
+            ("serve_prefix/*.json",), _serve_prefix),
 )
 
 
@@ -231,9 +245,11 @@ class Headline:
 
 
 def _config(report: Report, label: str) -> Mapping[str, Any]:
+    """The row of configuration ``label`` (of the random workload, where a throughput run
+    measured several)."""
     rows = report.get("configs") or report.get("rows") or []
     for row in rows:
-        if row.get("label") == label:
+        if row.get("label") == label and row.get("workload") in (None, "random"):
             return row
     raise KeyError(f"no configuration {label!r} in the result")
 

@@ -31,7 +31,8 @@ def test_the_readme_names_every_benchmark_and_study():
     modules = readme_modules()
     assert {"benchmarks.throughput", "benchmarks.quality", "benchmarks.multi_turn",
             "benchmarks.shared_context", "benchmarks.shared_prefix",
-            "benchmarks.streaming_latency", "benchmarks.results_doc"} <= set(modules)
+            "benchmarks.streaming_latency", "benchmarks.serve_prefix",
+            "benchmarks.results_doc"} <= set(modules)
     studies = {path.stem for path in (ROOT / "benchmarks" / "studies").glob("*.py")}
     studies -= {"__init__", "decode_recall"}  # decode_recall: decode_fidelity's --recall task
     assert {f"benchmarks.studies.{name}" for name in studies} <= set(modules)

@@ -24,7 +24,7 @@ def run_script(args: list[str], timeout: int = 400) -> subprocess.CompletedProce
 def test_throughput_end_to_end(tmp_path, embedded_model):
     out = tmp_path / "throughput.json"
     run_script([
-        "-m", "benchmarks.throughput", "--model", embedded_model,
+        "-m", "benchmarks.throughput", "--model", embedded_model, "--workload", "random",
         "--configs", "vanilla,pyramidkv:r=0.75", "--num-prompts", "3", "--input-len", "96",
         "--output-len", "6", "--kv-cache-tokens", "512", "--max-num-batched-tokens", "512",
         "--output-json", str(out), "--no-progress",
@@ -40,6 +40,7 @@ def test_throughput_end_to_end(tmp_path, embedded_model):
         assert row["output_tok_s"] > 0 and row["total_tok_s"] > row["output_tok_s"]
         assert row["peak_running"] >= 1 and row["steps"] >= 6
         assert row["mean_kv_tokens_per_running"] > 0
+        assert row["cached_tokens"] == 0  # random prompts share no prefix
         # the prefill-only pass ran, and decoding is not free
         assert 0 < row["prefill_only_s"] < row["elapsed_s"]
         assert 0 < row["cap"]["reached"] < 1
@@ -135,3 +136,32 @@ def test_decode_fidelity_end_to_end(tmp_path, embedded_model):
     assert rows["pyramidkv:100000@h2o:40"]["prefix@80"] == 1.0
     window = rows["pyramidkv:100000@window:8"]
     assert 0.0 <= window["prefix@80"] <= window["match@80"] <= 1.0
+
+
+def test_shared_prefix_system_prompt_end_to_end(tmp_path, embedded_model):
+    out = tmp_path / "shared_prefix.json"
+    run_script([
+        "-m", "benchmarks.shared_prefix", "--model", embedded_model, "--workload",
+        "system-prompt", "--configs", "vanilla,pyramidkv:r=0.75", "--requests", "3",
+        "--arrivals", "concurrent,staggered", "--doc-tokens", "300", "--question-tokens", "40",
+        "--answer-tokens", "4", "--kv-pools", "2,20M", "--output-json", str(out),
+        "--no-progress",
+    ], timeout=900)
+    report = json.loads(out.read_text())
+    assert report["workload"]["kind"] == "system-prompt"
+    assert "kv_held_derivation" in report and set(report["settings"]["kv_pools"]) == {"2x", "20M"}
+    rows = report["configs"]
+    assert [(r["pool"], r["label"]) for r in rows] == [
+        ("2x", "vanilla"), ("2x", "pyramidkv:r=0.75"), ("20M", "vanilla"),
+        ("20M", "pyramidkv:r=0.75")]
+    for row in rows:
+        assert row["ok"], row.get("error")
+        assert [s["scenario"] for s in row["scenarios"]] == ["n3-concurrent", "n3-staggered"]
+        for figures in row["scenarios"]:
+            assert figures["output_tokens"] == 12 and figures["kv_held_per_request"] > 0
+            assert figures["peak_kv_held"] <= row["kv_cache_memory_bytes"]
+            assert figures["vs_vanilla"]["kv_held_per_request"] is not None
+    # vanilla reads the running first request's prefix blocks: the staggered readers find
+    # it cached
+    staggered = rows[0]["scenarios"][1]
+    assert staggered["requests_with_cache_hit"] >= 2

@@ -58,10 +58,17 @@ def test_throughput_records_prefix_caching_in_its_jobs_and_json(monkeypatch, tmp
     assert throughput.main(["--model", embedded_model, "--configs", "vanilla,pyramidkv:r=0.5",
                             "--num-prompts", "2", "--input-len", "32", "--output-len", "4",
                             "--output-json", str(out), "--no-progress", *flags]) == 1
-    assert [job["settings"]["enable_prefix_caching"] for job in seen["jobs"]] == [enabled] * 2
+    # both default workloads, each with --configs
+    assert [job["id"] for job in seen["jobs"]] == [
+        "vanilla", "pyramidkv:r=0.5", "system-prompt/vanilla", "system-prompt/pyramidkv:r=0.5"]
+    assert [job["settings"]["enable_prefix_caching"] for job in seen["jobs"]] == [enabled] * 4
     report = json.loads(out.read_text())
     assert report["settings"]["enable_prefix_caching"] is enabled
-    assert (PREFIX_CACHING_OFF in throughput.render_report(report)) is not enabled
+    assert all(report["workloads"][name]["settings"]["enable_prefix_caching"] is enabled
+               for name in ("random", "system-prompt"))
+    rendered = throughput.render_report(report)
+    assert (PREFIX_CACHING_OFF in rendered) is not enabled
+    assert rendered.count(PREFIX_CACHING_OFF) == (0 if enabled else 2)  # a table a workload
 
 
 def _section(key: str):

@@ -9,10 +9,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.documents import Prompts, make_documents
+from benchmarks.documents import (
+    SYSTEM_HEADER,
+    Prompts,
+    make_documents,
+    system_prompt_prompts,
+)
 from benchmarks.engine import Wave, run_waves
 from benchmarks.shared_prefix import (
+    ARRIVALS,
+    QUICK,
     add_ratios,
+    apply_workload_defaults,
+    build_parser,
+    kv_held,
     make_scenarios,
     pool_tokens,
     render,
@@ -20,6 +30,7 @@ from benchmarks.shared_prefix import (
     shared_prefix_prompts,
     waves,
 )
+from benchmarks.specs import token_counter
 from tests.benchmarks.test_shared_context import FakeTokenizer
 
 
@@ -127,6 +138,7 @@ def test_figures_count_the_prefix_computations_and_time_to_first_token():
                             elapsed_s=2.0, prefill_tokens=134, steps=STEPS)
     assert once["prefix_computed"] == pytest.approx(1.04)  # (134 - 30) / 100
     assert once["cached_tokens"] == 96 and once["requests_with_cache_hit"] == 1
+    assert once["min_cached_after_first"] == 96  # the reader after the first found 96
     assert once["ttft_mean"] == 2.0 and once["ttft_p50"] == 2.0
     assert once["output_tok_s"] == 4.0 and once["peak_running"] == 2
     twice = scenario_figures(_scenario(), _records([2.0, 6.0]), elapsed_s=4.0,
@@ -162,3 +174,88 @@ def test_pools_in_multiples_of_the_longest_request_or_all():
                                                           ("1.5x", 1500)]
     with pytest.raises(ValueError, match="at least one request"):
         pool_tokens(["0.5"], 1000, 16)
+
+
+def test_pools_in_bytes_as_vllm_reads_them():
+    # 130M is 130 MiB (vLLM's --kv-cache-memory-bytes); whole tokens of 23040 bytes
+    assert pool_tokens(["130M"], 1000, 16, per_token=23040) == [("130M", 130 * 2**20 // 23040)]
+    assert pool_tokens(["136m"], 1000, 16, per_token=1000) == [("136m", 136_000)]
+    with pytest.raises(ValueError, match="bytes"):
+        pool_tokens(["130M"], 1000, 16)
+
+
+def test_system_prompt_chats_share_the_system_message_and_ask_their_own_question(
+        smollm_tokenizer):
+    (document,) = make_documents(1, 300, seed=3, count=token_counter(smollm_tokenizer))
+    prefix, prompts, asked = system_prompt_prompts(
+        Prompts(smollm_tokenizer), document, 6, 80, token_counter(smollm_tokenizer), seed=0)
+    head = smollm_tokenizer.decode(prefix)
+    assert head.startswith("<|im_start|>system") and head.endswith(document.text)
+    assert "<|im_start|>user" not in head
+    assert all(p[: len(prefix)] == prefix for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 6 and asked == [0, 1, 2, 3, 4, 0]
+    for number, (ids, index) in enumerate(zip(prompts, asked)):
+        tail = smollm_tokenizer.decode(ids[len(prefix):])
+        assert f"Question {number + 1}: {document.questions[index].text}" in tail
+        assert tail.endswith(document.questions[index].prefix)
+        # the user message is about --question-tokens long: filler, then the question
+        assert 70 <= len(ids) - len(prefix) <= 110
+    again = system_prompt_prompts(Prompts(smollm_tokenizer), document, 6, 80,
+                                  token_counter(smollm_tokenizer), seed=0)
+    assert again == (prefix, prompts, asked)  # seeded
+
+
+def test_scenarios_of_the_system_prompt_workload(smollm_tokenizer):
+    count = token_counter(smollm_tokenizer)
+    documents = make_documents(2, 200, seed=1, count=count)
+    chats = make_scenarios(Prompts(smollm_tokenizer), documents, [3], ["concurrent", "staggered"],
+                           workload="system-prompt", question_tokens=60, count=count)
+    plain = make_scenarios(Prompts(smollm_tokenizer), documents, [3],
+                           ["concurrent", "staggered"])
+    assert [s.name for s in chats] == ["n3-concurrent", "n3-staggered"]
+    assert all(SYSTEM_HEADER in smollm_tokenizer.decode(s.prefix_ids) for s in chats)
+    assert all(SYSTEM_HEADER not in smollm_tokenizer.decode(s.prefix_ids) for s in plain)
+    assert [s.document for s in chats] == [0, 1]
+    with pytest.raises(ValueError, match="workload"):
+        make_scenarios(Prompts(smollm_tokenizer), documents, [3], ["concurrent"],
+                       workload="poem")
+
+
+def test_kv_held_divides_the_pools_usage_among_the_running_requests():
+    busy = [SimpleNamespace(running=4, kv_cache_usage=0.5),
+            SimpleNamespace(running=2, kv_cache_usage=0.5)]
+    held = kv_held(busy, 1000, per_token=10)
+    assert held["kv_held_per_request"] == pytest.approx((125 + 250) / 2)
+    assert held["peak_kv_held"] == 500 and held["kv_held_per_request_tokens"] == 18.75
+    assert kv_held([], 1000, None) == {"kv_held_per_request": None, "peak_kv_held": 0.0,
+                                       "kv_held_per_request_tokens": None}
+
+
+def test_the_table_shows_kv_held_when_measured_and_keeps_older_tables():
+    rows = [_row("3x", "vanilla", 130, 1.0), _row("3x", "pyramidkv:r=0.75", 230, 4.0)]
+    add_ratios(rows)
+    assert "KV MB/req" not in render(rows)  # a result from before KV held was measured
+    for row, held in zip(rows, (2e6, 5e6)):
+        row["scenarios"][0].update(kv_held_per_request=held, peak_kv_held=3 * held)
+    add_ratios(rows)
+    assert rows[1]["scenarios"][0]["vs_vanilla"]["kv_held_per_request"] == 2.5
+    table = render(rows)
+    assert "KV MB/req" in table and "peak KV MB" in table and "15.00" in table
+    assert "min cached after 1st / prefix" in table
+
+
+def test_defaults_quick_and_workload_defaults():
+    args = build_parser().parse_args([])
+    apply_workload_defaults(args)
+    assert (args.requests, args.arrivals) == ("8,32,128", "concurrent,staggered")
+    assert (args.workload, args.doc_tokens, args.answer_tokens) == ("document", 2000, 16)
+    assert args.kv_pools == "3,all" and args.max_num_seqs >= 128
+    chats = build_parser().parse_args(["--workload", "system-prompt", "--answer-tokens", "64"])
+    apply_workload_defaults(chats)
+    assert (chats.doc_tokens, chats.question_tokens, chats.answer_tokens,
+            chats.kv_pools) == (1500, 270, 64, "130M")  # a flag given wins
+    parser = build_parser()
+    parser.set_defaults(**QUICK)
+    quick = parser.parse_args(["--quick", "--requests", "4"])
+    assert quick.requests == "4" and quick.configs == QUICK["configs"]
+    assert "warmed" in ARRIVALS  # still available

@@ -149,3 +149,75 @@ def test_config_row_and_render():
     add_ratios(rows)
     table = render(rows)
     assert "pyramidkv:r=0.875" in table and "20.00" in table
+
+
+def test_both_workloads_by_default_and_one_where_a_preset_or_a_file_says():
+    from benchmarks.throughput import build_parser, selected_workloads
+
+    parser = build_parser()
+    assert selected_workloads(parser.parse_args([])) == ["random", "system-prompt"]
+    assert selected_workloads(parser.parse_args(["--workload", "system-prompt"])) == [
+        "system-prompt"]
+    assert selected_workloads(parser.parse_args(["--prompts-file", "x.jsonl"])) == ["random"]
+    with pytest.raises(ValueError):
+        selected_workloads(parser.parse_args(["--workload", "random,system-prompt",
+                                              "--sweep-kv-memory"]))
+    with pytest.raises(ValueError):
+        selected_workloads(parser.parse_args(["--workload", "poems"]))
+
+
+def test_system_prompt_chats_share_their_prefix(smollm_tokenizer):
+    from benchmarks.throughput import chat_prompts, shared_prefix_length
+
+    prompts = chat_prompts(5, 400, 90, 128, 0, smollm_tokenizer)
+    assert len(prompts) == 5 and {p["max_tokens"] for p in prompts} == {128}
+    shared = shared_prefix_length(prompts)
+    assert 380 <= shared <= 460  # the template's head and the ~400-token system prompt
+    own = [len(p["prompt_token_ids"]) - shared for p in prompts]
+    assert all(80 <= n <= 130 for n in own)
+    assert chat_prompts(5, 400, 90, 128, 0, smollm_tokenizer) == prompts  # seeded
+
+
+def _workload_row(workload, label, tok_s):
+    return {"label": label, "ok": True, "output_tok_s": tok_s, "workload": workload}
+
+
+def test_each_workload_is_compared_with_its_own_vanilla_and_rendered_apart():
+    from benchmarks.throughput import ratio_groups, render_report
+
+    rows = [_workload_row("random", "vanilla", 10.0),
+            _workload_row("random", "pyramidkv:r=0.875", 20.0),
+            _workload_row("system-prompt", "vanilla", 40.0),
+            _workload_row("system-prompt", "pyramidkv:r=0.875", 46.0)]
+    for group in ratio_groups(rows, False, 2):
+        add_ratios(group)
+    assert rows[1]["vs_vanilla"]["output_tok_s"] == 2.0
+    assert rows[3]["vs_vanilla"]["output_tok_s"] == pytest.approx(1.15)
+    workloads = {
+        "random": {"workload": {"num_prompts": 24, "input_len": 1024, "output_len": 128},
+                   "settings": {"kv_cache_memory_bytes": 80_000_000,
+                                "enable_prefix_caching": True}},
+        "system-prompt": {"workload": {"num_prompts": 32, "system_prompt_tokens": 1500,
+                                       "shared_prefix_tokens": 1521, "question_tokens": 270,
+                                       "output_len": 128},
+                          "settings": {"kv_cache_memory_bytes": 136_314_880,
+                                       "enable_prefix_caching": True}}}
+    text = render_report({"configs": rows, "settings": {"enable_prefix_caching": True},
+                          "workloads": workloads})
+    random_part, chats_part = text.split("Workload system-prompt")
+    assert random_part.startswith("Workload random (24 prompts, 1024 in / 128 out, 80 MB")
+    assert chats_part.startswith(" (32 chats, a 1521-token shared prefix + ~270 tokens each, "
+                                 "128 out, 136 MB of KV)")
+    assert "1.15" in chats_part and "1.15" not in random_part
+    # a run of one workload (every result before workloads): one table, as before
+    single = render_report({"configs": rows[:2], "settings": {"enable_prefix_caching": True}})
+    assert "Workload" not in single
+
+
+def test_the_headline_reads_the_random_workload():
+    from benchmarks.results_doc.sections import _config
+
+    rows = [_workload_row("random", "vanilla", 10.0),
+            _workload_row("system-prompt", "vanilla", 40.0)]
+    assert _config({"configs": rows[::-1]}, "vanilla")["output_tok_s"] == 10.0
+    assert _config({"configs": [{"label": "vanilla", "x": 1}]}, "vanilla")["x"] == 1
