@@ -148,11 +148,18 @@ CHANGES: tuple[Change, ...] = (
            "prefix-cache entries that waiting requests will adopt are evicted last, the one "
            "needed latest first (was least recently used first)",
            ("multi_turn", "multi_turn_recall", "shared_prefix")),
+    Change("aa6b849", "2026-12-04T13:57:26+00:00",
+           "pages are reference-counted and an adopter reads a cached entry's whole pages in "
+           "place, copying one partial page a row (was: a copy of the whole entry, or a "
+           "handover when free pages could not take the copy)",
+           ("multi_turn", "multi_turn_recall", "shared_prefix")),
     Change("f251d03", "2026-12-04T14:32:36+00:00",
            "waiting requests that share a prefix compute and compress it once (a segment "
            "request of its own) and wait for it, then read it in place (was: each prefilled "
            "and compressed its own copy)",
-           ("shared_prefix",), measured_by=("shared_prefix_segments.json",)),
+           ("shared_prefix", "shared_context"),
+           measured_by=("shared_prefix_segments.json", "shared_prefix_system_prompt.json",
+                        "shared_context_segments.json")),
 )
 
 

@@ -167,7 +167,7 @@ def _serve_prefix(report: Report) -> str:
 
 SECTIONS: tuple[Section, ...] = (
     Section("throughput", "Throughput against vanilla vLLM",
-            ("throughput_defaults.json", "throughput.json", "throughput_2threads.json",
+            ("throughput_defaults.json", "throughput_system_prompt.json", "throughput.json", "throughput_2threads.json",
              "throughput_vec16_pages.json", "throughput_2threads_vec16_pages.json",
              "throughput_avx2_float32.json", "throughput_2threads_avx2_float32.json"),
             _throughput),
@@ -219,13 +219,15 @@ SECTIONS: tuple[Section, ...] = (
                                                         "shared_context_expected.json",
                                                         "shared_context_variants.json",
                                                         "shared_context_sharing.json",
-                                                        "shared_context_surrogate.json"),
+                                                        "shared_context_surrogate.json",
+                                                        "shared_context_segments.json"),
             _shared_context),
     Section("streaming_latency", "Streaming latency while long prompts arrive",
             ("streaming_latency.json", "streaming_latency_inline_passes.json"),
             _streaming_latency),
     Section("shared_prefix", "A prefix shared by running requests",
-            ("shared_prefix_segments.json", "shared_prefix.json",
+            ("shared_prefix_system_prompt.json", "shared_prefix_segments.json",
+             "shared_prefix.json",
              "shared_prefix_n4_scoring.json"), _shared_prefix),
     # a folder: the section stands (its notes say how to run it) before its first result
     Section("serve_prefix", "A shared prefix over HTTP (vllm bench serve)",
