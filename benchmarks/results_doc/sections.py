@@ -167,7 +167,8 @@ def _serve_prefix(report: Report) -> str:
 
 SECTIONS: tuple[Section, ...] = (
     Section("throughput", "Throughput against vanilla vLLM",
-            ("throughput_defaults.json", "throughput_system_prompt.json", "throughput.json", "throughput_2threads.json",
+            ("throughput_defaults.json", "throughput_system_prompt.json", "throughput.json",
+             "throughput_2threads.json",
              "throughput_vec16_pages.json", "throughput_2threads_vec16_pages.json",
              "throughput_avx2_float32.json", "throughput_2threads_avx2_float32.json"),
             _throughput),
