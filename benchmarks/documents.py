@@ -130,6 +130,28 @@ class Prompts:
                              f"longer conversation: {error}") from None
 
 
+def prompts_sharing_the_document(
+        prompts: Prompts, document: Document, requests: int,
+        messages: Callable[[int, Question], list[dict[str, str]]],
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """The shared prefix's ids, then ``requests`` prompts (prefix + their own part) and the
+    question each asks (numbered, cycling through the document's): request ``number``'s
+    chat is ``messages(number, question)``, cut after the document, whose ids are tokenized
+    once so every prompt starts with exactly them."""
+    prefix_ids: list[int] | None = None
+    prompts_ids, asked = [], []
+    for number in range(requests):
+        index = number % len(document.questions)
+        text = prompts.render(messages(number, document.questions[index]))
+        cut = text.index(document.text) + len(document.text)
+        if prefix_ids is None:
+            prefix_ids = prompts.encode(text[:cut])
+        prompts_ids.append(prefix_ids + prompts.encode(text[cut:]))
+        asked.append(index)
+    assert prefix_ids is not None, "at least one request"
+    return prefix_ids, prompts_ids, asked
+
+
 def system_prompt_prompts(prompts: Prompts, document: Document, requests: int,
                           question_tokens: int, count: Callable[[str], int], seed: int
                           ) -> tuple[list[int], list[list[int]], list[int]]:
@@ -138,26 +160,17 @@ def system_prompt_prompts(prompts: Prompts, document: Document, requests: int,
     numbered question), the assistant message continued from the answer's start. The
     shared prefix ends with the document (the template's tokens after it are each
     prompt's own)."""
-    prefix_ids: list[int] | None = None
-    prompts_ids, asked = [], []
-    for number in range(requests):
-        index = number % len(document.questions)
-        question = document.questions[index]
+
+    def messages(number: int, question: Question) -> list[dict[str, str]]:
         ask = f"Question {number + 1}: {question.text}"
         rng = random.Random(f"{seed}/system-prompt/{document.index}/{number}")
         context = " ".join(fill_haystack(rng, max(0, question_tokens - count(ask)), count,
                                          (), ()))
-        text = prompts.render([
-            {"role": "system", "content": f"{SYSTEM_HEADER}\n\n{document.text}"},
-            {"role": "user", "content": f"{context}\n\n{ask}" if context else ask},
-            {"role": "assistant", "content": question.prefix}])
-        cut = text.index(document.text) + len(document.text)
-        if prefix_ids is None:
-            prefix_ids = prompts.encode(text[:cut])
-        prompts_ids.append(prefix_ids + prompts.encode(text[cut:]))
-        asked.append(index)
-    assert prefix_ids is not None, "at least one request"
-    return prefix_ids, prompts_ids, asked
+        return [{"role": "system", "content": f"{SYSTEM_HEADER}\n\n{document.text}"},
+                {"role": "user", "content": f"{context}\n\n{ask}" if context else ask},
+                {"role": "assistant", "content": question.prefix}]
+
+    return prompts_sharing_the_document(prompts, document, requests, messages)
 
 
 def score_answer(text: str, question: Question) -> float:

@@ -88,7 +88,9 @@ from benchmarks.documents import (
     HEADER,
     Document,
     Prompts,
+    Question,
     make_documents,
+    prompts_sharing_the_document,
     score_answer,
     system_prompt_prompts,
 )
@@ -172,22 +174,13 @@ def shared_prefix_prompts(prompts: Prompts, document: Document,
                           requests: int) -> tuple[list[int], list[list[int]], list[int]]:
     """The shared prefix's ids, then ``requests`` prompts (prefix + their own part) and the
     question each asks: numbered, cycling through the document's questions."""
-    prefix_ids: list[int] | None = None
-    prompts_ids, asked = [], []
-    for number in range(requests):
-        index = number % len(document.questions)
-        question = document.questions[index]
-        text = prompts.render([
-            {"role": "user", "content": f"{HEADER}\n\n{document.text}\n\n"
-                                        f"Question {number + 1}: {question.text}"},
-            {"role": "assistant", "content": question.prefix}])
-        cut = text.index(document.text) + len(document.text)
-        if prefix_ids is None:
-            prefix_ids = prompts.encode(text[:cut])
-        prompts_ids.append(prefix_ids + prompts.encode(text[cut:]))
-        asked.append(index)
-    assert prefix_ids is not None, "at least one request"
-    return prefix_ids, prompts_ids, asked
+
+    def messages(number: int, question: Question) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{HEADER}\n\n{document.text}\n\n"
+                                            f"Question {number + 1}: {question.text}"},
+                {"role": "assistant", "content": question.prefix}]
+
+    return prompts_sharing_the_document(prompts, document, requests, messages)
 
 
 def make_scenarios(prompts: Prompts, documents: Sequence[Document], requests: Sequence[int],
