@@ -35,11 +35,14 @@ FULL_CACHE_TOKENS, COMPRESSED_TOKENS = 256, 32
 
 def chat_body(model: str, number: int, stream: bool) -> dict:
     full_cache = number % 2 == 1
+    # Full-cache chats open with their own words: identical prompts waiting together would
+    # share one computed prefix (engine/prefix_segments.py) and fit without preempting.
+    content = (f"Chat {number}. {long_question(500)}" if full_cache
+               else long_question(600 + 10 * number))
     body = {
         "model": model, "stream": stream, "temperature": 0, "ignore_eos": True,
         "max_tokens": FULL_CACHE_TOKENS if full_cache else COMPRESSED_TOKENS,
-        "messages": [{"role": "user",
-                      "content": long_question(500 if full_cache else 600 + 10 * number)}],
+        "messages": [{"role": "user", "content": content}],
     }
     if full_cache:
         body["vllm_xargs"] = {"kv_compression": "none"}
