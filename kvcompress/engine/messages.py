@@ -16,6 +16,10 @@ import numpy as np
 
 from kvcompress.paging import PageTableDelta
 
+# The request id of a shared prefix's own request (``engine/prefix_segments.py``) starts so:
+# the workers plan its compaction apart.
+SEGMENT_ID_PREFIX = "kvcompress-segment-"
+
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
 PASS_GRANTS_ATTR = "kvcompress_pass_grants"
 REPORT_ATTR = "kvcompress_report"

@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from kvcompress.engine.messages import SEGMENT_ID_PREFIX
+
 # A shared prefix shorter than this (beyond what a cached entry already gives) is not worth
 # a request of its own: four 16-token blocks.
 MIN_SEGMENT_TOKENS = 64
 # Waiting requests scanned for shared prefixes per step (as the eviction plan's lookahead).
 SEGMENT_LOOKAHEAD = 64
-SEGMENT_ID_PREFIX = "kvcompress-segment-"
 # Tokens per hashed block of the grouping (vLLM's default block size).
 _BLOCK = 16
 
@@ -136,6 +137,16 @@ class PrefixSegments:
     def holding(self, tokens: np.ndarray, prompt_len: int, settings: Hashable) -> bool:
         """Whether a waiting request would adopt a segment still being computed."""
         return any(segment.covers(tokens, prompt_len, settings)
+                   for segment in self.pending.values())
+
+    def may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """A cheap first test of ``holding``: the prompt starts with a pending segment's first
+        block."""
+        if len(token_ids) <= _BLOCK:
+            return False
+        self.prompt_of(request_id, token_ids)
+        block = self._prompts[request_id][1]
+        return any(hash(segment.tokens[:_BLOCK].tobytes()) == block
                    for segment in self.pending.values())
 
     def next_id(self) -> str:

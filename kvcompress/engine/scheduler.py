@@ -184,6 +184,20 @@ class KVCompressScheduler(Scheduler):
             held.extend(self.requests[request_id] for request_id in readers)
             logger.debug("kvcompress: %d waiting requests share %d prompt tokens, computed "
                          "once by %s", len(readers), len(segment.tokens), segment.request_id)
+        if segments.pending:  # readers queued beyond the lookahead wait for the segment too
+            # (Segment requests queued first shifted the queue: some are held already.)
+            seen = {request.request_id for request in held}
+            for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD, None):
+                if (request.request_id not in seen
+                        and segments.may_hold(request.request_id, request.prompt_token_ids)
+                        and request.sampling_params is not None
+                        and not segments.is_segment(request.request_id)
+                        and self.reuse.may_read(request)
+                        and segments.holding(
+                            segments.prompt_of(request.request_id, request.prompt_token_ids),
+                            request.num_prompt_tokens,
+                            resolve(self.compression_config, request.sampling_params))):
+                    held.append(request)
         if not held:
             return [], {}
         positions = {request.request_id: index for index, request in enumerate(self.waiting)}

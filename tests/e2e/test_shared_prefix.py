@@ -11,6 +11,8 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.request import RequestStatus
 
+from kvcompress.engine import scheduler as scheduler_module
+
 from .harness import EngineHarness, assert_default_scoring, greedy
 
 pytestmark = pytest.mark.slow
@@ -110,9 +112,11 @@ def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
                 # Compressed (budget shared model-wide: some rows keep all, most keep few).
                 assert len(segment) == 1 and segment[0].prompt_evicted.mean() > 300
             else:
-                # The same segment made by a two-token warm-up, then each question alone.
-                harness.generate({"warm": prefix}, SamplingParams(
-                    temperature=0.0, max_tokens=2, min_tokens=2))
+                # The same segment, made for two warm-ups (their own last token, which no
+                # question starts with), then each question alone.
+                harness.generate({"warm1": [*prefix, 1], "warm2": [*prefix, 2]},
+                                 SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2))
+                assert harness.scheduler.reuse.totals.segments == 1
                 answers[mode] = {q: harness.generate({q: p}, greedy(8))[q]
                                  for q, p in questions.items()}
             assert all(harness.cached_tokens[q] == 600 for q in questions)
@@ -120,6 +124,31 @@ def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
         finally:
             harness.shutdown()
     assert answers["together"] == answers["alone"]
+
+
+def test_readers_queued_beyond_the_lookahead_wait_for_the_segment_too(tiny_llama,
+                                                                       monkeypatch):
+    """Only the first waiting requests are grouped (two here, 64 by default), but every
+    waiting request that starts with a segment being computed waits for it: the prefix is
+    computed once for all six questions, and they answer as vanilla."""
+    monkeypatch.setattr(scheduler_module, "SEGMENT_LOOKAHEAD", 2)
+    rng = random.Random(61)
+    prefix = new_tokens(rng, 300)
+    questions = questions_on(prefix, 6, 30, seed=62)
+    answers = {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
+        harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True, **ENGINE)
+        try:
+            answers[name] = harness.generate(questions, greedy(6))
+            if compression:
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.segments, reuse.segment_tokens) == (1, 300)
+                assert reuse.adopted_tokens == 6 * 300
+                assert all(harness.cached_tokens[q] == 300 for q in questions)
+                assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["kvcompress"] == answers["vanilla"]
 
 
 def test_aborting_the_segment_request_releases_its_readers(tiny_llama):
