@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcompress.engine.messages import SEGMENT_ID_PREFIX
+from kvcompress.engine.messages import SEGMENT_ID_PREFIX, SEGMENT_READERS_AFTER_ARG
 
 # A shared prefix shorter than this (beyond what a cached entry already gives) is not worth
 # a request of its own: four 16-token blocks.
@@ -206,11 +206,13 @@ def may_segment(settings: Any, prompt_len: int) -> bool:
     return not (settings.scores_window and settings.policy.compression_method.needs_scores)
 
 
-def segment_request(request_id: str, tokens: np.ndarray, reader: Any) -> Any:
+def segment_request(request_id: str, tokens: np.ndarray, reader: Any,
+                    readers_after: int = 0) -> Any:
     """A vLLM request whose prompt is the segment's tokens, with the reader's compression
     settings and sampling defaults: two output tokens (a request that ends in its prefill
     step is not compressed; the scheduler ends it once its prompt is compacted), no logprobs,
-    no structured output, one sample, no KV connector transfer."""
+    no structured output, one sample, no KV connector transfer. ``readers_after``: the
+    tokens of their own its readers have after it (``SEGMENT_READERS_AFTER_ARG``)."""
     from vllm.v1.request import Request
 
     params = reader.sampling_params.clone()
@@ -218,9 +220,10 @@ def segment_request(request_id: str, tokens: np.ndarray, reader: Any) -> Any:
     params.max_tokens = params.min_tokens = 2
     params.logprobs = params.prompt_logprobs = None
     params.structured_outputs = None
-    if params.extra_args:  # its compression settings, not a KV connector's transfer
-        params.extra_args = {key: value for key, value in params.extra_args.items()
-                             if key not in ("kv_transfer_params", "ec_transfer_params")}
+    # Its compression settings, not a KV connector's transfer.
+    params.extra_args = {key: value for key, value in (params.extra_args or {}).items()
+                         if key not in ("kv_transfer_params", "ec_transfer_params")}
+    params.extra_args[SEGMENT_READERS_AFTER_ARG] = int(readers_after)
     return Request(request_id, [int(token) for token in tokens], params, None,
                    client_index=reader.client_index, arrival_time=reader.arrival_time,
                    priority=reader.priority)

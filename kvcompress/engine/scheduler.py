@@ -175,7 +175,10 @@ class KVCompressScheduler(Scheduler):
 
         for segment, readers in segments.plan(candidates, cached_of):
             first = self.requests[readers[0]]
-            request = segment_request(segment.request_id, segment.tokens, first)
+            own = sorted(self.requests[request_id].num_prompt_tokens - len(segment.tokens)
+                         for request_id in readers)
+            request = segment_request(segment.request_id, segment.tokens, first,
+                                      readers_after=own[len(own) // 2])
             self.add_request(request)
             # First in the queue: a short prefill that unblocks every reader.
             self.waiting.remove_request(request)

@@ -21,6 +21,7 @@ from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
 from kvcompress.engine.messages import (
     FAILED_ON_ANOTHER_RANK,
+    SEGMENT_READERS_AFTER_ARG,
     Compaction,
     WorkerReport,
     page_deltas,
@@ -133,6 +134,7 @@ class PagedKVRuntime:
             request_state = self._runner.requests.get(request_id)
             sampling_params = getattr(request_state, "sampling_params", None)
             extra_args = getattr(sampling_params, "extra_args", None)
+            request.readers_after = int((extra_args or {}).get(SEGMENT_READERS_AFTER_ARG, 0))
             try:
                 request.config = self.config.with_request_overrides(extra_args)
             except ValueError as error:

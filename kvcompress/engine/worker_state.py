@@ -74,6 +74,10 @@ class RequestKV:
     # that hold them (rows differ: each head kept its own). None / 0: no adoption.
     adopted_len: int = 0
     adopted_rows: np.ndarray | None = None
+    # A shared prefix's segment request: the tokens its (median) reader has after it. The
+    # score surrogate's place features count a token's distance from the end of the prompt
+    # (where the questions are): a segment's tokens are placed as in its readers' prompts.
+    readers_after: int = 0
 
     def new_prompt_tokens(self, prompt_len: int) -> int:
         """Prompt tokens the request prefills itself: all of them, or those after the adopted
@@ -298,7 +302,8 @@ class WorkerKVState:
         base = lengths_before + (first - start)  # each row's slot of the first token
         uniform = bool((base == base[0]).all())
         entries.append(SurrogateTokens(
-            index, state.prompt_len, first_token + (first - start), last - first,
+            index, state.prompt_len + state.readers_after, first_token + (first - start),
+            last - first,
             state.window_scores, first_slot=int(base[0]) if uniform else None,
             slot_base=None if uniform else self.to_device(torch.from_numpy(base))))
 

@@ -112,9 +112,11 @@ def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
                 # Compressed (budget shared model-wide: some rows keep all, most keep few).
                 assert len(segment) == 1 and segment[0].prompt_evicted.mean() > 300
             else:
-                # The same segment, made for two warm-ups (their own last token, which no
-                # question starts with), then each question alone.
-                harness.generate({"warm1": [*prefix, 1], "warm2": [*prefix, 2]},
+                # The same segment, made for two warm-ups as long as the questions (their
+                # own parts start with tokens no question starts with: scored as placed
+                # before 120 tokens of the readers' own), then each question alone.
+                harness.generate({"warm1": [*prefix, 1, *[3] * 119],
+                                  "warm2": [*prefix, 2, *[3] * 119]},
                                  SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2))
                 assert harness.scheduler.reuse.totals.segments == 1
                 answers[mode] = {q: harness.generate({q: p}, greedy(8))[q]
