@@ -150,8 +150,10 @@ class PagedKVCacheManager:
         # new tokens are counted (async scheduling is off: computed tokens are processed).
         self.window_freed_pages += self.pages.drop_outside_window(
             request_id, request.num_computed_tokens)
-        if full_sequence_must_fit:
-            full_len = min(request.num_tokens, self.inner.max_model_len)
+        # vLLM's full-sequence check (scheduler_reserve_full_isl); an adopter's is its
+        # adoption's, below: its prefix is a cache hit, read in place, not pages it needs.
+        full_len = min(request.num_tokens, self.inner.max_model_len)
+        if full_sequence_must_fit and match is None:
             needed = self.pages.pages_needed_for_sequence(request_id, full_len,
                                                           self.max_num_batched_tokens)
             if needed + reserve > self.pages.num_available:
@@ -173,6 +175,9 @@ class PagedKVCacheManager:
                                          reserve))
             if not share and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,
                                                       False, reserve):
+                return None
+            if full_sequence_must_fit and full_len > logical_len and not self.pages.can_adopt(
+                    match.entry_id, match.hit, full_len, share, reserve):
                 return None
         elif (self.pages.pages_needed(request_id, logical_len) + reserve
               > self.pages.num_available):

@@ -221,3 +221,143 @@ def test_a_segment_scored_by_reconstruction_passes_is_filed_after_them(tiny_llam
         assert_pages_back(harness)
     finally:
         harness.shutdown()
+
+
+# A tight pool: kvcompress makes 273 pages of 16 tokens of it for 8 rows (tiny_llama: 4
+# layers x 2 KV heads), 544 tokens uncompressed; vanilla vLLM 768 tokens of blocks. Admission
+# as vLLM does it (no growth reserved), so that growing requests preempt each other.
+TIGHT = dict(dtype="float32", max_model_len=512, max_num_seqs=8, enable_prefix_caching=True,
+             kv_cache_memory_bytes=768 * 4 * 2 * 2 * 32 * 4)
+EXACT_NO_LOOKAHEAD = {**EXACT, "kv_admission_lookahead": 0}
+
+
+def step_tracking(harness: EngineHarness, preemptions: dict[str, list[int]],
+                  readers_running: list[int], readers: list[str]) -> None:
+    """One step; then, by internal id, each live request's preemptions so far and how many
+    of them came once it had generated tokens (``[all, decoding]``), and how many of
+    ``readers`` hold pages (kvcompress; none counted on vanilla vLLM)."""
+    harness.step()
+    for request_id, request in harness.scheduler.requests.items():
+        seen = preemptions.setdefault(request_id, [0, 0])
+        if request.num_preemptions > seen[0]:
+            if request.num_output_tokens:
+                seen[1] += request.num_preemptions - seen[0]
+            seen[0] = request.num_preemptions
+    held = harness.page_manager.request_ids() if hasattr(harness.scheduler, "page_manager") \
+        else set()
+    readers_running.append(sum(1 for request_id in held
+                               if any(request_id.startswith(r + "-") for r in readers)))
+
+
+def test_readers_of_one_segment_preempted_while_decoding_answer_as_vanilla(tiny_llama):
+    """Six questions on one 320-token prefix, sent at once, in a pool of 544 tokens that
+    holds the prefix and a few questions but not all of them grown by 96 tokens: with
+    128-token chunks the segment request prefills the prefix in three, the questions adopt
+    it together (several at once, sharing its pages) and are preempted as they grow; a
+    preempted question is recomputed, adopting the entry again. Token for token the answers
+    are vanilla vLLM's (prefix caching on, same pool, same chunks), and every page comes
+    back. Every step the page invariants hold (KVCOMPRESS_CHECK_PAGES): no page a question
+    reads is freed while another still reads it.
+
+    Before adopters were admitted by what they hold once adopted (the full-sequence check,
+    ``scheduler_kv_cache``), each question had to fit as if its prefix were new pages: with
+    the entry read by one question, no second one fitted, and they ran one at a time."""
+    rng = random.Random(71)
+    prefix = new_tokens(rng, 320)
+    questions = questions_on(prefix, 6, 48, seed=72)
+    answers, preempted, together = {}, {}, {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT_NO_LOOKAHEAD)):
+        harness = EngineHarness(tiny_llama, compression, max_num_batched_tokens=128, **TIGHT)
+        try:
+            for request_id, prompt in questions.items():
+                harness.add(request_id, prompt, greedy(96))
+            preemptions: dict[str, list[int]] = {}
+            readers_running: list[int] = []
+            for _ in range(5_000):
+                if not harness.engine.has_unfinished_requests():
+                    break
+                step_tracking(harness, preemptions, readers_running, list(questions))
+            answers[name] = dict(harness.outputs)
+            preempted[name] = {request_id.rsplit("-", 1)[0]: counts
+                               for request_id, counts in preemptions.items() if counts[0]}
+            together[name] = max(readers_running)
+            if compression:
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.segments, reuse.segment_tokens) == (1, 320)
+                # Each question adopted the prefix at least once, preempted ones again.
+                assert reuse.adopted_tokens >= 320 * (
+                    6 + sum(counts[0] for counts in preempted[name].values()))
+                assert all(harness.cached_tokens[q] == 320 for q in questions)
+                assert set(answers[name]) == set(questions)
+                assert not segment_ids(harness)
+                assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["kvcompress"] == answers["vanilla"]
+    assert all(len(answer) == 96 for answer in answers["vanilla"].values())
+    # The pool was tight indeed: questions preempted while they decoded, on both engines.
+    assert sum(counts[1] for counts in preempted["kvcompress"].values()) >= 2, preempted
+    assert preempted["vanilla"], preempted
+    assert together["kvcompress"] >= 3, together
+
+
+def test_a_segment_request_preempted_in_its_prefill_holds_its_readers(tiny_llama):
+    """The segment request preempted in the middle of its prefill. Two requests (150 new
+    tokens each) decode in the tight pool; after 68 steps four questions on one 336-token
+    prefix arrive. The segment request's prompt fits when it is admitted, but not beside
+    the others' growth: with 32-token chunks, 300 tokens in, a running request needs a page
+    and vLLM preempts the last running one, the segment request (still prefilling, so
+    ordered last: the cheapest to recompute). Its pages are freed, not filed (it did not
+    finish), and it stays pending: the questions stay held, holding no page and computing
+    nothing, until the others have ended and it is readmitted and recomputed. Then they
+    adopt its 336 tokens (one segment made, not a second), answer as vanilla vLLM's (same
+    pool, same arrival step), and every page comes back."""
+    rng = random.Random(81)
+    prefix = new_tokens(rng, 336)
+    questions = questions_on(prefix, 4, 32, seed=82)
+    background = {f"b{i}": new_tokens(rng, 40 + 4 * i) for i in range(2)}
+    arrive_after = 68  # steps
+    answers, segment_preemptions = {}, {}
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT_NO_LOOKAHEAD)):
+        harness = EngineHarness(tiny_llama, compression, max_num_batched_tokens=32, **TIGHT)
+        try:
+            for request_id, prompt in background.items():
+                harness.add(request_id, prompt, greedy(150))
+            for _ in range(arrive_after):
+                harness.step()
+            for request_id, prompt in questions.items():
+                harness.add(request_id, prompt, greedy(16))
+            segment, held_steps = None, 0
+            for _ in range(5_000):
+                if not harness.engine.has_unfinished_requests():
+                    break
+                harness.step()
+                if not compression:
+                    continue
+                scheduler = harness.scheduler
+                if segment is None and segment_ids(harness):
+                    (segment_id,) = segment_ids(harness)
+                    segment = scheduler.requests[segment_id]
+                if segment is not None and not segment.is_finished():
+                    # Held: no question holds a page or has computed a token.
+                    for question in questions:
+                        request = scheduler.requests[harness.internal_id(question)]
+                        assert request.num_computed_tokens == 0, question
+                        assert request.request_id not in harness.page_manager, question
+                    if segment.status == RequestStatus.PREEMPTED:
+                        held_steps += 1
+            answers[name] = dict(harness.outputs)
+            if compression:
+                assert segment is not None
+                segment_preemptions[name] = (segment.num_preemptions, held_steps)
+                reuse = harness.scheduler.reuse.totals
+                assert (reuse.segments, reuse.segment_tokens) == (1, 336)
+                assert all(harness.cached_tokens[q] == 336 for q in questions)
+                assert set(answers[name]) == {*questions, *background}
+                assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    assert answers["kvcompress"] == answers["vanilla"]
+    # The segment request was preempted, and the questions waited while it was out.
+    preemptions, held_steps = segment_preemptions["kvcompress"]
+    assert preemptions >= 1 and held_steps >= 1, segment_preemptions

@@ -351,3 +351,40 @@ def test_an_entry_is_shared_for_a_waiting_branch_of_the_same_context():
     assert manager.allocate_slots(follow, 10, num_new_computed_tokens=38) is not None
     assert manager.pages.entry_ids() == [1] and manager.reuse.totals.shares == 1
     manager.pages.check_invariants()
+
+
+# ------------------------------------------------------------ claim 4, the full-sequence check
+def test_an_adopters_full_sequence_check_counts_the_prefix_it_adopts_as_cached():
+    """vLLM admits a waiting request only when its whole sequence fits
+    (``full_sequence_must_fit``), a prefix-cache hit counted as held. a's 40 tokens are an
+    entry (40 pages), a2 reads 36 of them (38 cached tokens) and holds 12 of its own; 12 are
+    free. a3, another question on a's 38 tokens, needs 16 pages to adopt by share (a copy of
+    each row's partial page, 2 a row to grow by, the entry's 4 pages nobody reads kept):
+    it fits, although its 48 tokens as new pages (48) would not. Resumed after 8 generated
+    tokens (56: 4 a row more) it does not fit: the check still holds for adopters."""
+    waiting = []
+    layout = PageLayout(2, 2, head_size=8, page_size=4, dtype_bytes=4, total_pages=64)
+    manager = paged_manager(layout, REUSE_WHOLE, waiting=waiting)
+    assert manager.pages.allocate("a", 40)
+    assert manager.reuse.retire(request("a", range(100, 140), prompt_len=36, computed=40,
+                                        status=RequestStatus.FINISHED_STOPPED))
+    manager.pages.take_deltas()
+    a2 = request("a2", [*range(100, 138), *range(500, 510)], prompt_len=48)
+    a3 = request("a3", [*range(100, 138), *range(700, 710)], prompt_len=48)
+    waiting += [a2, a3]
+    for reader in (a2, a3):
+        assert manager.get_computed_blocks(reader)[1] == 38
+    assert manager.allocate_slots(a2, 10, num_new_computed_tokens=38,
+                                  full_sequence_must_fit=True) is not None
+    waiting.remove(a2)
+    assert manager.pages.num_read == 36 and manager.pages.num_free == 12
+    resumed = request("a3", [*a3.all_token_ids, *range(900, 908)], prompt_len=48,
+                      status=RequestStatus.PREEMPTED)
+    assert manager.get_computed_blocks(resumed)[1] == 38
+    assert manager.allocate_slots(resumed, 10, num_new_computed_tokens=38,
+                                  full_sequence_must_fit=True) is None
+    assert manager.get_computed_blocks(a3)[1] == 38
+    assert manager.allocate_slots(a3, 10, num_new_computed_tokens=38,
+                                  full_sequence_must_fit=True) is not None
+    assert manager.reuse.totals.shares == 2 and manager.pages.num_free == 0
+    manager.pages.check_invariants()
