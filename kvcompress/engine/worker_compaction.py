@@ -26,7 +26,7 @@ import torch
 
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.engine.host_transfer import to_host
-from kvcompress.engine.messages import SEGMENT_ID_PREFIX, Compaction, merge_compactions
+from kvcompress.engine.messages import Compaction, merge_compactions
 from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_prompt_moves
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
@@ -133,21 +133,18 @@ def compact_completed_prompts(
     """
     # Adopters plan their new segment (other lengths, no sinks): a group of their own; so do
     # prompts a reconstruction scored (``auto`` budget sharing differs for them, see _plan).
-    # A shared prefix's segment request plans without an observation window: its last
-    # tokens are not any reader's question (each reader's own part is planned on its own).
-    groups: dict[tuple[KVCompressionConfig, bool, bool, bool], list[str]] = defaultdict(list)
+    groups: dict[tuple[KVCompressionConfig, bool, bool], list[str]] = defaultdict(list)
     for index in step.completing_prompt:
         request_id = step.req_ids[index]
         if request_id in step.failures:
             continue
         request = state.requests[request_id]
         assert request.config is not None, "configs are resolved when the step is prepared"
-        groups[request.config, request.adopted_rows is not None, request.query_agnostic,
-               request_id.startswith(SEGMENT_ID_PREFIX)].append(request_id)
+        groups[request.config, request.adopted_rows is not None,
+               request.query_agnostic].append(request_id)
     planned = [(adopters, request_id, plan)
-               for (config, adopters, _query_agnostic, segment), req_ids in groups.items()
-               for request_id, plan in _plan_isolated(state, config, req_ids, step, adopters,
-                                                      segment)]
+               for (config, adopters, _query_agnostic), req_ids in groups.items()
+               for request_id, plan in _plan_isolated(state, config, req_ids, step, adopters)]
     # The step's one device->host transfer: every request's plan, every chosen eviction. On
     # CUDA its wait is where an asynchronous fault of the step's kernels surfaces: raised.
     host = iter(to_host([*(tensor for *_, plan in planned for tensor in plan),
@@ -542,14 +539,13 @@ def _plan_isolated(
     state: WorkerKVState, config: KVCompressionConfig, req_ids: list[str],
     step: CompletingPrompts,
     adopters: bool = False,
-    segment: bool = False,
 ) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(request id, (counts, indices)) of every request whose planning worked, on the
     scores' device, each plan as wide as its own rows (``policies.plan_keep_each``): the
     group in one policy call or, if that fails, each request alone, so that only the
     culprits fail (``raise_if_fatal``: not after a CUDA fault). ``adopters``: the requests
     adopted cached contexts, their new prompt tokens are planned (positions within that
-    segment). ``segment``: they are segment requests (``_plan``)."""
+    segment)."""
     layout = state.layout
 
     def plan_for(batch: list[str]) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -558,7 +554,7 @@ def _plan_isolated(
         # The plan is made where the window scores live (the runner's device); the caller
         # brings it to the host with the step's other plans.
         plans = _plan(config, requests, layout.compressed_layers, layout.num_kv_heads,
-                      adopters, segment)
+                      adopters)
         return [(request_id, (plan.counts, plan.indices))
                 for request_id, plan in zip(batch, plans)]
 
@@ -587,19 +583,14 @@ def _record_failure(step: CompletingPrompts, request_ids: list[str], stage: str,
 
 def _plan(config: KVCompressionConfig, requests: list[RequestKV],
           layers: tuple[int, ...], num_kv_heads: int,
-          adopters: bool = False, segment: bool = False) -> list[KeepPlan]:
+          adopters: bool = False) -> list[KeepPlan]:
     """The policy's plan of each request over the compressed ``layers`` (full attention,
     depth order): their budgets follow the policy's schedule as if they were the only
     layers. ``adopters``: of the requests' new prompt tokens only, without attention sinks
-    (the adopted context holds them). ``segment``: shared prefixes (segment requests,
-    query-agnostic scores), planned without an observation window: the whole budget goes
-    to the best-scored tokens, as a request's own prompt gives it to its prefix. One plan
-    per request, as wide as its own rows."""
+    (the adopted context holds them). One plan per request, as wide as its own rows."""
     policy = config.policy
     if adopters:
         policy = replace(policy, sink_tokens=0)
-    if segment and policy.compression_method.needs_scores:
-        policy = replace(policy, window=0)
     if config.budget_sharing == "auto" and not requests[0].query_agnostic:
         # Scored by a window after all (embeddings, a model without scratch pages): auto
         # shares only a reconstruction's scores model-wide. (Groups never mix the two.)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-import torch
 
 from kvcompress.engine.prefix_segments import (
     SEGMENT_ID_PREFIX,
@@ -15,7 +12,6 @@ from kvcompress.engine.prefix_segments import (
     may_segment,
     shared_length,
 )
-from kvcompress.engine.worker_compaction import _plan
 from kvcompress.settings.config import KVCompressionConfig
 
 
@@ -141,33 +137,3 @@ def test_held_requests_go_back_where_they_were_behind_those_queued_meanwhile():
     assert [item.request_id for item in scheduler.waiting] == [
         "preempted", "r1", "b", "r2", "c"]
 
-
-@dataclass
-class _Scored:
-    """What planning reads of a request (``worker_state.RequestKV``)."""
-
-    prompt_len: int
-    window_scores: torch.Tensor
-    query_scores: None = None
-    adopted_rows: None = None
-    query_agnostic: bool = True
-
-    def new_prompt_tokens(self, prompt_len: int) -> int:
-        return prompt_len
-
-
-def test_a_segment_gives_its_whole_budget_to_the_best_scored_tokens():
-    """A segment request's last tokens are not a reader's question: it is planned without an
-    observation window, so a prefix whose last tokens score lowest keeps none of them, while
-    an ordinary prompt keeps its window; both keep the budget per row."""
-    config = KVCompressionConfig.from_mapping(
-        {"kv_compression": "snapkv", "kv_budget": 16, "kv_window": 8})
-    scores = torch.linspace(1.0, 0.0, 64).expand(2, 2, 64).contiguous()  # later tokens worse
-    kept = {}
-    for segment in (False, True):
-        (plan,) = _plan(config, [_Scored(64, scores.clone())], (0, 1), 2,  # type: ignore[list-item]
-                        segment=segment)
-        assert plan.counts.eq(16).all()
-        kept[segment] = plan.indices[0, ..., :16]
-    assert kept[False].ge(56).sum(-1).eq(8).all()  # the window, in every row
-    assert not kept[True].ge(56).any() and kept[True].lt(16).all()
