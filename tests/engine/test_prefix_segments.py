@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
 from kvcompress.engine.prefix_segments import (
     SEGMENT_ID_PREFIX,
     Candidate,
     PrefixSegments,
     choose_segment,
     may_segment,
+    segment_request,
     shared_length,
 )
 from kvcompress.settings.config import KVCompressionConfig
@@ -137,3 +139,18 @@ def test_held_requests_go_back_where_they_were_behind_those_queued_meanwhile():
     assert [item.request_id for item in scheduler.waiting] == [
         "preempted", "r1", "b", "r2", "c"]
 
+
+
+def test_a_segment_request_asks_two_tokens_and_says_where_its_readers_place_it():
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=100, n=1, extra_args={"kv_budget": 64,
+                                                             "kv_transfer_params": {"x": 1}})
+    reader = Request("r", list(range(500)), params, None)
+    segment = segment_request("kvcompress-segment-1", np.arange(300), reader, readers_after=120)
+    assert segment.prompt_token_ids == list(range(300))
+    assert segment.sampling_params.max_tokens == segment.sampling_params.min_tokens == 2
+    assert segment.sampling_params.extra_args == {"kv_budget": 64,
+                                                  SEGMENT_READERS_AFTER_ARG: 120}
+    assert reader.sampling_params.extra_args == {"kv_budget": 64, "kv_transfer_params": {"x": 1}}

@@ -157,6 +157,28 @@ def test_an_adopters_new_segment_is_scored_at_each_rows_own_slots():
             assert (got[:first] == 0).all() and (got[first + new_tokens :] == 0).all()
 
 
+def test_a_segments_tokens_are_scored_at_their_readers_distance():
+    """A shared prefix's segment request (``readers_after``: its median reader's own tokens
+    after it): its tokens' place features count their distance from its readers' prompt end,
+    as the surrogate learned them, not from the segment's own end."""
+    prompt_len, readers_after = 40, 25
+    scores = {}
+    for after in (0, readers_after):
+        worker = Worker(config())
+        assert worker.manager.allocate("s", prompt_len)
+        worker.state.apply_deltas(worker.manager.take_deltas())
+        worker.state.requests["s"].readers_after = after
+        worker.step(["s"], [prompt_len], [0], [prompt_len])
+        scores[after] = worker.state.requests["s"].window_scores[..., :prompt_len].clone()
+        keys = worker.keys["s", 0]
+        values = worker.values["s", 0]
+        positions = torch.arange(prompt_len)
+        want = worker.surrogate.log_scores(
+            0, keys, values, position_features(positions, prompt_len + after)).exp().T
+        torch.testing.assert_close(scores[after][0], want)
+    assert not torch.equal(scores[0], scores[readers_after])
+
+
 def test_hybrid_surrogate_keeps_the_windows_scores_apart():
     """hybrid-surrogate: the surrogate fills the query-agnostic accumulator over the whole
     prompt, the observation window its own (``query_scores``), both in the prefill."""
