@@ -163,17 +163,18 @@ CHANGES: tuple[Change, ...] = (
     Change("0d65399", "2026-12-04T17:20:42+00:00",
            "every waiting request that starts with a segment being computed waits for it (was: "
            "only the first 64 the grouping scans; the rest prefilled the prefix again)",
-           ("shared_prefix",), measured_by=("shared_prefix_system_prompt.json",)),
+           ("shared_prefix", "serve_prefix"),
+           measured_by=("shared_prefix_system_prompt.json",)),
     Change("ec0203e", "2026-12-04T17:31:40+00:00",
            "an adopter's full-sequence admission check counts its adopted prefix as cached "
            "(was: as pages it needed, so a second reader of a held entry was admitted only if "
            "the pool could take the prefix again)",
-           ("throughput", "multi_turn", "multi_turn_recall", "shared_prefix"),
+           ("throughput", "multi_turn", "multi_turn_recall", "shared_prefix", "serve_prefix"),
            measured_by=("shared_prefix_system_prompt.json",)),
     Change("4ddabc0", "2026-12-04T17:39:11+00:00",
            "the surrogate scores a segment request's tokens at their distance from its readers' "
            "questions (was: from the segment's own end)",
-           ("shared_prefix", "shared_context"),
+           ("shared_prefix", "shared_context", "serve_prefix"),
            measured_by=("shared_context_segments.json", "shared_prefix_system_prompt.json")),
 )
 

@@ -316,6 +316,10 @@ HEADLINES: tuple[Headline, ...] = (
              _long_generation),
     Headline("Quality: passkey, needles and QA at 320 tokens, 120 prompts per cell",
              "quality", "quality.json", _quality),
+    Headline("32 chats sharing a ~1.5k-token system prompt (130 MB of KV), the README's "
+             "serve command (`--kv-compression pyramidkv`: budget 512, the system prompt "
+             "computed and compressed once and read by every chat)", "throughput",
+             "throughput_system_prompt.json", _speedup("pyramidkv:512")),
     Headline("Multi-turn chat (10 conversations x 5 turns, KV memory for 3), PyramidKV 4x "
              "with `--kv-reuse on`", "multi_turn", "multi_turn.json", _multi_turn),
     Headline("Gemma 3 270M (sliding-window layers), one request decoding, PyramidKV at 128",
