@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompress.kernels import has_triton
+from tests.triton_interpreter import use_interpreter
 
 
 @pytest.fixture
 def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton kernels on CPU tensors: the interpreter, for this test only."""
-    if not has_triton():
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    use_interpreter(monkeypatch)

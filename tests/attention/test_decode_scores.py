@@ -15,12 +15,13 @@ from kvcompress.attention import layer as layer_module
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.kernels import has_triton, has_triton_gpu
+from kvcompress.kernels import has_triton_gpu
 from kvcompress.kernels.decode_mass import REDUCE_MAX, REDUCE_MEAN, REDUCE_SUM
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import GQA_REDUCE_CODES, UNSCALED, PagedAttentionMetadata
 from tests.paged_cases import build_case, model_softmax
+from tests.triton_interpreter import use_interpreter
 
 LAYERS, HEADS, GROUP, HEAD_SIZE = 2, 2, 2, 32
 SCALE = HEAD_SIZE**-0.5
@@ -399,9 +400,7 @@ def test_fused_decode_scores_on_the_step_device_match_the_torch_pass(monkeypatch
     if device == "cuda" and not (torch.cuda.is_available() and has_triton_gpu()):
         pytest.skip("no CUDA device with a GPU-enabled Triton")
     if device == "cpu":
-        if not has_triton():
-            pytest.skip("triton is not installed")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch)
     case = decode_case(GPU_PAGE_FORMAT, seed=12, group_reduces=["max", "mean"])
     softmax = model_softmax("both", HEADS * GROUP)
     kernel = TritonPagedKernel(case.layout, torch.float32,

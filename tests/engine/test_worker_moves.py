@@ -19,6 +19,7 @@ from kvcompress.engine.worker_moves import (
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
+from tests.triton_interpreter import use_interpreter
 
 HEAD_SIZE = 8
 
@@ -239,7 +240,7 @@ def test_page_formats_gather_before_scattering(page_format):
 @pytest.mark.skipif(not has_triton(), reason="triton is not installed")
 @pytest.mark.parametrize("overlapping", [False, True], ids=["hole_filling", "decode"])
 def test_triton_mover_under_the_interpreter(monkeypatch, overlapping):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    use_interpreter(monkeypatch)
     if overlapping:
         # row 0: the newest 40 of 47 generated tokens; row 1: 40 of 45 chosen by score
         lengths, prompt_kept = np.array([10 + 47, 12 + 45]), np.array([10, 12])

@@ -26,6 +26,7 @@ from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata
 from tests import sync_debug
 from tests.sync_debug import no_sync_region
+from tests.triton_interpreter import use_interpreter
 
 LAYERS, KV_HEADS, GROUP, HEAD_SIZE, PAGE_SIZE = 2, 2, 2, 32, 16
 PROMPTS = [50, 23, 77, 12]  # three compress at budget 16, the last keeps everything
@@ -168,7 +169,7 @@ class Pipeline:
 @pytest.mark.parametrize("method", METHODS)
 def test_prefill_compact_decode(monkeypatch, device, use_triton, mover, method):
     if use_triton and device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch)
     if mover == "native" and device != "cuda":
         pytest.skip("the native move runs on CUDA only")
     pipeline = Pipeline(device, use_triton, mover, method)
@@ -236,7 +237,7 @@ def test_sliding_window_layer_drops_pages_and_is_never_compacted(monkeypatch, de
     attention stays the dense windowed one; a completed prompt is compacted by the policy on
     the full-attention rows only, then decodes; pages accounted every step."""
     if use_triton and device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        use_interpreter(monkeypatch)
     sliding = 8
     # The method's own split, so each full-attention row keeps exactly BUDGET.
     pipeline = Pipeline(device, use_triton, "kernel", "pyramidkv", layer_windows=(sliding, 0),

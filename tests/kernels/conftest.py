@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcompress.kernels import has_triton, has_triton_gpu
+from tests.triton_interpreter import use_interpreter
 
 ON_GPU = has_triton_gpu()
 
@@ -28,6 +29,8 @@ def device() -> torch.device:
 
 
 @pytest.fixture
-def needs_triton() -> None:
+def needs_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     if not has_triton():
         pytest.skip("triton is not installed")
+    if not ON_GPU:
+        use_interpreter(monkeypatch)  # skips, with the reason, where it cannot run ours

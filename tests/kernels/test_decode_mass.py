@@ -115,6 +115,7 @@ def test_reference_matches_dense(kind, reduce):
         ("both", "sum", 8, 1),
     ],
 )
+@pytest.mark.usefixtures("needs_triton")
 def test_triton_matches_dense_and_leaves_attention_unchanged(device, kind, reduce, num_splits,
                                                              group):
     case = make_case(*CASE, group=group, head_size=32, page_size=8).to(device)
@@ -129,6 +130,7 @@ def test_triton_matches_dense_and_leaves_attention_unchanged(device, kind, reduc
     check_buffer(buffer, dense_mass(case, target, **softmax), dict(atol=1e-6, rtol=1e-5))
 
 
+@pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_narrow_tiles_skip_the_prompt_and_keep_the_scored_range(device, num_splits):
     """16-key tiles: most lie wholly before a row's first scored position or past its last
@@ -140,6 +142,7 @@ def test_narrow_tiles_skip_the_prompt_and_keep_the_scored_range(device, num_spli
     check_buffer(buffer, dense_mass(case, target), dict(atol=1e-6, rtol=1e-5))
 
 
+@pytest.mark.usefixtures("needs_triton")
 def test_triton_matches_reference_in_bfloat16(device):
     case = make_case(*CASE, group=2, head_size=64, page_size=16, dtype=torch.bfloat16)
     softmax = model_softmax("both", 4)
@@ -150,6 +153,7 @@ def test_triton_matches_reference_in_bfloat16(device):
     torch.testing.assert_close(got.cpu(), want, **TOLERANCES[torch.float32])
 
 
+@pytest.mark.usefixtures("needs_triton")
 def test_dispatch_takes_the_target_without_lse_out(device):
     case = make_case(*CASE, group=2, head_size=32, page_size=8).to(device)
     target, buffer = target_for(device, "mixed")
@@ -172,6 +176,7 @@ def test_sliding_window_layers_are_not_scored(device, kernel):
                decode_scores=target)
 
 
+@pytest.mark.usefixtures("needs_triton")
 def test_finishing_kernel_matches_its_reference(device):
     """The second kernel alone, on random logits (positions past a row hold NaN: unread)."""
     generator = torch.Generator().manual_seed(3)
