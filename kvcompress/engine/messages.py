@@ -16,12 +16,10 @@ import numpy as np
 
 from kvcompress.paging import PageTableDelta
 
-# The request id of a shared prefix's own request (``engine/prefix_segments.py``) starts so:
-# the workers plan its compaction apart.
-SEGMENT_ID_PREFIX = "kvcompress-segment-"
-# Its sampling params' extra argument: how many tokens of their own its readers have after it
-# (the median reader's), so that its tokens are scored at their distance from the readers'
-# questions, as the score surrogate learned them, not from the segment's own end.
+# An extra argument of a shared prefix's own request (``engine/prefix_segments.py``): how
+# many tokens of their own its readers have after it (the median reader's), so that its
+# tokens are scored at their distance from the readers' questions, as the score surrogate
+# learned them, not from the segment's own end.
 SEGMENT_READERS_AFTER_ARG = "kvcompress_segment_readers_after"
 
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"

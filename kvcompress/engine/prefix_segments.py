@@ -32,13 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from kvcompress.engine.messages import SEGMENT_ID_PREFIX, SEGMENT_READERS_AFTER_ARG
+from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
 
 # A shared prefix shorter than this (beyond what a cached entry already gives) is not worth
 # a request of its own: four 16-token blocks.
 MIN_SEGMENT_TOKENS = 64
 # Waiting requests scanned for shared prefixes per step (as the eviction plan's lookahead).
 SEGMENT_LOOKAHEAD = 64
+SEGMENT_ID_PREFIX = "kvcompress-segment-"
 # Tokens per hashed block of the grouping (vLLM's default block size).
 _BLOCK = 16
 
@@ -50,6 +51,10 @@ class Segment:
     request_id: str
     tokens: np.ndarray  # int64, the prefix
     settings: Hashable  # the resolved compression settings of its readers
+    block: int = field(init=False)  # the hash of its first block, as ``_prompts`` keeps them
+
+    def __post_init__(self) -> None:
+        self.block = _block_hash(self.tokens)
 
     def covers(self, tokens: np.ndarray, prompt_len: int, settings: Hashable) -> bool:
         """Whether a request with these prompt tokens and settings would adopt it."""
@@ -68,6 +73,11 @@ class Candidate:
     # Tokens a cached entry already gives it (its lookup's hit); None: not looked up yet
     # (``PrefixSegments.plan`` looks up only requests that start like another).
     cached: int | None = None
+
+
+def _block_hash(tokens: np.ndarray) -> int:
+    """The grouping's key: a hash of the prompt's first block."""
+    return hash(tokens[:_BLOCK].tobytes())
 
 
 def shared_length(first: np.ndarray, second: np.ndarray) -> int:
@@ -128,7 +138,7 @@ class PrefixSegments:
         known = self._prompts.get(request_id)
         if known is None:
             tokens = np.asarray(token_ids, dtype=np.int64)
-            known = self._prompts[request_id] = (tokens, hash(tokens[:_BLOCK].tobytes()))
+            known = self._prompts[request_id] = (tokens, _block_hash(tokens))
         return known[0]
 
     def is_segment(self, request_id: str) -> bool:
@@ -146,8 +156,7 @@ class PrefixSegments:
             return False
         self.prompt_of(request_id, token_ids)
         block = self._prompts[request_id][1]
-        return any(hash(segment.tokens[:_BLOCK].tobytes()) == block
-                   for segment in self.pending.values())
+        return any(segment.block == block for segment in self.pending.values())
 
     def next_id(self) -> str:
         return f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]

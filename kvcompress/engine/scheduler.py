@@ -157,9 +157,12 @@ class KVCompressScheduler(Scheduler):
             return [], {}
         held: list[Any] = []
         candidates: list[Candidate] = []
+        def may_share(request: Any) -> bool:
+            return (not segments.is_segment(request.request_id)
+                    and request.sampling_params is not None and self.reuse.may_read(request))
+
         for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD):
-            if (segments.is_segment(request.request_id) or request.sampling_params is None
-                    or not self.reuse.may_read(request)):
+            if not may_share(request):
                 continue
             tokens = segments.prompt_of(request.request_id, request.prompt_token_ids)
             settings = resolve(self.compression_config, request.sampling_params)
@@ -193,9 +196,7 @@ class KVCompressScheduler(Scheduler):
             for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD, None):
                 if (request.request_id not in seen
                         and segments.may_hold(request.request_id, request.prompt_token_ids)
-                        and request.sampling_params is not None
-                        and not segments.is_segment(request.request_id)
-                        and self.reuse.may_read(request)
+                        and may_share(request)
                         and segments.holding(
                             segments.prompt_of(request.request_id, request.prompt_token_ids),
                             request.num_prompt_tokens,
