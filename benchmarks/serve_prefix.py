@@ -3,6 +3,12 @@ prefix_repetition`` against a vanilla `vllm serve` (its prefix cache on, vLLM's 
 kvcompress one, the same KV-cache bytes (``--kv-cache-memory-bytes``) and engine flags on both.
 
     python -m benchmarks.serve_prefix        # 32 prompts: one 1280-token prefix + 256 own, 128 out
+    python -m benchmarks.serve_prefix --dataset chats   # issue 40's chats, as text
+
+``--dataset chats`` sends issue 40's own workload instead (``benchmarks.throughput``'s
+system-prompt chats: one ~1.5k-token system prompt, each chat its own ~270-token question,
+through the model's chat template), as a ``--dataset-name custom`` file of their text
+(``--skip-chat-template``: the text is templated already); vLLM's custom dataset needs pandas.
 
 Each side: start the server, send one warm-up completion (64 token ids that share nothing with
 the dataset's prompts: one-time costs out of the figures), read ``/metrics``, run the bench
@@ -11,7 +17,9 @@ what ``vllm bench serve --save-result`` writes (output and total tok/s, request 
 time to first token, time per output token and inter-token latency: mean, median, p99) and
 what the server's counters grew by over the bench: prompt tokens, prompt tokens served from
 the prefix cache (``vllm:prompt_tokens_cached``, which counts kvcompress's adopted tokens
-too), so prefill tokens computed = prompt - cached; prefix-cache queries and hits.
+too) and kvcompress's segment requests' prompt tokens (``kvcompress:prefix_segment_tokens``:
+a shared prefix computed once, which vLLM's prompt counters do not see), so prefill tokens
+computed = prompt - cached + segment; prefix-cache queries and hits.
 ``cached_per_reader``: cached tokens / (prompts - 1), against the prefix length: every reader
 after the first finding the whole prefix cached gives about the prefix length. Ratios: the
 kvcompress side over vanilla's. ``--sides`` picks and names the servers' extra flags.
@@ -39,7 +47,10 @@ DEFAULT_SIDES = ("vanilla=--kv-compression none;"
 # Counters read from /metrics before and after the bench (summed over their label sets).
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-            "vllm:generation_tokens_total")
+            "vllm:generation_tokens_total",
+            # a segment request's prompt (kvcompress computing a shared prefix once) is not
+            # in vLLM's prompt counters; it is computed all the same
+            "kvcompress:prefix_segment_tokens_total")
 # What vllm bench serve's result JSON gives, kept as is (ms for the latencies).
 BENCH_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
               "request_throughput", "output_throughput", "total_token_throughput",
@@ -49,6 +60,8 @@ BENCH_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_ou
               "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
               "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms")
 # Compared with vanilla's: the kvcompress side's figure over vanilla's.
+# --dataset chats: the prompts' file in the run's folder.
+CHATS_FILE = "chats.jsonl"
 RATIO_KEYS = ("output_throughput", "total_token_throughput", "request_throughput",
               "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
               "prefill_tokens", "duration")
@@ -77,16 +90,40 @@ def serve_options(args: argparse.Namespace, extra: Sequence[str]) -> list[str]:
             "--max-model-len", str(args.max_model_len), "--seed", str(args.seed), *extra]
 
 
+def write_chats(args: argparse.Namespace, path: Path) -> int:
+    """Issue 40's chats (``benchmarks.throughput.chat_prompts``: one ~1.5k-token system
+    prompt, each chat's own ~270-token question, through the model's chat template) as a
+    ``--dataset-name custom`` JSONL of their text; returns the shared prefix's token count."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.throughput import chat_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = chat_prompts(args.num_prompts, args.system_prompt_tokens, args.question_tokens,
+                           args.output_len, args.seed, tokenizer)
+    ids = [prompt["prompt_token_ids"] for prompt in prompts]
+    with path.open("w") as out:
+        for prompt in ids:
+            out.write(json.dumps({"prompt": tokenizer.decode(prompt)}) + "\n")
+    shared = min(next((i for i, (a, b) in enumerate(zip(ids[0], other)) if a != b),
+                      len(other)) for other in ids[1:]) if len(ids) > 1 else len(ids[0])
+    return shared
+
+
 def bench_command(args: argparse.Namespace, base: str, result_dir: Path,
                   filename: str) -> list[str]:
     """The `vllm bench serve` command of one side."""
+    if args.dataset == "chats":
+        dataset = ["--dataset-name", "custom", "--dataset-path", str(result_dir / CHATS_FILE),
+                   "--custom-output-len", str(args.output_len), "--skip-chat-template"]
+    else:
+        dataset = ["--dataset-name", "prefix_repetition",
+                   "--prefix-repetition-prefix-len", str(args.prefix_len),
+                   "--prefix-repetition-suffix-len", str(args.suffix_len),
+                   "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+                   "--prefix-repetition-output-len", str(args.output_len)]
     return [VLLM, "bench", "serve", "--backend", "openai", "--base-url", base,
-            "--model", args.model, "--tokenizer", args.model,
-            "--dataset-name", "prefix_repetition",
-            "--prefix-repetition-prefix-len", str(args.prefix_len),
-            "--prefix-repetition-suffix-len", str(args.suffix_len),
-            "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-            "--prefix-repetition-output-len", str(args.output_len),
+            "--model", args.model, "--tokenizer", args.model, *dataset,
             "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
             "--ignore-eos", "--seed", str(args.seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -108,10 +145,12 @@ def bench_figures(result: Mapping[str, Any], counters: Mapping[str, float], *,
     cached = counters.get("vllm:prompt_tokens_cached_total")
     queries = counters.get("vllm:prefix_cache_queries_total")
     hits = counters.get("vllm:prefix_cache_hits_total")
+    segments = counters.get("kvcompress:prefix_segment_tokens_total") or 0.0
     figures.update({
         "prompt_tokens": prompt, "cached_tokens": cached,
-        "prefill_tokens": prompt - cached if prompt is not None and cached is not None
-        else None,
+        "segment_tokens": segments,
+        "prefill_tokens": prompt - cached + segments
+        if prompt is not None and cached is not None else None,
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries and hits is not None else None,
         "cached_per_reader": (cached / (num_prompts - 1)
@@ -150,6 +189,7 @@ def render(runs: Sequence[Mapping[str, Any]]) -> str:
         ("mean_ttft_ms_x", "x van"), ("p99_ttft_ms", "TTFT p99 ms"),
         ("mean_tpot_ms", "TPOT ms"), ("mean_tpot_ms_x", "x van"),
         ("prefill_tokens", "prefill tok"), ("prefill_tokens_x", "x van"),
+        ("segment_tokens", "of it segments"),
         ("cached_per_reader", "cached/reader"), ("prefix_len", "prefix"),
         ("prefix_cache_hit_rate", "hit rate"), ("max_concurrent_requests", "peak conc"),
         ("duration", "time s")])
@@ -215,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--dtype", default="float32")
     server.add_argument("--max-model-len", type=int, default=2048)
     bench = parser.add_argument_group("vllm bench serve --dataset-name prefix_repetition")
+    bench.add_argument("--dataset", choices=("prefix_repetition", "chats"),
+                       default="prefix_repetition",
+                       help="chats: issue 40's own (a ~1.5k-token system prompt, each chat's "
+                            "~270-token question) as a custom dataset of their text")
+    bench.add_argument("--system-prompt-tokens", type=int, default=1500,
+                       help="--dataset chats")
+    bench.add_argument("--question-tokens", type=int, default=270, help="--dataset chats")
     bench.add_argument("--prefix-len", type=int, default=1280)
     bench.add_argument("--suffix-len", type=int, default=256)
     bench.add_argument("--num-prefixes", type=int, default=1)
@@ -224,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests per second (inf: all at once)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--bench-timeout", type=float, default=3600.0)
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="keep each server's log and vllm bench's result in DIR")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "serve_prefix" /
                         "serve_prefix.json")
     return parser
@@ -241,8 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command}")
     runs = []
     with tempfile.TemporaryDirectory(prefix="serve-prefix-") as folder:
+        workdir = args.keep_logs or Path(folder)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if args.dataset == "chats":
+            args.prefix_len = write_chats(args, workdir / CHATS_FILE)
+            print(f"chats: {args.num_prompts}, shared prefix {args.prefix_len} tokens")
         for name, extra in sides:
-            runs.append(run_side(args, name, extra, Path(folder)))
+            runs.append(run_side(args, name, extra, workdir))
             print(render(runs[-1:]), flush=True)
     add_ratios(runs)
     report = {"benchmark": "serve_prefix", "command": command, "machine": machine,

@@ -6,6 +6,7 @@ run recorded), /metrics counters, ratios and the table."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,30 @@ def test_every_side_gets_the_same_memory_and_the_bench_its_dataset(tmp_path):
     assert flags["--num-prompts"] == "8" and flags["--base-url"] == "http://127.0.0.1:9"
     assert "--save-result" in command and flags["--result-dir"] == str(tmp_path)
     assert "--ignore-eos" in command
+
+
+def test_the_chats_dataset_is_a_custom_file_of_issue_40s_chats(tmp_path, embedded_model):
+    from transformers import AutoTokenizer
+
+    from benchmarks.serve_prefix import CHATS_FILE, write_chats
+
+    args = build_parser().parse_args(["--model", embedded_model, "--dataset", "chats",
+                                      "--num-prompts", "3", "--system-prompt-tokens", "300",
+                                      "--question-tokens", "60"])
+    shared = write_chats(args, tmp_path / CHATS_FILE)
+    lines = (tmp_path / CHATS_FILE).read_text().splitlines()
+    assert len(lines) == 3
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)
+    ids = [tokenizer(json.loads(line)["prompt"]).input_ids for line in lines]
+    # the text is the templated chat: it tokenizes back to a shared system prompt, then
+    # each chat's own question
+    assert ids[0][:shared] == ids[1][:shared] == ids[2][:shared]
+    assert 300 <= shared < min(map(len, ids)) and len({tuple(i) for i in ids}) == 3
+    command = bench_command(args, "http://127.0.0.1:9", tmp_path, "b.json")
+    flags = dict(zip(command, command[1:]))
+    assert flags["--dataset-name"] == "custom"
+    assert flags["--dataset-path"] == str(tmp_path / CHATS_FILE)
+    assert flags["--custom-output-len"] == "128" and "--skip-chat-template" in command
 
 
 def test_the_recorded_result_parses():
@@ -120,6 +145,12 @@ def test_metrics_counters_summed_over_label_sets_and_their_growth():
     figures = bench_figures({}, grown, prefix_len=1280, num_prompts=32)
     assert figures["cached_per_reader"] == 1280  # every reader after the first: the prefix
     assert figures["prefill_tokens"] == 49000 - 39680
+    # kvcompress's segment requests compute prefixes vLLM's prompt counters do not count
+    with_segments = parse_metrics(
+        EXPOSITION + "kvcompress:prefix_segment_tokens_total 1526.0\n", COUNTERS)
+    figures = bench_figures({}, with_segments, prefix_len=1280, num_prompts=32)
+    assert figures["segment_tokens"] == 1526
+    assert figures["prefill_tokens"] == 49216 - 39680 + 1526
 
 
 def _run(label, **figures):
