@@ -159,9 +159,12 @@ def dense_attention(case: PagedCase, layer: int, scale: float, soft_cap: float |
 MODEL_SOFTMAXES = ["soft_cap", "sinks", "both"]
 
 
-def model_softmax(kind: str, num_query_heads: int, dtype: torch.dtype = torch.float32) -> dict:
-    """Keywords for the kernels; sinks in the model's dtype, as vLLM hands the parameter."""
+def model_softmax(kind: str, num_query_heads: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> dict:
+    """Keywords for the kernels; sinks in the model's dtype, as vLLM hands the parameter, on
+    ``device`` (the case's; drawn on the CPU, so the same values everywhere)."""
     sinks = 2 * torch.randn(num_query_heads, generator=torch.Generator().manual_seed(7))
+    sinks = sinks.to(device)
     return {
         "soft_cap": dict(soft_cap=1.0),
         "sinks": dict(sinks=sinks.to(dtype)),

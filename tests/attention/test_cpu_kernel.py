@@ -80,7 +80,7 @@ def test_cpu_kernel_applies_the_model_softmax(kind, dtype, layout_name):
     lengths, num_new = LAYOUTS[layout_name]
     case = build_case(CPU_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
                       group=3, head_size=64, page_size=16, dtype=dtype)
-    softmax = model_softmax(kind, case.query.shape[1], dtype)
+    softmax = model_softmax(kind, case.query.shape[1], dtype, device=case.query.device)
     kernel = CpuPagedKernel(case.layout, dtype)
     args = kernel.prepare(case.step)
     scale = 64**-0.5
@@ -164,7 +164,7 @@ def test_amx_kernel_matches_dense_reference_with_the_model_softmax(kind, window)
     lengths, num_new = LAYOUTS["mixed"]
     case = build_case(AMX_PAGE_FORMAT, lengths, num_new, num_layers=2, num_kv_heads=2,
                       group=3, head_size=64, page_size=32, dtype=torch.bfloat16)
-    softmax = model_softmax(kind, case.query.shape[1], torch.bfloat16)
+    softmax = model_softmax(kind, case.query.shape[1], torch.bfloat16, device=case.query.device)
     outputs = run_kernel(CpuPagedKernel(case.layout, torch.bfloat16), case, window, **softmax)
     for layer, output in enumerate(outputs):  # scale head_size ** -0.5 = 0.125
         expected = dense_attention(case, layer, 0.125, window=window, **softmax)

@@ -78,7 +78,7 @@ def test_write_and_attend_match_dense_reference(dtype):
 @pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
 def test_attend_applies_the_model_softmax(kind, dtype):
     case = _case(*MIXED, dtype=dtype)
-    softmax = model_softmax(kind, case.query.shape[1], dtype)
+    softmax = model_softmax(kind, case.query.shape[1], dtype, device=case.query.device)
     kernel = TritonPagedKernel(case.layout, dtype, use_triton=True)
     args = kernel.prepare(case.step)
     scale = HEAD_SIZE**-0.5
@@ -178,7 +178,7 @@ def test_window_scores_with_the_model_softmax_match_the_torch_path(kind, group_r
     case = _case(lengths, num_new, group=3, prompt_lens=prompt_lens, window=4,
                  wants_compression=[True, True])
     _set_group_reduce(case.step, group_reduce)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True)
     args = kernel.prepare(case.step)
     _write_all_layers(kernel, case)
@@ -291,7 +291,7 @@ def test_fp8_pages_attend_with_the_model_softmax_and_window(cache_dtype):
     case = build_case(_fp8_format(cache_dtype), *MIXED, num_layers=LAYERS, num_kv_heads=HEADS,
                       group=2, head_size=HEAD_SIZE, page_size=PAGE_SIZE, dtype=torch.float32,
                       kv_scales=FP8_SCALES)
-    softmax = model_softmax("both", case.query.shape[1])
+    softmax = model_softmax("both", case.query.shape[1], device=case.query.device)
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True,
                                kv_cache_dtype=cache_dtype)
     for layer, output in enumerate(run_kernel(kernel, case, 16, kv_scales=FP8_SCALES,

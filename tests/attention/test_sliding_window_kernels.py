@@ -98,7 +98,7 @@ def test_cpu_kernel_without_a_window_is_full_attention(window):
 def test_cpu_kernel_window_with_the_model_softmax(window, layout_name, kind, dtype):
     """Soft-cap and sinks (one kernel call per KV head) combine with the window."""
     case = sliding_case(layout_name, 3, 64, 16, dtype)
-    softmax = model_softmax(kind, case.query.shape[1], dtype)
+    softmax = model_softmax(kind, case.query.shape[1], dtype, device=case.query.device)
     outputs = run_cpu_kernel(case, dtype, window, **softmax)
     for layer, output in enumerate(outputs):
         expected = dense_band_attention(case, layer, 64**-0.5, window, **softmax)
@@ -152,7 +152,8 @@ def test_cpu_kernel_rejects_a_negative_window():
 def test_triton_adapter_passes_the_window(window, layout_name, kind):
     """The GPU adapter (Triton, interpreted) hands the window to its kernel: same band."""
     case = sliding_case(layout_name, 2, 32, 16, torch.float32, page_format=GPU_PAGE_FORMAT)
-    softmax = {} if kind is None else model_softmax(kind, case.query.shape[1])
+    softmax = ({} if kind is None
+               else model_softmax(kind, case.query.shape[1], device=case.query.device))
     kernel = TritonPagedKernel(case.layout, torch.float32, use_triton=True)
     for layer, output in enumerate(run_kernel(kernel, case, window, **softmax)):
         expected = dense_band_attention(case, layer, 32**-0.5, window, **softmax)

@@ -170,11 +170,14 @@ def dense_window_scores(case: PagedCase, window_start: list[int], max_len: int,
     return scores
 
 
-def model_softmax(kind: str, num_query_heads: int) -> dict:
+def model_softmax(kind: str, num_query_heads: int,
+                  device: torch.device | str = "cpu") -> dict:
     """Kernel keywords for the model softmaxes under test: Gemma-2-style soft-capping, gpt-oss-
     style sinks, or both. A cap of 1 on scaled scores of spread ~1 and sinks of spread 2 change
-    every row, so a kernel that ignores either fails its comparison."""
+    every row, so a kernel that ignores either fails its comparison. The sinks on ``device``,
+    the case's (drawn on the CPU: the same values everywhere)."""
     sinks = 2 * torch.randn(num_query_heads, generator=torch.Generator().manual_seed(7))
+    sinks = sinks.to(device)
     return {
         "soft_cap": dict(soft_cap=1.0),
         "sinks": dict(sinks=sinks),

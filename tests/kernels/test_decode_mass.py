@@ -119,7 +119,7 @@ def test_reference_matches_dense(kind, reduce):
 def test_triton_matches_dense_and_leaves_attention_unchanged(device, kind, reduce, num_splits,
                                                              group):
     case = make_case(*CASE, group=group, head_size=32, page_size=8).to(device)
-    softmax = model_softmax(kind, 2 * group) if kind else {}
+    softmax = model_softmax(kind, 2 * group, device) if kind else {}
     plain_out, plain_lse = run_attention(case, paged_attention_triton, num_splits=num_splits,
                                          **softmax)
     out, lse, buffer = scored_run(case, paged_attention_triton, reduce, num_splits=num_splits,
@@ -148,7 +148,7 @@ def test_triton_matches_reference_in_bfloat16(device):
     softmax = model_softmax("both", 4)
     _, _, want = scored_run(case, paged_attention_ref, "mixed", **softmax)
     _, _, got = scored_run(case.to(device), paged_attention_triton, "mixed", num_splits=2,
-                           **softmax)
+                           **model_softmax("both", 4, device))
     # Same bf16 keys and queries, fp32 logits: only summation order differs.
     torch.testing.assert_close(got.cpu(), want, **TOLERANCES[torch.float32])
 

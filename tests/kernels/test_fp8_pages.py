@@ -35,7 +35,7 @@ def test_reference_on_fp8_pages_is_attention_over_the_decoded_values(kv_fp8, win
     """Codes times their scale, K's and V's apart: the reference over fp32 pages holding them."""
     case = make_case(*MIXED, group=3, head_size=64, page_size=8)
     quantized, decoded = fp8_case(case, kv_fp8, **FP8_SCALES)
-    softmax = model_softmax("both", case.query.shape[1])
+    softmax = model_softmax("both", case.query.shape[1], device=case.query.device)
     expected, expected_lse = run_attention(decoded, paged_attention_ref, sliding_window=window,
                                            **softmax)
     out, lse = run_attention(quantized, paged_attention_ref, kv_fp8=kv_fp8,
@@ -68,7 +68,7 @@ def test_triton_attention_on_fp8_pages_matches_reference(device, kv_fp8, scenari
     quantized, _ = fp8_case(case, kv_fp8, **FP8_SCALES)
     quantized = quantized.to(device)
     if "softmax" in options:
-        options.update(model_softmax(options.pop("softmax"), case.query.shape[1]))
+        options.update(model_softmax(options.pop("softmax"), case.query.shape[1], device))
     splits = {"num_splits": options.pop("num_splits")} if "num_splits" in options else {}
     expected, expected_lse = run_attention(quantized, paged_attention_ref, kv_fp8=kv_fp8,
                                            **options, **FP8_SCALES)
@@ -111,7 +111,7 @@ def test_triton_window_scores_on_fp8_pages_match_reference(device, kv_fp8, dtype
     case = make_case(*MIXED, group=3, head_size=64, page_size=8, dtype=dtype)
     quantized, _ = fp8_case(case, kv_fp8, **FP8_SCALES)
     quantized = quantized.to(device)
-    model = model_softmax(softmax, case.query.shape[1]) if softmax else {}
+    model = model_softmax(softmax, case.query.shape[1], device) if softmax else {}
     window_start = [0, 2, 0, 0, 6]
     expected = run_window_scores(quantized, window_scores_ref, window_start, kv_fp8=kv_fp8,
                                  k_scale=FP8_SCALES["k_scale"], **model)

@@ -79,7 +79,7 @@ def test_triton_split_k(device, scenario, split_args, dtype):
 @pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
 def test_reference_matches_dense_with_model_softmax(kind, group, dtype):
     case = make_case(*MIXED, group=group, head_size=64, page_size=8, dtype=dtype)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     expected, expected_lse = dense_attention(case, **softmax)
     plain, _ = dense_attention(case)
     assert (expected - plain).abs().max() > 0.05, "the model softmax should change the output"
@@ -95,7 +95,7 @@ def test_reference_matches_dense_with_model_softmax(kind, group, dtype):
 def test_triton_matches_reference_with_model_softmax(device, kind, num_splits, dtype):
     """Split-K too: the sink joins the denominator once, whichever split holds which keys."""
     case = make_case(*MIXED, group=3, head_size=64, page_size=8, dtype=dtype).to(device)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     expected, expected_lse = run_attention(case, paged_attention_ref, **softmax)
     out, lse = run_attention(case, paged_attention_triton, num_splits=num_splits, **softmax)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])

@@ -117,7 +117,7 @@ def test_reference_matches_dense_band(window, name, group, dtype):
 @pytest.mark.parametrize("window", [3, 20])
 def test_reference_matches_dense_band_with_model_softmax(window, kind):
     case = _case("mixed", group=3)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     expected, expected_lse = dense_band_attention(case, window, **softmax)
     plain, _ = dense_band_attention(case, window)
     assert (expected - plain).abs().max() > 0.05
@@ -172,7 +172,7 @@ def test_triton_matches_reference_half_precision(device, name, dtype):
 def test_triton_window_with_model_softmax(device, name, kind, num_splits):
     """Split-K too: the sink joins the denominator once, whichever split holds which keys."""
     case = _case(name, group=3).to(device)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     expected, expected_lse = run_attention(case, paged_attention_ref, sliding_window=6,
                                            **softmax)
     out, lse = run_attention(case, paged_attention_triton, sliding_window=6,

@@ -92,7 +92,7 @@ def test_triton_with_attention_lse_and_hints(device, dtype):
 @pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
 def test_reference_matches_dense_with_model_softmax(kind, group):
     case = make_case(*SCENARIO, group=group, head_size=64, page_size=8)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     max_len = int(case.kv_lens.max()) + 5
     expected = dense_window_scores(case, WINDOW_START, max_len, **softmax)
     assert (expected - dense_window_scores(case, WINDOW_START, max_len)).abs().max() > 0.05
@@ -112,7 +112,7 @@ def test_reference_matches_dense_with_model_softmax(kind, group):
 @pytest.mark.parametrize("kind", MODEL_SOFTMAXES)
 def test_triton_matches_reference_with_model_softmax(device, kind, dtype):
     case = make_case(*SCENARIO, group=3, head_size=64, page_size=8, dtype=dtype).to(device)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     max_len = int(case.kv_lens.max()) + 5
     expected = run_scores(case, window_scores_ref, WINDOW_START, max_len, **softmax)
     scores = run_scores(case, window_scores_triton, WINDOW_START, max_len, **softmax)
@@ -124,7 +124,7 @@ def test_triton_matches_reference_with_model_softmax(device, kind, dtype):
 def test_triton_with_the_lse_of_attention_under_the_same_softmax(device, kind):
     """Paged attention's LSE includes the sink and the cap: it replaces the statistics pass."""
     case = make_case(*SCENARIO, group=3, head_size=64, page_size=16).to(device)
-    softmax = model_softmax(kind, case.query.shape[1])
+    softmax = model_softmax(kind, case.query.shape[1], device=case.query.device)
     max_len = int(case.kv_lens.max())
     lse = torch.empty(case.query.shape[:2], device=device)
     paged_attention_ref(
