@@ -55,8 +55,6 @@ class PagePool:
         self._refs = np.zeros((len(Holder), total_pages), dtype=np.int32)
         self._states = np.zeros(len(PageState), dtype=np.int64)
         self._states[PageState.FREE] = total_pages
-        # Bumped by every change of references: figures derived from them are cached by it.
-        self.version = 0
         # Called with the pages a pop wants when fewer are free; it evicts what it can spare.
         self.reclaim: Callable[[int], None] | None = None
 
@@ -101,7 +99,6 @@ class PagePool:
         if count > self._num_free:
             raise RuntimeError(f"{count} pages wanted, {self._num_free} free after "
                                "evicting every cached entry")
-        self.version += 1
         start = self._num_free - count
         page_ids = self._stack[start : self._num_free].copy()
         self._num_free = start
@@ -135,7 +132,6 @@ class PagePool:
     def _change(self, pages: np.ndarray, deltas: Mapping[Holder, int]) -> int:
         if not len(pages):
             return 0
-        self.version += 1
         before = self._state_of(pages)
         for holder, delta in deltas.items():
             self._refs[holder, pages] += delta

@@ -114,10 +114,6 @@ class PrefixCache:
         # Entries waiting requests will adopt -> how soon (their queue position): evicted
         # last, the one needed latest first (``plan_evictions``).
         self._next_use: dict[int, int] = {}
-        # ``_protected_pages`` as of (the pool's version, the plan's): admission asks for
-        # the available pages once per waiting request, every step.
-        self._plans = 0
-        self._protected_figure: tuple[tuple[int, int, int], int] | None = None
 
     @property
     def num_cached(self) -> int:
@@ -128,20 +124,12 @@ class PrefixCache:
     def num_evictable(self) -> int:
         """Pages ``evict_for`` may free: those only entries hold, unpinned, but the pages of
         protected entries (``_protected``)."""
-        return self.pool.num_evictable - self._protected_pages()
-
-    def _protected_pages(self) -> int:
-        """Pages only protected entries hold (each counted once)."""
-        key = (self.pool.version, self._plans, len(self._entries))
-        if self._protected_figure is None or self._protected_figure[0] != key:
-            protected = self._protected()
-            count = 0
-            if protected:
-                pages = np.unique(np.concatenate(
-                    [self._entries[entry_id].table.all_pages() for entry_id in protected]))
-                count = self.pool.count_in_state(pages, PageState.CACHED)
-            self._protected_figure = (key, count)
-        return self._protected_figure[1]
+        protected = self._protected()
+        if not protected:
+            return self.pool.num_evictable
+        pages = np.unique(np.concatenate(
+            [self._entries[entry_id].table.all_pages() for entry_id in protected]))
+        return self.pool.num_evictable - self.pool.count_in_state(pages, PageState.CACHED)
 
     def _protected(self) -> list[int]:
         """Entries that are not evicted: those a waiting request will adopt while running
@@ -320,7 +308,6 @@ class PrefixCache:
         first (Belady's order over the known queue): the requests admitted first then do not
         evict the caches of the requests queued behind them (a round of chat turns)."""
         self._next_use = dict(next_use)
-        self._plans += 1
 
     def eviction_order(self) -> list[int]:
         """Entries in the order ``evict_for`` drops them: least recently used first among
