@@ -122,25 +122,8 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        """Pages ``evict_for`` may free: those only entries hold, unpinned, but the pages of
-        protected entries (``_protected``)."""
-        protected = self._protected()
-        if not protected:
-            return self.pool.num_evictable
-        pages = np.unique(np.concatenate(
-            [self._entries[entry_id].table.all_pages() for entry_id in protected]))
-        return self.pool.num_evictable - self.pool.count_in_state(pages, PageState.CACHED)
-
-    def _protected(self) -> list[int]:
-        """Entries that are not evicted: those a waiting request will adopt while running
-        requests read them (a segment's readers admitted in waves). Dropping one frees only
-        its pages nobody reads (one partial page a row), and every request still waiting
-        for it would compute the whole prefix again; a request that cannot grow meanwhile
-        is preempted instead, as in vLLM. Once its readers end, its pages are cached only,
-        and it is evicted last among the wanted, as before."""
-        return [entry_id for entry_id in self._next_use if entry_id in self._entries
-                and self.pool.count_in_state(self._entries[entry_id].table.all_pages(),
-                                             PageState.READ)]
+        """Pages evicting every entry would free: those only entries hold, unpinned."""
+        return self.pool.num_evictable
 
     def entry(self, entry_id: int) -> CacheEntry | None:
         return self._entries.get(entry_id)
@@ -183,7 +166,7 @@ class PrefixCache:
         cut = self._cut(entry_id, hit)
         if cut is None:
             return False
-        available = self.pool.num_free + self.num_evictable
+        available = self.pool.num_free + self.pool.num_evictable
         return self._adoption_cost(cut, hit, logical_len, share) + reserve <= available
 
     def can_share_from_free(self, entry_id: int, hit: int, logical_len: int,
@@ -319,12 +302,11 @@ class PrefixCache:
     def evict_for(self, count: int) -> None:
         """Drop entries in ``eviction_order`` until ``count`` pages are free or none is left
         to drop (``PagePool.reclaim``). An entry all of whose pages running requests read
-        (or pins hold) is kept: dropping it would free nothing; so is a protected one."""
-        protected = set(self._protected())
+        (or pins hold) is kept: dropping it would free nothing."""
         for entry_id in self.eviction_order():
             if self.pool.num_free >= count:
                 break
-            if entry_id == self._adopting or entry_id in protected:
+            if entry_id == self._adopting:
                 continue
             pages = self._entries[entry_id].table.all_pages()
             if self.pool.count_in_state(pages, PageState.CACHED):

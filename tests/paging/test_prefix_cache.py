@@ -202,37 +202,6 @@ def test_an_entry_every_page_of_which_is_read_is_not_evicted_for_nothing():
     manager.check_invariants()
 
 
-def test_an_entry_waiting_requests_adopt_is_kept_while_others_read_it():
-    """A segment's readers admitted in waves: while one reads the entry and others wait for
-    it, dropping it would free only its partial pages and make every waiting reader compute
-    the prefix again. Its pages nobody reads are then not available: growth beyond the
-    rest is refused (vLLM preempts), and the entry survives; once nobody reads it, or
-    nobody waits for it, it is evictable again."""
-    manager = make_manager(total_pages=24)
-    finished(manager, "segment", 1, logical=10, prompt_len=10)  # 2 whole pages + 1 a row
-    assert manager.adopt("reader", 1, 10, share=True)  # reads 8, copies the 4 partial
-    manager.take_deltas()
-    assert manager.num_free == 24 - 12 - 4 and manager.num_available == 12
-    manager.plan_evictions({1: 0})  # a reader still waits for it
-    assert manager.num_available == 8  # the entry's 4 partial pages are not for taking
-    assert not manager.allocate("other", 4 * 3)  # 12 pages: only 8 may be taken
-    assert manager.allocate("other", 4 * 2)
-    assert manager.entry(1) is not None and manager.take_evicted_entries() == []
-    manager.check_invariants()
-    assert manager.free("other") == 8
-    manager.plan_evictions({})  # nobody waits for it any more: evictable again
-    assert manager.num_available == 12
-    assert manager.allocate("other", 4 * 3)
-    assert manager.take_evicted_entries() == [1] and manager.entry(1) is None
-    manager.check_invariants()
-    manager.free("other")
-    manager.free("reader")
-    finished(manager, "segment", 2, logical=10, prompt_len=10)
-    manager.plan_evictions({2: 0})  # wanted but read by nobody: evicted last, as before
-    assert manager.num_available == 24
-    manager.check_invariants()
-
-
 def test_ranks_evict_together():
     layout = PageLayout(2, 2, head_size=8, page_size=PAGE, dtype_bytes=2, total_pages=20)
     pages = ShardedPageManager(layout, 2)
