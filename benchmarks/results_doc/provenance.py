@@ -176,6 +176,10 @@ CHANGES: tuple[Change, ...] = (
            "questions (was: from the segment's own end)",
            ("shared_prefix", "shared_context", "serve_prefix"),
            measured_by=("shared_context_segments.json", "shared_prefix_system_prompt.json")),
+    Change("27de419", "2026-12-04T21:06:33+00:00",
+           "serve_prefix's prefill tokens count kvcompress's segment requests (was: vLLM's "
+           "prompt counters only, which do not see them)",
+           ("serve_prefix",)),
 )
 
 

@@ -123,6 +123,15 @@ def _compression_cost(report: Report) -> str:
     return compression_cost.render(report["rows"])
 
 
+def _served(report: Report) -> str:
+    """A serve_prefix result: its last side against vanilla."""
+    run = report["runs"][-1]
+    ratios, figures = run["vs_vanilla"], run["figures"]
+    return (f"**{ratios['output_throughput']:.2f}x** vanilla's output tok/s, time to first "
+            f"token {ratios['mean_ttft_ms']:.2f}x; {figures['cached_per_reader']:.0f} of the "
+            f"{figures['prefix_len']} prefix tokens cached per chat")
+
+
 def _hybrid_memory(report: Report) -> str:
     return with_prefix_caching(hybrid_memory.render(report["rows"]),
                                report.get("settings") or {})
@@ -292,6 +301,15 @@ def _multi_turn(report: Report) -> str:
     return f"**{reuse:.2f}x** the output tok/s of vanilla with its prefix cache"
 
 
+def _served(report: Report) -> str:
+    """A serve_prefix result: its last side against vanilla."""
+    run = report["runs"][-1]
+    ratios, figures = run["vs_vanilla"], run["figures"]
+    return (f"**{ratios['output_throughput']:.2f}x** vanilla's output tok/s, time to first "
+            f"token {ratios['mean_ttft_ms']:.2f}x; {figures['cached_per_reader']:.0f} of the "
+            f"{figures['prefix_len']} prefix tokens cached per chat")
+
+
 def _hybrid_memory(report: Report) -> str:
     return ", ".join(f"**{row['x_vanilla']:.2f}x** less KV at {row['prompt_len']} tokens"
                      for row in report["rows"])
@@ -320,6 +338,9 @@ HEADLINES: tuple[Headline, ...] = (
              "serve command (`--kv-compression pyramidkv`: budget 512, the system prompt "
              "computed and compressed once and read by every chat)", "throughput",
              "throughput_system_prompt.json", _speedup("pyramidkv:512")),
+    Headline("The same chats over HTTP: `vllm serve` with the README's serve command "
+             "(float32), `vllm bench serve` sending all 32 at once", "serve_prefix",
+             "serve_prefix/serve_prefix_chats_readme_command.json", _served),
     Headline("Multi-turn chat (10 conversations x 5 turns, KV memory for 3), PyramidKV 4x "
              "with `--kv-reuse on`", "multi_turn", "multi_turn.json", _multi_turn),
     Headline("Gemma 3 270M (sliding-window layers), one request decoding, PyramidKV at 128",
