@@ -123,15 +123,6 @@ def _compression_cost(report: Report) -> str:
     return compression_cost.render(report["rows"])
 
 
-def _served(report: Report) -> str:
-    """A serve_prefix result: its last side against vanilla."""
-    run = report["runs"][-1]
-    ratios, figures = run["vs_vanilla"], run["figures"]
-    return (f"**{ratios['output_throughput']:.2f}x** vanilla's output tok/s, time to first "
-            f"token {ratios['mean_ttft_ms']:.2f}x; {figures['cached_per_reader']:.0f} of the "
-            f"{figures['prefix_len']} prefix tokens cached per chat")
-
-
 def _hybrid_memory(report: Report) -> str:
     return with_prefix_caching(hybrid_memory.render(report["rows"]),
                                report.get("settings") or {})
