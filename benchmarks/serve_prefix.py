@@ -96,18 +96,16 @@ def write_chats(args: argparse.Namespace, path: Path) -> int:
     ``--dataset-name custom`` JSONL of their text; returns the shared prefix's token count."""
     from transformers import AutoTokenizer
 
-    from benchmarks.throughput import chat_prompts
+    from benchmarks.throughput import chat_prompts, shared_prefix_length
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = chat_prompts(args.num_prompts, args.system_prompt_tokens, args.question_tokens,
                            args.output_len, args.seed, tokenizer)
-    ids = [prompt["prompt_token_ids"] for prompt in prompts]
     with path.open("w") as out:
-        for prompt in ids:
-            out.write(json.dumps({"prompt": tokenizer.decode(prompt)}) + "\n")
-    shared = min(next((i for i, (a, b) in enumerate(zip(ids[0], other)) if a != b),
-                      len(other)) for other in ids[1:]) if len(ids) > 1 else len(ids[0])
-    return shared
+        for prompt in prompts:
+            out.write(json.dumps({"prompt": tokenizer.decode(prompt["prompt_token_ids"])})
+                      + "\n")
+    return shared_prefix_length(prompts)
 
 
 def bench_command(args: argparse.Namespace, base: str, result_dir: Path,
