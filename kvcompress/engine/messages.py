@@ -24,6 +24,7 @@ SEGMENT_READERS_AFTER_ARG = "kvcompress_segment_readers_after"
 
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
 PASS_GRANTS_ATTR = "kvcompress_pass_grants"
+SEGMENT_ORDERS_ATTR = "kvcompress_segment_orders"
 REPORT_ATTR = "kvcompress_report"
 # The reason a rank gives for a request it failed because another rank did (ranks agree
 # on failures before the steps' collectives); merged reports keep the other rank's.
@@ -35,7 +36,10 @@ class Compaction:
     """After this step, ``logical_len`` logical tokens of the request occupy
     ``physical_lengths[row]`` slots in each (layer, KV head) row (every rank's rows,
     rank-major, once the ranks' reports are merged). ``kind``: "prompt" (the
-    policy compressed the prompt) or "decode" (the decode window trimmed generated tokens)."""
+    policy compressed the prompt), "decode" (the decode window trimmed generated tokens) or
+    "deferred" (a shared prefix's segment request: its prompt was planned, not compacted;
+    the lengths are its rows' once the scheduler orders the plan run, when its first
+    readers have prefilled over the whole prefix)."""
 
     logical_len: int
     physical_lengths: np.ndarray
@@ -152,6 +156,19 @@ def page_deltas(scheduler_output: Any, rank: int = 0) -> dict[str, PageTableDelt
 def attach_pass_grants(scheduler_output: Any, grants: dict[str, int]) -> None:
     """This step's reconstruction pass chunks (request id -> how many of its next ones)."""
     setattr(scheduler_output, PASS_GRANTS_ATTR, grants)
+
+
+def attach_segment_orders(scheduler_output: Any,
+                          orders_by_rank: list[dict[str, np.ndarray | None]]) -> None:
+    """Per rank: segment plans to run now (segment request id -> whole pages each row
+    drops) or to forget (None)."""
+    if any(orders_by_rank):
+        setattr(scheduler_output, SEGMENT_ORDERS_ATTR, orders_by_rank)
+
+
+def segment_orders(scheduler_output: Any, rank: int = 0) -> dict[str, np.ndarray | None]:
+    orders_by_rank = getattr(scheduler_output, SEGMENT_ORDERS_ATTR, None)
+    return orders_by_rank[rank] if orders_by_rank else {}
 
 
 def pass_grants(scheduler_output: Any) -> dict[str, int]:

@@ -67,6 +67,9 @@ class PrefixCacheFigures:
     # prompt tokens (prefilled by no client request).
     segments: int = 0
     segment_tokens: int = 0
+    # Adoptions of a segment still uncompressed (pending): readers that prefill their own
+    # part over the whole prefix, as a request compressing its own copy does.
+    whole_segment_reads: int = 0
 
     def take(self) -> dict[str, int]:
         figures = dataclasses.asdict(self)
@@ -101,8 +104,9 @@ class PrefixCachePolicy:
                 tokens, request.num_prompt_tokens - 1, settings):
             entries = [shard.entry(entry_id) for shard in self.pages.shards]
             hit = min(entry.best_hit(shared) for entry in entries)
-            if all(entry.exact_prompt for entry in entries) and settings.compresses(
-                    min(hit, entries[0].prompt_len) if same else hit):
+            # (A segment's entry is read by many: kept whole where its plan dropped no page.)
+            if all(entry.exact_prompt and not entry.segment for entry in entries) and (
+                    settings.compresses(min(hit, entries[0].prompt_len) if same else hit)):
                 continue  # an uncompressed context longer than this request would keep
             # Longest hit; among equals the most recent entry (ids grow).
             if hit and (best is None or (hit, entry_id) > (best.hit, best.entry_id)):
@@ -132,9 +136,11 @@ class PrefixCachePolicy:
 
     def adopt(self, request_id: str, match: Match, share: bool) -> None:
         """Start the request from the entry (``ShardedPageManager.can_adopt`` said it fits)."""
+        whole = self.pages.is_pending(match.entry_id)
         adopted = self.pages.adopt(request_id, match.entry_id, match.hit, share)
         assert adopted, "adoption check and adoption disagree"
-        self._count(adopted_tokens=match.hit, shares=int(share), handovers=int(not share))
+        self._count(adopted_tokens=match.hit, shares=int(share), handovers=int(not share),
+                    whole_segment_reads=int(whole))
         if not share:
             self.index.remove(match.entry_id)  # its pages are the request's now
         self.forget_evicted()

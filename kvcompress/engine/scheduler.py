@@ -18,6 +18,7 @@ from kvcompress.engine.messages import (
     Compaction,
     attach_page_deltas,
     attach_pass_grants,
+    attach_segment_orders,
     worker_report,
 )
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
@@ -50,6 +51,10 @@ for _seam in ("_reserve_prefill_lookahead", "_preempt_request"):
     if not hasattr(Scheduler, _seam):
         raise ImportError(f"kvcompress: this vLLM's Scheduler lacks {_seam}; "
                           "kvcompress supports vLLM 0.32.x")
+
+
+# Schedules a pending segment waits at most for the readers it was made for.
+MAX_PENDING_SCHEDULES = 256
 
 
 class KVCompressScheduler(Scheduler):
@@ -95,6 +100,12 @@ class KVCompressScheduler(Scheduler):
         # Shared prefixes of waiting requests, each computed once by a request of its own
         # (``engine.prefix_segments``); their readers are out of self.waiting meanwhile.
         self.segments = PrefixSegments()
+        # Pending segment entries (filed uncompressed) -> the schedule that first saw them:
+        # they are compacted from the next one on, once none of their readers is in prefill.
+        self._pending_since: dict[int, int] = {}
+        self._schedules = 0
+        # Each segment request's readers, as grouped (the ones a pending segment waits for).
+        self._segment_readers: dict[str, list[str]] = {}
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
@@ -126,6 +137,8 @@ class KVCompressScheduler(Scheduler):
         self.scoring_gate.prune(self.requests, held=self.passes.parked())
         self.admission.prune(self.requests)
         self._order_running_by_recompute_cost()
+        self._schedules += 1
+        self._compact_segments()
         self._plan_cache_evictions()
         freed_before = self.kv_cache_manager.window_freed_pages
         held, positions = self._share_prefixes()
@@ -137,6 +150,7 @@ class KVCompressScheduler(Scheduler):
             self._unhold(held, positions)
         self.figures.window_freed_pages += self.kv_cache_manager.window_freed_pages - freed_before
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
+        attach_segment_orders(scheduler_output, self.page_manager.take_segment_orders())
         attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
 
@@ -187,6 +201,7 @@ class KVCompressScheduler(Scheduler):
             self.waiting.remove_request(request)
             self.waiting.prepend_request(request)
             self.reuse.count_segment(len(segment.tokens))
+            self._segment_readers[segment.request_id] = list(readers)
             held.extend(self.requests[request_id] for request_id in readers)
             logger.debug("kvcompress: %d waiting requests share %d prompt tokens, computed "
                          "once by %s", len(readers), len(segment.tokens), segment.request_id)
@@ -207,6 +222,61 @@ class KVCompressScheduler(Scheduler):
         positions = {request.request_id: index for index, request in enumerate(self.waiting)}
         self.waiting.remove_requests(held)
         return held, positions
+
+    def _compact_segments(self) -> None:
+        """Compact each pending segment entry in place (``paging.prefix_cache``) once none of
+        the requests reading it is in prefill (they prefilled their own parts over the whole
+        prefix, as a request compressing its own copy does) and none of the readers it was
+        made for still waits to read it whole: after one schedule (its held readers were
+        admitted then, as many as fit), those still waiting are waited for while they would
+        fit beside it (they wait for a running request's slot: --max-num-seqs), at most
+        ``MAX_PENDING_SCHEDULES``; one that does not fit gets the pages compaction frees,
+        and reads it compacted."""
+        manager = self.page_manager
+        pending = manager.pending_ids()
+        for entry_id in [entry_id for entry_id in self._pending_since if entry_id not in pending]:
+            del self._pending_since[entry_id]
+        live = {manager.pending_segment_id(entry_id) for entry_id in pending}
+        for segment_id in [s for s in self._segment_readers
+                           if s not in live and s not in self.requests]:
+            del self._segment_readers[segment_id]
+        if not pending:
+            return
+        parked = self.passes.parked()
+        for entry_id in pending:
+            since = self._pending_since.setdefault(entry_id, self._schedules)
+            if since == self._schedules:
+                continue
+            if any(self._in_prefill(request_id, parked)
+                   for request_id in manager.segment_readers(entry_id)):
+                continue
+            if (self._schedules - since < MAX_PENDING_SCHEDULES
+                    and self._reader_waits_to_fit(entry_id)):
+                continue
+            self.num_pages_freed_by_compression += manager.compact_segment(entry_id)
+            del self._pending_since[entry_id]
+            self._segment_readers.pop(manager.pending_segment_id(entry_id) or "", None)
+
+    def _reader_waits_to_fit(self, entry_id: int) -> bool:
+        """Whether the first reader the pending segment was made for that still waits would
+        fit beside it, whole (so it waits for a slot, not for pages)."""
+        manager = self.page_manager
+        segment_id = manager.pending_segment_id(entry_id)
+        entry = manager.shards[0].entry(entry_id)
+        for reader_id in self._segment_readers.get(segment_id or "", ()):
+            request = self.requests.get(reader_id)
+            if (request is None or reader_id in manager or request.is_finished()
+                    or entry is None):
+                continue
+            return manager.can_adopt(entry_id, entry.logical_len, request.num_prompt_tokens,
+                                     share=True)
+        return False
+
+    def _in_prefill(self, request_id: str, parked: Any) -> bool:
+        """Whether the request's prompt is not computed and compacted yet."""
+        request = self.requests.get(request_id)
+        return request is not None and (request_id in parked
+                                        or request.num_computed_tokens < request.num_prompt_tokens)
 
     def _unhold(self, held: list[Any], positions: dict[str, int]) -> None:
         """Put the held requests back into ``self.waiting`` where they were (first come,

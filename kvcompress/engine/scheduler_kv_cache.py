@@ -168,9 +168,11 @@ class PagedKVCacheManager:
             # of the same context; otherwise the entry is handed over (its partial pages
             # taken as they are, what lies past the cut freed), and its adopter files a
             # longer one when it finishes.
+            # A pending segment is shared too: handed over, it would never be compacted.
             share = self.pages.can_share_from_free(match.entry_id, match.hit, logical_len,
                                                    reserve) or (
-                self._branch_waits(request, match.hit)
+                (self._branch_waits(request, match.hit)
+                 or self.pages.is_pending(match.entry_id))
                 and self.pages.can_adopt(match.entry_id, match.hit, logical_len, True,
                                          reserve))
             if not share and not self.pages.can_adopt(match.entry_id, match.hit, logical_len,

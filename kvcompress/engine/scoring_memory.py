@@ -113,6 +113,16 @@ def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:
     return config.compresses(prompt_len) and config.policy.compression_method.needs_scores
 
 
+def scored_width(config: KVCompressionConfig, prompt_len: int, num_computed: int) -> int:
+    """Tokens the accumulator of a prompt entering its scoring with ``num_computed`` tokens
+    computed holds: the whole prompt (scores by physical slot, adopted ones included), or
+    scored by a surrogate alone, the tokens still to prefill (an adopter's new part:
+    ``WorkerKVState._add_surrogate_tokens``; a surrogate scores from the first chunk)."""
+    if config.loads_surrogate and not config.scores_window:
+        return max(1, prompt_len - num_computed)
+    return prompt_len
+
+
 def scored_from(config: KVCompressionConfig, prompt_len: int) -> int:
     """The first prompt position whose chunk needs the prompt's score accumulator: its
     observation window's, or 0 where a surrogate scores every prompt token as it is
@@ -133,7 +143,8 @@ class ScoringGate:
 
     def __init__(self, reserve_tokens: int) -> None:
         self.reserve_tokens = reserve_tokens
-        self.scoring: dict[str, tuple[Any, int, int]] = {}  # id -> (request, start, prompt_len)
+        # id -> (request, window start, tokens its accumulator holds)
+        self.scoring: dict[str, tuple[Any, int, int]] = {}
         self.tokens_in_flight = 0
         self.peak_tokens = 0
         self.deferred_chunks = 0  # chunks cut short of a window (for tests and logs)
@@ -150,11 +161,12 @@ class ScoringGate:
         window_start = scored_from(config, prompt_len)
         if num_computed + num_new <= window_start:
             return num_new  # this chunk stays before the window
-        if self.scoring and self.tokens_in_flight + prompt_len > self.reserve_tokens:
+        width = scored_width(config, prompt_len, num_computed)
+        if self.scoring and self.tokens_in_flight + width > self.reserve_tokens:
             self.deferred_chunks += 1
             return max(0, window_start - num_computed)
-        self.scoring[request_id] = (request, window_start, prompt_len)
-        self.tokens_in_flight += prompt_len
+        self.scoring[request_id] = (request, window_start, width)
+        self.tokens_in_flight += width
         self.peak_tokens = max(self.peak_tokens, self.tokens_in_flight)
         return num_new
 
@@ -163,11 +175,11 @@ class ScoringGate:
         """Drop requests no longer mid-window: done with their prompt (and not ``held``:
         parked for reconstruction passes, their accumulators live on), gone, preempted
         (their computed tokens restart at 0) or whose granted chunk was not scheduled."""
-        for request_id, (request, window_start, prompt_len) in list(self.scoring.items()):
+        for request_id, (request, window_start, width) in list(self.scoring.items()):
             computed = request.num_computed_tokens
             if live_requests.get(request_id) is request and request_id in held:
                 continue
-            if (live_requests.get(request_id) is not request or computed >= prompt_len
-                    or computed <= window_start):
+            if (live_requests.get(request_id) is not request
+                    or computed >= request.num_prompt_tokens or computed <= window_start):
                 del self.scoring[request_id]
-                self.tokens_in_flight -= prompt_len
+                self.tokens_in_flight -= width

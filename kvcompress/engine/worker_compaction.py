@@ -27,7 +27,12 @@ import torch
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.messages import Compaction, merge_compactions
-from kvcompress.engine.worker_moves import MoveBatch, plan_generated_keep, plan_prompt_moves
+from kvcompress.engine.worker_moves import (
+    MoveBatch,
+    plan_generated_keep,
+    plan_prompt_moves,
+    plan_segment_compaction,
+)
 from kvcompress.engine.worker_state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
@@ -154,6 +159,7 @@ def compact_completed_prompts(
     for eviction in along:
         eviction.kept_host = next(host)
     compactions: dict[str, Compaction] = {}
+    deferred: dict[str, Compaction] = {}
     moves = MoveBatch(state.layout.page_size)
     logical_after = dict(zip(step.req_ids, step.logical_after.tolist()))
     # Only full-attention rows are planned; sliding-window rows stay as they are.
@@ -166,16 +172,30 @@ def compact_completed_prompts(
         try:
             if adopters:
                 counts, indices = _after_adopted(counts, indices, request.adopted_rows[rows])
-            row_moves, kept_lengths = plan_prompt_moves(
-                counts, indices, request.lengths[rows], request.prompt_end()[rows],
-            )
+            if request.is_segment:
+                page_size = state.layout.page_size
+                shared = (np.zeros(len(rows), dtype=np.int64) if request.adopted_rows is None
+                          else request.adopted_rows[rows] // page_size)
+                row_moves, kept_lengths = plan_segment_compaction(
+                    counts, indices, request.lengths[rows], shared, page_size)
+            else:
+                row_moves, kept_lengths = plan_prompt_moves(
+                    counts, indices, request.lengths[rows], request.prompt_end()[rows],
+                )
         except Exception as error:
             _record_failure(step, [request_id], "planning the moves", error)
             continue
         row_moves.rows = rows[row_moves.rows]
         new_lengths = request.lengths.copy()
         new_lengths[rows] = kept_lengths
-        moves.add(request_id, request.table.pages, row_moves)
+        if request.is_segment:
+            # Run later, once its first readers prefilled over the whole prefix.
+            state.park_segment(request_id, row_moves,
+                               (request.lengths - new_lengths) // state.layout.page_size)
+            deferred[request_id] = Compaction(logical_after[request_id], new_lengths,
+                                              kind="deferred")
+        else:
+            moves.add(request_id, request.table.pages, row_moves)
         if stats is not None:
             stats.requests += 1
             stats.tokens_moved += len(row_moves)
@@ -183,10 +203,13 @@ def compact_completed_prompts(
             stats.prompt_rows_planned += (request.new_prompt_tokens(request.prompt_len)
                                           * len(rows))
             stats.prompt_rows_kept += segment_kept
+        if request.is_segment:
+            continue
         compactions[request_id] = Compaction(logical_after[request_id], new_lengths)
         request.prompt_kept = request.prompt_end()
         request.prompt_kept[rows] = counts.numpy()
     _apply(state, step, compactions, moves, pool, mover)
+    compactions.update(deferred)
     for request_id in compactions:
         request = state.requests[request_id]
         request.compressed = True

@@ -3,7 +3,8 @@
 Planners work on one request's rows, on the host, in positions: ``plan_prompt_moves`` (after
 prefill: the policy's kept prompt tokens, plus the generated tail of a resumed request) and
 ``plan_generated_keep`` (``--kv-decode-budget``: the decode policy's kept generated tokens
-shifted down, in order).
+shifted down, in order) and ``plan_segment_compaction`` (a shared prefix compacted in place,
+whole pages at a time, later).
 ``MoveBatch`` turns the moves of all requests of a step into pool slots and runs them in one
 call of the platform's mover (or request by request, to isolate a failure). ``copy_pages``
 copies whole pages (an adopted cached context onto the adopter's own pages).
@@ -100,6 +101,50 @@ def plan_generated_keep(
     moving = src != dst
     rows, _ = np.nonzero(moving)
     return RowMoves(rows, src[moving], dst[moving]), prompt_kept + kept.shape[1]
+
+
+def plan_segment_compaction(
+    counts: torch.Tensor, indices: torch.Tensor, lengths: np.ndarray, shared_pages: np.ndarray,
+    page_size: int,
+) -> tuple[RowMoves, np.ndarray]:
+    """A shared prefix's segment compacted in place, page-aligned, while readers read its
+    pages: per row, of the whole pages past its shared run (``[shared_pages[row] *
+    page_size, whole pages)``) the kept positions (``indices[row, :counts[row]]``) are
+    padded to whole pages with the latest positions not kept (the last kept page is then
+    full, so the rounding costs no page) and move in order to the front of that span; the
+    pages after them are dropped from every reader's rows and the row's partial last page
+    stays as it is (each reader has its own copy of it). Returns the moves and the per-row
+    lengths after."""
+    counts_host = counts.numpy()
+    indices_host = indices.numpy()
+    lengths = np.asarray(lengths, dtype=np.int64)
+    new_lengths = lengths.copy()
+    rows, sources, destinations = [], [], []
+    for row, length in enumerate(lengths):
+        first = int(shared_pages[row]) * page_size
+        end = int(length) // page_size * page_size
+        if end <= first:
+            continue
+        kept = indices_host[row, : counts_host[row]].astype(np.int64)
+        kept = kept[(kept >= first) & (kept < end)]
+        pages = -(-len(kept) // page_size)
+        spare = pages * page_size - len(kept)
+        if spare:
+            free = np.ones(end - first, dtype=bool)
+            free[kept - first] = False
+            kept = np.concatenate([kept, np.flatnonzero(free)[-spare:] + first])
+        kept = np.sort(kept)
+        target = first + np.arange(len(kept))
+        moving = kept != target
+        rows.append(np.full(int(moving.sum()), row, dtype=np.int64))
+        sources.append(kept[moving])
+        destinations.append(target[moving])
+        new_lengths[row] = length - (end - first - pages * page_size)
+    if not rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return RowMoves(empty, empty, empty), new_lengths
+    return (RowMoves(np.concatenate(rows), np.concatenate(sources),
+                     np.concatenate(destinations)), new_lengths)
 
 
 # Bytes of pages gathered at once by ``copy_pages``: the gathered copy is memory vLLM's

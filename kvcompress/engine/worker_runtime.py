@@ -26,6 +26,7 @@ from kvcompress.engine.messages import (
     WorkerReport,
     page_deltas,
     pass_grants,
+    segment_orders,
 )
 from kvcompress.engine.worker_compaction import (
     CompactionStats,
@@ -33,7 +34,7 @@ from kvcompress.engine.worker_compaction import (
     compress_step,
 )
 from kvcompress.engine.worker_expected import ExpectedScorer
-from kvcompress.engine.worker_moves import copy_pages
+from kvcompress.engine.worker_moves import MoveBatch, copy_pages
 from kvcompress.engine.worker_reconstruction import ReconstructionPass, Reconstructor
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.faults import maybe_fail
@@ -135,6 +136,7 @@ class PagedKVRuntime:
             sampling_params = getattr(request_state, "sampling_params", None)
             extra_args = getattr(sampling_params, "extra_args", None)
             request.readers_after = int((extra_args or {}).get(SEGMENT_READERS_AFTER_ARG, 0))
+            request.is_segment = SEGMENT_READERS_AFTER_ARG in (extra_args or {})
             try:
                 request.config = self.config.with_request_overrides(extra_args)
             except ValueError as error:
@@ -154,8 +156,33 @@ class PagedKVRuntime:
             self.reconstructor.forget(scheduler_output.finished_req_ids)
             self.reconstructor.forget(scheduler_output.preempted_req_ids or ())
         self._pass_grants = pass_grants(scheduler_output)
-        self.state.apply_deltas(page_deltas(scheduler_output, self.rank))
+        deltas = page_deltas(scheduler_output, self.rank)
+        self._run_segment_plans(segment_orders(scheduler_output, self.rank), deltas)
+        self.state.apply_deltas(deltas)
         self._copy_adopted_pages()
+
+    def _run_segment_plans(self, orders: dict[str, Any],
+                           deltas: dict[str, Any]) -> None:
+        """Compact the segments the scheduler ordered compacted (their plans were kept when
+        their requests ended) in place, before anything reads them; forget the others. If
+        the moves fail, the requests reading them (those whose tables drop pages in this
+        step) fail; the engine goes on."""
+        for request_id, drops in orders.items():
+            if drops is None:
+                self.state.parked.pop(request_id, None)
+                continue
+            parked = self.state.take_parked(request_id, drops)
+            moves = MoveBatch(self.layout.page_size)
+            moves.add(request_id, parked.pages, parked.moves)
+            try:
+                moves.run(self.pool, self.kernel)
+            except Exception as error:
+                raise_if_fatal(error, self.pool.device, "compacting a shared segment")
+                logger.exception("kvcompress: compacting segment %s failed", request_id)
+                for reader, delta in deltas.items():
+                    if delta.removals:
+                        self.state.adoption_failures[reader] = (
+                            f"compacting the shared prefix it reads failed: {error!r}")
 
     def _copy_adopted_pages(self) -> None:
         """Every adoption's page copies in one index copy on the pool; if that fails (and

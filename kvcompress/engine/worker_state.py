@@ -24,6 +24,7 @@ import torch
 from kvcompress.device_timing import StageTimer
 from kvcompress.engine.decode_plan import plan_decode_scoring
 from kvcompress.engine.scoring_memory import scores_prompt
+from kvcompress.engine.worker_moves import RowMoves
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
 from kvcompress.policies.decode import DecodeEviction
@@ -78,6 +79,8 @@ class RequestKV:
     # score surrogate's place features count a token's distance from the end of the prompt
     # (where the questions are): a segment's tokens are placed as in its readers' prompts.
     readers_after: int = 0
+    # It is such a segment request: its plan is kept (``ParkedSegment``) and run later.
+    is_segment: bool = False
 
     def new_prompt_tokens(self, prompt_len: int) -> int:
         """Prompt tokens the request prefills itself: all of them, or those after the adopted
@@ -95,6 +98,17 @@ class RequestKV:
         """Physical slots the window-score accumulator covers: every slot a prompt key can
         sit in (the adopted ones too: the softmax runs over them)."""
         return int(self.prompt_end().max())
+
+
+@dataclass
+class ParkedSegment:
+    """A segment request's plan, kept after it ended until the scheduler orders it run (its
+    first readers prefilled over the whole prefix) or forgotten: its page table then, the
+    moves (positions in its rows) and the whole pages each row drops."""
+
+    pages: np.ndarray
+    moves: RowMoves
+    drops: np.ndarray
 
 
 class WorkerKVState:
@@ -116,6 +130,8 @@ class WorkerKVState:
         self.score_timer = StageTimer(device)
         # Adopters' page copies (src, dst page ids, int64) not yet run on the pool.
         self._copies: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Segment requests' plans, by request id, until run or forgotten.
+        self.parked: dict[str, ParkedSegment] = {}
         # The decode scoring's per-step scores (``_step_mass``), kept between steps.
         self._mass_buffer: torch.Tensor | None = None
         self.tables = PageTableCache(layout.num_rows, layout.page_size,
@@ -164,8 +180,44 @@ class WorkerKVState:
                     )
             for counts, page_ids in delta.appends:
                 state.table.append(counts, page_ids)
+            for start, stop in delta.removals:
+                self._drop_compacted(request_id, state, start, stop)
             if delta.fresh and delta.adopted_lengths is not None:
                 self._adopt(request_id, state, delta)
+
+    def _drop_compacted(self, request_id: str, state: RequestKV, start: np.ndarray,
+                        stop: np.ndarray) -> None:
+        """A segment the request reads was compacted in place: its rows lose pages ``[start,
+        stop)`` and every slot after them moves down by as many pages (decode scores are
+        kept by offset past ``prompt_kept``, so they follow). Only a request out of prefill
+        reads a segment compacted (the scheduler waits for it)."""
+        if state.window_scores is not None or state.query_scores is not None:
+            raise RuntimeError(f"request {request_id}: a segment it reads was compacted while "
+                               "its prompt is being scored (scheduler and worker disagree)")
+        state.table.drop_between(start, stop)
+        tokens = (np.asarray(stop) - np.asarray(start)).astype(np.int64) * self.layout.page_size
+        state.lengths = state.lengths - tokens
+        if state.adopted_rows is not None:
+            state.adopted_rows = state.adopted_rows - tokens
+        if state.prompt_kept is not None:
+            state.prompt_kept = state.prompt_kept - tokens
+        if (state.lengths < 0).any():
+            raise RuntimeError(f"request {request_id}: compacted segment pages it never "
+                               "filled (scheduler and worker page tables diverged)")
+
+    def park_segment(self, request_id: str, moves: RowMoves, drops: np.ndarray) -> None:
+        """Keep a segment request's plan after it ends (``ParkedSegment``)."""
+        request = self.requests[request_id]
+        self.parked[request_id] = ParkedSegment(request.table.pages.copy(), moves,
+                                                np.asarray(drops, dtype=np.int32))
+
+    def take_parked(self, request_id: str, drops: np.ndarray) -> ParkedSegment:
+        """The plan the scheduler ordered run, checked against the pages it drops."""
+        parked = self.parked.pop(request_id, None)
+        if parked is None or not np.array_equal(parked.drops, np.asarray(drops)):
+            raise RuntimeError(f"segment {request_id}: the scheduler runs a plan this worker "
+                               "does not hold (scheduler and worker diverged)")
+        return parked
 
     def _adopt(self, request_id: str, state: RequestKV, delta: PageTableDelta) -> None:
         """Start a fresh request from a cached context. A malformed adoption fails only this
@@ -297,9 +349,17 @@ class WorkerKVState:
         first, last = max(start, state.adopted_len), min(stop, state.prompt_len)
         if first >= last:
             return
+        alone = state.config is not None and not state.config.scores_window
         if state.window_scores is None:
-            state.window_scores = self._new_accumulator(state)
-        base = lengths_before + (first - start)  # each row's slot of the first token
+            # Scored by the surrogate alone, an adopter's accumulator holds its new tokens
+            # only (the adopted ones are never scored): a reader of a whole shared prefix
+            # holds its question's scores, not the prefix's (``ScoringGate`` counts alike).
+            state.window_scores = self._new_accumulator(
+                state, state.new_prompt_tokens(state.prompt_len) if alone else None)
+        if alone:  # by position in the new segment: the same in every row
+            base = np.full_like(lengths_before, first - state.adopted_len)
+        else:
+            base = lengths_before + (first - start)  # each row's slot of the first token
         uniform = bool((base == base[0]).all())
         entries.append(SurrogateTokens(
             index, state.prompt_len + state.readers_after, first_token + (first - start),
@@ -327,11 +387,13 @@ class WorkerKVState:
                              self.to_device(torch.from_numpy(np.concatenate(tokens))),
                              places, entries)
 
-    def _new_accumulator(self, state: RequestKV) -> torch.Tensor:
-        """A zeroed ``[L, H, score_width]`` fp32 score accumulator on the device."""
+    def _new_accumulator(self, state: RequestKV, width: int | None = None) -> torch.Tensor:
+        """A zeroed ``[L, H, width]`` fp32 score accumulator on the device (by default
+        ``score_width``: by physical slot)."""
         layout = self.layout
         return self.to_device(torch.zeros(layout.num_layers, layout.num_kv_heads,
-                                          state.score_width(), dtype=torch.float32))
+                                          state.score_width() if width is None else width,
+                                          dtype=torch.float32))
 
     def note_scores_held(self) -> None:
         """Keep ``peak_scored_tokens`` up to date after allocating score accumulators."""

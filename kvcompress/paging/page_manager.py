@@ -33,6 +33,9 @@ class PageManager:
         self.tables = RequestTables(layout, self.pool)
         self.cache = PrefixCache(layout, self.pool)
         self.pool.reclaim = self.cache.evict_for
+        # Pending segments compacted in this schedule: segment request id -> pages dropped
+        # per row (the worker runs the plan it kept under that id).
+        self._compacted: dict[str, np.ndarray] = {}
         # The tables' requests by id (``RequestPages``): the same dict, for the reads below.
         self._requests = self.tables.states
 
@@ -135,6 +138,9 @@ class PageManager:
                                                      physical_lengths, kind, prompt_evicted)
 
     def free(self, request_id: str) -> int:
+        state = self.tables.states.get(request_id)
+        if state is not None and state.planned is not None:
+            self.cache.discarded_plans.append(request_id)  # a segment not filed after all
         return self.tables.free(request_id)
 
     def take_deltas(self) -> dict[str, PageTableDelta]:
@@ -148,7 +154,8 @@ class PageManager:
         """The request finished: keep the K/V of its first ``logical_len`` tokens as entry
         ``entry_id`` instead of freeing it (``PrefixCache.retire``). False when it was freed."""
         state = self.tables.remove(request_id)
-        return state is not None and self.cache.retire(entry_id, state, logical_len, prompt_len)
+        return state is not None and self.cache.retire(entry_id, state, logical_len, prompt_len,
+                                                       request_id)
 
     def entry(self, entry_id: int) -> CacheEntry | None:
         return self.cache.entry(entry_id)
@@ -183,6 +190,44 @@ class PageManager:
     def drop_entry(self, entry_id: int) -> int:
         """Drop an entry; return how many of its pages became free."""
         return self.cache.drop_entry(entry_id)
+
+    # -------------------------------------------------------- pending segments
+    def pending_ids(self) -> list[int]:
+        return self.cache.pending_ids()
+
+    def segment_readers(self, entry_id: int) -> list[str]:
+        """Running requests whose rows read the pending entry's pages."""
+        pending = self.cache.pending(entry_id)
+        if pending is None:
+            return []
+        return [request_id for request_id, state in self.tables.states.items()
+                if state.shared is not None and pending.holds(state.table)]
+
+    def compact_segment(self, entry_id: int) -> int:
+        """Compact the pending entry in place (``prefix_cache``): its dropped pages leave
+        every holder's rows, requests' and entries', and are free. Return how many."""
+        pending = self.cache.pending(entry_id)
+        if pending is None:
+            return 0
+        start, stop = pending.start, pending.stop
+        freed = sum(self.tables.drop_compacted(request_id, start, stop)
+                    for request_id in self.segment_readers(entry_id))
+        freed += sum(self.cache.compact_entry(holder, start, stop)
+                     for holder in self.cache.entries_holding(pending))
+        self.cache.finish_pending(entry_id)
+        if self.pool.counts(pending.removed).any():
+            raise AssertionError(f"pages of segment {pending.request_id} still held after "
+                                 "its compaction")
+        self._compacted[pending.request_id] = (stop - start).astype(np.int32)
+        return freed
+
+    def take_segment_orders(self) -> dict[str, np.ndarray | None]:
+        """For the worker: segment plans to run (request id -> pages dropped per row) or to
+        forget (None), since the last call."""
+        orders: dict[str, np.ndarray | None] = dict.fromkeys(self.cache.discarded_plans)
+        orders.update(self._compacted)
+        self.cache.discarded_plans, self._compacted = [], {}
+        return orders
 
     def take_evicted_entries(self) -> list[int]:
         """Entries evicted for pages since the last call."""

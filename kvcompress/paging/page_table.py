@@ -113,6 +113,25 @@ class HeadPageTable:
         self.version = next(_VERSIONS)
         return dropped
 
+    def drop_between(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        """Drop pages ``[start[row], stop[row])`` of each row (a shared segment compacted
+        in place: the pages it no longer needs leave the middle of every reader's row); the
+        pages after them shift down. Return the dropped ids, in row order."""
+        start = np.asarray(start, dtype=np.int32)
+        stop = np.asarray(stop, dtype=np.int32)
+        if (start < 0).any() or (stop < start).any() or (stop > self.num_pages).any():
+            raise ValueError(f"cannot drop pages {start.tolist()}..{stop.tolist()} of rows "
+                             f"holding {self.num_pages.tolist()}")
+        dropped = self.pages_between(start, stop)
+        width = self.pages.shape[1]
+        columns = np.arange(width)[None, :]
+        source = np.where(columns < start[:, None], columns, columns + (stop - start)[:, None])
+        self.pages = np.take_along_axis(self.pages, np.minimum(source, width - 1), axis=1)
+        self.num_pages = (self.num_pages - (stop - start)).astype(np.int32)
+        self.total_pages -= len(dropped)
+        self.version = next(_VERSIONS)
+        return dropped
+
     def leading_pages(self, counts: np.ndarray) -> np.ndarray:
         """The first ``counts[row]`` pages of each row, in row order (the table unchanged)."""
         return self.pages_between(np.zeros_like(self.num_pages),

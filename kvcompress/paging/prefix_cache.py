@@ -23,6 +23,13 @@ way, so here the unit is a whole finished request. The words, used the same ever
 - **pin**: the source of a copy of this schedule is held (``Holder.PIN``) until the deltas
   are taken: the worker copies after the schedule, and a page freed meanwhile could be
   another adopter's copy destination.
+- **pending**: a shared prefix's segment request is filed *uncompressed*, its plan reported
+  but not run (``PendingSegment``), so that its first readers prefill their own parts over
+  the whole prefix; once none of them is in prefill any more, it is **compacted in place**
+  (``PageManager.compact_segment``): per row the kept tokens fill the first whole pages,
+  and the last whole pages no longer needed leave the middle of every holder's rows (the
+  entry's, its readers', and entries those readers retired into). Until then every such
+  holder is **sealed**: cut only at its prompt's end, adopted only whole.
 
 Which entry a prompt starts with is found by tokens (``prefix_index``), and who may adopt it
 is the engine's rule (``kvcompress.engine.prefix_cache``); this module only holds pages.
@@ -51,11 +58,13 @@ class CacheEntry:
     prompt_len: int
     prompt_evicted: np.ndarray  # per row, evicted by the prompt's compaction
     tail_in_order: bool
+    sealed: int = 0  # pending segments whose pages it holds (see the module's words)
+    segment: bool = False  # a shared prefix's segment request's, compressed by its plan
 
     @property
     def exact_prompt(self) -> bool:
         """Whether its prompt part kept every token (so it can be cut anywhere inside)."""
-        return not self.prompt_evicted.any()
+        return not self.sealed and not self.prompt_evicted.any()
 
     @property
     def first_cut(self) -> int:
@@ -87,6 +96,34 @@ class CacheEntry:
         return None if (lengths < 0).any() else lengths
 
 
+@dataclass
+class PendingSegment:
+    """An entry filed uncompressed whose plan the worker holds: compacting it in place drops
+    pages ``[start[row], stop[row])`` (the row's last whole pages, ``removed`` in row order)
+    from every holder's rows."""
+
+    request_id: str  # the segment request: the worker keeps its plan under this id
+    start: np.ndarray
+    stop: np.ndarray
+    removed: np.ndarray
+
+    def holds(self, table: HeadPageTable) -> bool:
+        """Whether ``table``'s rows read the segment's pages (at the same places: whoever
+        holds them adopted them whole, as leading pages)."""
+        counts = self.stop - self.start
+        rows = np.flatnonzero(counts)
+        if not len(rows):
+            return False
+        first_removed = self.removed[(np.cumsum(counts) - counts)[rows]]
+        start = self.start[rows]
+        inside = table.num_pages[rows] > start
+        matches = inside & (table.pages[rows, np.minimum(start, table.pages.shape[1] - 1)]
+                            == first_removed)
+        if matches.any() and not matches.all():
+            raise AssertionError(f"a table reads only some rows of segment {self.request_id}")
+        return bool(matches.all())
+
+
 @dataclass(frozen=True)
 class _Cut:
     """An entry's rows split at a cut, as an adoption takes them."""
@@ -114,6 +151,10 @@ class PrefixCache:
         # Entries waiting requests will adopt -> how soon (their queue position): evicted
         # last, the one needed latest first (``plan_evictions``).
         self._next_use: dict[int, int] = {}
+        # Entries filed uncompressed, compacted once their first readers prefilled.
+        self._pending: dict[int, PendingSegment] = {}
+        # Segment plans the worker may forget (their entry is gone, or never was).
+        self.discarded_plans: list[str] = []
 
     @property
     def num_cached(self) -> int:
@@ -134,14 +175,17 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ retire
     def retire(self, entry_id: int, state: RequestPages, logical_len: int,
-               prompt_len: int) -> bool:
+               prompt_len: int, request_id: str = "") -> bool:
         """Keep the K/V of a finished request's first ``logical_len`` tokens as entry
         ``entry_id`` (most recently used); pages beyond them are released. False
-        (everything released) when its rows do not hold those tokens."""
+        (everything released) when its rows do not hold those tokens. A segment request
+        with a deferred plan (``RequestPages.planned``) is filed pending."""
         lengths = logical_len - state.evicted
         if (logical_len <= 0 or logical_len > state.logical_len or (lengths < 0).any()
                 or state.cuts_shared_run(lengths, self.layout.page_size)):
             release_request(self.pool, state)
+            if state.planned is not None:
+                self.discarded_plans.append(request_id)
             return False
         if state.adopted_from in self._entries:
             # The new entry extends the one it adopted, which now serves only a branch
@@ -153,10 +197,70 @@ class PrefixCache:
         self.pool.transfer(state.own_pages(), Holder.OWNER, Holder.ENTRY)
         prompt_evicted = (state.prompt_evicted if state.prompt_evicted is not None
                           else np.zeros_like(state.evicted))
-        self._entries[entry_id] = CacheEntry(
+        entry = self._entries[entry_id] = CacheEntry(
             state.table, logical_len, state.evicted.copy(), prompt_len, prompt_evicted.copy(),
-            state.tail_in_order)
+            state.tail_in_order, sealed=state.sealed, segment=state.planned is not None)
+        if state.planned is not None:
+            # Only a segment cut at its prompt's end, as planned, is compacted by its plan.
+            pending = (self._pending_of(state, lengths, request_id)
+                       if logical_len == prompt_len == state.logical_len else None)
+            if pending is None:
+                self.discarded_plans.append(request_id)
+            else:
+                self._pending[entry_id] = pending
+                entry.sealed += 1
         return True
+
+    def _pending_of(self, state: RequestPages, lengths: np.ndarray,
+                    request_id: str) -> PendingSegment | None:
+        """The pending segment of a retired segment request's deferred plan, or None when it
+        drops no page (or does not fit its rows: then it is not run)."""
+        page_size = self.layout.page_size
+        shrink = lengths - state.planned
+        whole = lengths // page_size
+        shared = np.zeros_like(whole) if state.shared is None else state.shared
+        drop = shrink // page_size
+        if (shrink < 0).any() or (shrink % page_size).any() or (drop > whole - shared).any():
+            return None
+        if not drop.any():
+            return None
+        start, stop = (whole - drop).astype(np.int32), whole.astype(np.int32)
+        return PendingSegment(request_id, start, stop,
+                              state.table.pages_between(start, stop).copy())
+
+    # ----------------------------------------------------------------- pending
+    def pending(self, entry_id: int) -> PendingSegment | None:
+        return self._pending.get(entry_id)
+
+    def pending_ids(self) -> list[int]:
+        """Entries filed uncompressed, waiting to be compacted, oldest first."""
+        return list(self._pending)
+
+    def entries_holding(self, pending: PendingSegment) -> list[int]:
+        """Entries whose rows hold the pending segment's pages (its own included)."""
+        return [entry_id for entry_id, entry in self._entries.items()
+                if pending.holds(entry.table)]
+
+    def compact_entry(self, entry_id: int, start: np.ndarray, stop: np.ndarray) -> int:
+        """Entry ``entry_id`` holds a pending segment compacted in place: its pages
+        ``[start, stop)`` leave, their tokens evicted. Return how many pages became free."""
+        entry = self._entries[entry_id]
+        tokens = (np.asarray(stop) - np.asarray(start)).astype(np.int64) * self.layout.page_size
+        dropped = entry.table.drop_between(start, stop)
+        entry.evicted = entry.evicted + tokens
+        entry.prompt_evicted = entry.prompt_evicted + tokens
+        entry.sealed = max(0, entry.sealed - 1)
+        return self.pool.release(dropped, Holder.ENTRY)
+
+    def finish_pending(self, entry_id: int) -> PendingSegment:
+        return self._pending.pop(entry_id)
+
+    def _forget_pending(self, entry_id: int) -> None:
+        """The entry is gone before its compaction: its readers keep the whole prefix (the
+        pages may go to anyone once they finish), the worker forgets the plan."""
+        pending = self._pending.pop(entry_id, None)
+        if pending is not None:
+            self.discarded_plans.append(pending.request_id)
 
     # ------------------------------------------------------------------- adopt
     def can_adopt(self, entry_id: int, hit: int, logical_len: int, share: bool,
@@ -202,6 +306,7 @@ class PrefixCache:
                 self._adopting = None
         else:
             del self._entries[entry_id]
+            self._forget_pending(entry_id)
             # A partial page nobody else holds is taken as it is; one others hold (a longer
             # cut's reader, an entry that continued this one) is copied.
             in_place = pool.counts(cut.tails) == 1
@@ -222,7 +327,8 @@ class PrefixCache:
         state = RequestPages(table=table, logical_len=hit, evicted=hit - lengths,
                              prompt_evicted=hit - lengths, adopted=(hit, lengths.copy()),
                              adopted_from=entry_id if share else None,
-                             shared=cut.whole.copy(), shared_pages=len(cut.read))
+                             shared=cut.whole.copy(), shared_pages=len(cut.read),
+                             sealed=cut.entry.sealed)
         state.refresh_headroom(page_size)
         appends = [(counts, pages) for counts, pages in ((cut.whole, cut.read),
                                                          (cut.partial, tails)) if len(pages)]
@@ -283,6 +389,7 @@ class PrefixCache:
         entry = self._entries.pop(entry_id, None)
         if entry is None:
             return 0
+        self._forget_pending(entry_id)
         return self.pool.release(entry.table.all_pages(), Holder.ENTRY)
 
     def plan_evictions(self, next_use: dict[int, int]) -> None:
@@ -320,4 +427,8 @@ class PrefixCache:
     def check(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Every entry's pages and the pins (for ``PagePool.check``)."""
         assert self._adopting is None, "an adoption did not finish"
+        for entry_id, pending in self._pending.items():
+            entry = self._entries.get(entry_id)
+            assert entry is not None and entry.sealed and pending.holds(entry.table), (
+                f"pending segment {pending.request_id} is not its entry {entry_id}'s")
         return [entry.table.all_pages() for entry in self._entries.values()], list(self._pins)

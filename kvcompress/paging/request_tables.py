@@ -53,6 +53,10 @@ class PageTableDelta:
     adopted_lengths: np.ndarray | None = None
     adopted_len: int = 0
     copies: tuple[np.ndarray, np.ndarray] | None = None
+    # Pages ``[start[row], stop[row])`` that leave the middle of the rows, applied after the
+    # appends, in order: a shared segment the request reads was compacted in place
+    # (``PrefixCache`` pending segments); the tokens after them shift down.
+    removals: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(slots=True)  # admission reads a few fields of every request each step
@@ -80,6 +84,12 @@ class RequestPages:
     # written (None: none). They end on a page boundary: a partial page is always its own.
     shared: np.ndarray | None = None
     shared_pages: int = 0
+    # Pending segments (filed uncompressed, compacted later) whose pages the rows read: while
+    # any is, a retired entry of this request may not be cut inside its prompt (its pages
+    # there will change). And a segment request's own plan, reported but not yet run:
+    # per-row physical lengths once compacted (``Compaction`` kind "deferred").
+    sealed: int = 0
+    planned: np.ndarray | None = None
     # ``evicted_fill`` of ``evicted`` (None: not computed since it changed). Only compaction
     # changes it: window drops touch sliding rows only.
     evicted_fill: np.ndarray | None = None
@@ -280,6 +290,14 @@ class RequestTables:
             raise ValueError(
                 f"expected {self.layout.num_rows} physical lengths, got {physical_lengths.shape}"
             )
+        if kind == "deferred":
+            # A segment's plan: its pages stay until it is filed and compacted in place.
+            if logical_len != state.logical_len or (
+                    physical_lengths > state.logical_len - state.evicted).any():
+                raise ValueError(f"request {request_id}: deferred plan of {logical_len} "
+                                 "logical tokens does not fit its rows")
+            state.planned = physical_lengths.copy()
+            return 0
         if logical_len > state.logical_len or np.any(physical_lengths > logical_len):
             raise ValueError(
                 f"request {request_id}: compaction report ({logical_len} logical tokens, "
@@ -300,6 +318,34 @@ class RequestTables:
         freed = state.table.truncate(state.logical_len - state.evicted)
         state.refresh_headroom(self.layout.page_size)
         return self.pool.release(freed, Holder.OWNER)
+
+    def drop_compacted(self, request_id: str, start: np.ndarray, stop: np.ndarray) -> int:
+        """A pending segment the request reads was compacted in place: pages ``[start[row],
+        stop[row])`` of its shared runs are no longer needed (their tokens are evicted) and
+        leave its rows, the rest shifting down. Return how many pages became free."""
+        state = self.states[request_id]
+        page_size = self.layout.page_size
+        removed = (np.asarray(stop) - np.asarray(start)).astype(np.int64)
+        if state.shared is None or (np.asarray(stop) > state.shared).any():
+            raise ValueError(f"request {request_id}: compacted pages outside its shared runs")
+        dropped = state.table.drop_between(start, stop)
+        tokens = removed * page_size
+        state.evicted = state.evicted + tokens
+        state.evicted_fill = None
+        if state.prompt_evicted is not None:
+            state.prompt_evicted = state.prompt_evicted + tokens
+        if state.adopted is not None:
+            state.adopted = (state.adopted[0], state.adopted[1] - tokens)
+        state.shared = (state.shared - removed).astype(state.shared.dtype)
+        state.shared_pages = int(state.shared.sum())
+        state.sealed = max(0, state.sealed - 1)
+        state.refresh_headroom(page_size)
+        delta = self._pending.get(request_id)
+        if delta is None:
+            delta = self._pending[request_id] = PageTableDelta(fresh=False)
+        delta.removals.append((np.asarray(start, dtype=np.int32).copy(),
+                               np.asarray(stop, dtype=np.int32).copy()))
+        return self.pool.release(dropped, Holder.READER)
 
     # ---------------------------------------------------- requests come and go
     def add(self, request_id: str, state: RequestPages, delta: PageTableDelta) -> None:

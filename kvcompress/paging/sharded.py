@@ -228,6 +228,36 @@ class ShardedPageManager:
     def entry_ids(self) -> list[int]:
         return self.shards[0].entry_ids()
 
+    # -------------------------------------------------------- pending segments
+    def pending_ids(self) -> list[int]:
+        """Entries pending compaction on any rank (a rank whose plan drops no page has
+        none), oldest first."""
+        return sorted({entry_id for shard in self.shards for entry_id in shard.pending_ids()})
+
+    def pending_segment_id(self, entry_id: int) -> str | None:
+        """The segment request whose plan the pending entry waits to run (None: none)."""
+        for shard in self.shards:
+            pending = shard.cache.pending(entry_id)
+            if pending is not None:
+                return pending.request_id
+        return None
+
+    def is_pending(self, entry_id: int) -> bool:
+        return any(entry_id in shard.pending_ids() for shard in self.shards)
+
+    def segment_readers(self, entry_id: int) -> set[str]:
+        """Running requests reading the pending entry's pages on any rank."""
+        return {request_id for shard in self.shards
+                for request_id in shard.segment_readers(entry_id)}
+
+    def compact_segment(self, entry_id: int) -> int:
+        """On every rank at once (``PageManager.compact_segment``); pages freed."""
+        return sum(shard.compact_segment(entry_id) for shard in self.shards)
+
+    def take_segment_orders(self) -> list[dict[str, np.ndarray | None]]:
+        """Each rank's segment orders (``PageManager.take_segment_orders``), by rank."""
+        return [shard.take_segment_orders() for shard in self.shards]
+
     def plan_evictions(self, next_use: dict[int, int]) -> None:
         """The same eviction order on every rank (``PrefixCache.plan_evictions``)."""
         for shard in self.shards:

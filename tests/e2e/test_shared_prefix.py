@@ -88,16 +88,17 @@ def test_arriving_together_they_compute_the_prefix_once_and_answer_as_vanilla(ti
 
 def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
     """The default serve settings (pyramidkv, surrogate scoring, reuse on) on the embedded
-    SmolLM2: eight questions on a 600-token prefix; the prefix is compressed once (its entry
-    holds fewer tokens per row than the prefix), every question reads it and compresses
-    only its own part, and each answer matches what the question gets adopting the same
-    segment alone."""
+    SmolLM2: eight questions on a 600-token prefix; the prefix is computed once, filed
+    uncompressed while the eight (admitted in one step) prefill their own parts over all of
+    it, then compacted in place once (its entry holds fewer tokens per row than the prefix);
+    each answer matches what the question gets reading the same segment beside two other
+    readers only (a fresh prefix cache each time)."""
     rng = random.Random(31)
     prefix = new_tokens(rng, 600)
     questions = questions_on(prefix, 8, 120, seed=32)
     settings = {"kv_compression": "pyramidkv", "kv_budget": 128}
     answers = {}
-    for mode in ("together", "alone"):
+    for mode in ("together", "beside two"):
         harness = EngineHarness(embedded_model, settings, dtype="float32", max_model_len=1024,
                                 max_num_batched_tokens=1024, max_num_seqs=16,
                                 kv_cache_memory_bytes=256 << 20)
@@ -109,23 +110,25 @@ def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
                 assert (reuse.segments, reuse.segment_tokens) == (1, 600)
                 entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
                 segment = [e for e in entries if e.prompt_len == 600]
-                # Compressed (budget shared model-wide: some rows keep all, most keep few).
+                # Compacted (budget shared model-wide: some rows keep all, most keep few).
                 assert len(segment) == 1 and segment[0].prompt_evicted.mean() > 300
+                assert not harness.page_manager.pending_ids()
             else:
-                # The same segment, made for two warm-ups as long as the questions (their
-                # own parts start with tokens no question starts with: scored as placed
-                # before 120 tokens of the readers' own), then each question alone.
-                harness.generate({"warm1": [*prefix, 1, *[3] * 119],
-                                  "warm2": [*prefix, 2, *[3] * 119]},
-                                 SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2))
-                assert harness.scheduler.reuse.totals.segments == 1
-                answers[mode] = {q: harness.generate({q: p}, greedy(8))[q]
-                                 for q, p in questions.items()}
+                # Two other readers, with as many tokens of their own (the segment is scored
+                # as placed before 120 of them), and the question, at once.
+                answers[mode] = {}
+                for question, prompt in questions.items():
+                    assert harness.engine.reset_prefix_cache()
+                    others = {f"{question}-warm1": [*prefix, 1, *[3] * 119],
+                              f"{question}-warm2": [*prefix, 2, *[3] * 119]}
+                    answers[mode][question] = harness.generate(
+                        {**others, question: prompt}, greedy(8))[question]
+                assert harness.scheduler.reuse.totals.segments == len(questions)
             assert all(harness.cached_tokens[q] == 600 for q in questions)
             assert_pages_back(harness)
         finally:
             harness.shutdown()
-    assert answers["together"] == answers["alone"]
+    assert answers["together"] == answers["beside two"]
 
 
 def test_readers_queued_beyond_the_lookahead_wait_for_the_segment_too(tiny_llama,

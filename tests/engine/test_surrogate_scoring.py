@@ -119,8 +119,12 @@ def test_chunked_prefill_scores_every_prompt_token_in_its_own_step(sliding):
         torch.testing.assert_close(got, worker.expected("a", layer, 61), rtol=1e-5, atol=1e-7)
 
 
-def test_an_adopters_new_segment_is_scored_at_each_rows_own_slots():
-    worker = Worker(config())
+@pytest.mark.parametrize("scoring", ["surrogate", "hybrid-surrogate"])
+def test_an_adopters_new_segment_is_scored_at_each_rows_own_slots(scoring):
+    """Beside a window (hybrid), by physical slot, as the window's scores; by the surrogate
+    alone, by position in the new segment only: an adopter of a long context (a whole
+    shared prefix) holds scores of its own tokens only."""
+    worker = Worker(config(kv_scoring=scoring))
     adopted_rows = np.array([5, 9, 12, 7, 5, 10], dtype=np.int64)
     new_tokens, adopted_len = 30, 20
     needed = -(-(adopted_rows + new_tokens) // PAGE)
@@ -137,8 +141,13 @@ def test_an_adopters_new_segment_is_scored_at_each_rows_own_slots():
         observation_windows=[4], wants_compression=[True], surrogate=worker.surrogate,
         surrogate_scored=[True])
     entry = step.surrogate_plan.entries[0]
-    assert entry.first_slot is None and entry.slot_base.tolist() == adopted_rows.tolist()
-    width = int(adopted_rows.max()) + new_tokens
+    alone = scoring == "surrogate"
+    if alone:
+        assert entry.first_slot == 0 and entry.slot_base is None
+        width = new_tokens
+    else:
+        assert entry.first_slot is None and entry.slot_base.tolist() == adopted_rows.tolist()
+        width = int(adopted_rows.max()) + new_tokens
     assert request.window_scores.shape == (LAYERS, HEADS, width)
     metadata = PagedAttentionMetadata(step, new_tokens, worker.kernel,
                                       worker.kernel.prepare(step), {})
@@ -151,7 +160,7 @@ def test_an_adopters_new_segment_is_scored_at_each_rows_own_slots():
         want = worker.surrogate.log_scores(layer, key, value,
                                            position_features(positions, prompt_len)).exp().T
         for head in range(HEADS):
-            first = int(adopted_rows[layer * HEADS + head])
+            first = 0 if alone else int(adopted_rows[layer * HEADS + head])
             got = request.window_scores[layer, head]
             torch.testing.assert_close(got[first : first + new_tokens], want[head])
             assert (got[:first] == 0).all() and (got[first + new_tokens :] == 0).all()

@@ -244,9 +244,12 @@ class ReuseMachine(RuleBasedStateMachine):
     """Random allocate / write / compact / retire / adopt (share or handover) / free /
     evict sequences with a labelled pool: the worker mirror runs every page copy, a request
     writes (relabels) the last page of each row it grows, and an adopter's pages must hold
-    exactly what the entry's held. After every operation: every reference count right, no
-    page free that a row or an entry holds, and every page an entry or a reader holds keeps
-    its contents (nobody wrote a shared page)."""
+    exactly what the entry's held. Segments too: a request filed with a deferred plan
+    (pending), read, retired into longer entries, evicted, and compacted in place (its kept
+    pages rewritten, its dropped pages leaving every holder). After every operation: every
+    reference count right, no page free that a row or an entry holds, and every page an
+    entry or a reader holds keeps its contents (nobody wrote a shared page but a segment's
+    compaction)."""
 
     def __init__(self):
         super().__init__()
@@ -260,6 +263,7 @@ class ReuseMachine(RuleBasedStateMachine):
         self.read_content: dict[str, dict[int, int]] = {}  # reader -> {page: label}
         self.compacted: set[str] = set()
         self.next_id = 0
+        self.segments: dict[int, str] = {}  # pending entry -> its segment request
 
     def _sync(self):
         for request_id, delta in self.manager.take_deltas().items():
@@ -350,6 +354,69 @@ class ReuseMachine(RuleBasedStateMachine):
         self.read_content.pop(request_id, None)
         self.compacted.discard(request_id)
 
+    @rule(length=st.integers(PAGE + 1, 24), data=st.data())
+    def file_segment(self, length, data):
+        """A segment request: its prompt planned, not compacted (a deferred report), then
+        filed; pending when its plan drops a whole page of some row."""
+        request_id = f"s{self.next_id}"
+        entry_id = self.next_id + 1
+        self.next_id += 2
+        if not self.manager.allocate(request_id, length):
+            return
+        self._forget_evicted()
+        self._sync()
+        for page in self.worker.requests[request_id].table.all_pages():  # its prefill writes
+            self.pool[page] = self.next_id * 1000 + int(page)
+        self.next_id += 1
+        whole = length // PAGE
+        drops = np.array([data.draw(st.integers(0, whole)) for _ in range(self.layout.num_rows)])
+        self.manager.release_after_compression(request_id, length, length - drops * PAGE,
+                                               kind="deferred")
+        table = self.worker.requests[request_id].table
+        filed = self.manager.retire(request_id, entry_id, length, length)
+        assert filed
+        self.worker.drop([request_id])
+        kept = self.manager.entry(entry_id).table.all_pages()
+        self.entry_content[entry_id] = {int(p): int(self.pool[p]) for p in kept}
+        self._released(table.all_pages())
+        orders = self.manager.take_segment_orders()
+        if drops.any():
+            self.segments[entry_id] = request_id
+            assert request_id not in orders and self.manager.entry(entry_id).sealed
+            assert self.manager.entry(entry_id).best_hit(length - 1) == 0  # cut whole only
+        else:
+            assert orders[request_id] is None  # nothing to run: forgotten
+
+    @precondition(lambda self: self.manager.pending_ids())
+    @rule(data=st.data())
+    def compact_segment(self, data):
+        entry_id = data.draw(st.sampled_from(self.manager.pending_ids()))
+        pending = self.manager.cache.pending(entry_id)
+        readers = self.manager.segment_readers(entry_id)
+        holders = self.manager.cache.entries_holding(pending)
+        assert entry_id in holders
+        self.manager.compact_segment(entry_id)
+        orders = self.manager.take_segment_orders()
+        assert orders[self.segments.pop(entry_id)].tolist() == (
+            pending.stop - pending.start).tolist()
+        for page in pending.removed:
+            assert not self.manager.pool.counts(np.array([page])).any()
+        self._released(pending.removed)
+        # The moves rewrote the kept whole pages (read by every holder alike).
+        kept = self.manager.entry(entry_id).table.leading_pages(pending.start)
+        self.pool[kept] = self.next_id * 1000 + 500
+        self.next_id += 1
+        for content in [*(self.entry_content[e] for e in holders),
+                        *(self.read_content[r] for r in readers)]:
+            for page in pending.removed:
+                content.pop(int(page), None)
+            content.update({int(p): int(self.pool[p]) for p in kept})
+        self._sync()
+        for request_id in readers:
+            state = self.manager._requests[request_id]
+            assert state.shared is not None and (state.shared >= pending.start).all()
+            assert not state.sealed
+
     @precondition(lambda self: self.manager.entry_ids())
     @rule(data=st.data())
     def evict(self, data):
@@ -358,13 +425,26 @@ class ReuseMachine(RuleBasedStateMachine):
         self.manager.drop_entry(entry_id)
         del self.entry_content[entry_id]
         self._released(pages)
+        if entry_id in self.segments:  # its readers keep the whole prefix
+            assert self.manager.take_segment_orders()[self.segments.pop(entry_id)] is None
 
     @precondition(lambda self: self.manager.entry_ids())
     @rule(data=st.data(), extra=st.integers(1, 6), share=st.booleans())
     def adopt(self, data, extra, share):
         entry_id = data.draw(st.sampled_from(self.manager.entry_ids()))
         entry = self.manager.entry(entry_id)
-        hit = entry.best_hit(data.draw(st.integers(1, entry.logical_len)))
+        self._adopt(entry_id, entry.best_hit(data.draw(st.integers(1, entry.logical_len))),
+                    extra, share)
+
+    @precondition(lambda self: self.manager.pending_ids())
+    @rule(data=st.data(), extra=st.integers(1, 6))
+    def read_segment(self, data, extra):
+        """A reader of a pending segment: it adopts it whole, by share."""
+        entry_id = data.draw(st.sampled_from(self.manager.pending_ids()))
+        self._adopt(entry_id, self.manager.entry(entry_id).logical_len, extra, True)
+
+    def _adopt(self, entry_id, hit, extra, share):
+        entry = self.manager.entry(entry_id)
         if not hit or not self.manager.can_adopt(entry_id, hit, hit + extra, share):
             return
         request_id = f"r{self.next_id}"
@@ -382,6 +462,9 @@ class ReuseMachine(RuleBasedStateMachine):
         if not share:
             del self.entry_content[entry_id]
             self._released(past_cut)
+            if entry_id in self.segments:
+                self.segments.pop(entry_id)
+                self.manager.take_segment_orders()
         self._sync()
         table = self.worker.requests[request_id].table
         assert self.worker.requests[request_id].lengths.tolist() == lengths.tolist()
@@ -395,6 +478,7 @@ class ReuseMachine(RuleBasedStateMachine):
         for entry_id in self.manager.take_evicted_entries():
             pages = list(self.entry_content.pop(entry_id))
             self._released(np.array(pages, dtype=np.int64))
+            self.segments.pop(entry_id, None)
 
     @invariant()
     def every_reference_counted_and_no_held_page_free(self):
@@ -418,7 +502,7 @@ class ReuseMachine(RuleBasedStateMachine):
 
 
 TestReuseMachine = ReuseMachine.TestCase
-TestReuseMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestReuseMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 @pytest.mark.parametrize("share", [True, False])
