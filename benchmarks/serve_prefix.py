@@ -50,7 +50,9 @@ COUNTERS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
             "vllm:generation_tokens_total",
             # a segment request's prompt (kvcompress computing a shared prefix once) is not
             # in vLLM's prompt counters; it is computed all the same
-            "kvcompress:prefix_segment_tokens_total")
+            "kvcompress:prefix_segment_tokens_total",
+            # readers that prefilled over a whole shared prefix (before its compaction)
+            "kvcompress:prefix_segment_whole_reads_total")
 # What vllm bench serve's result JSON gives, kept as is (ms for the latencies).
 BENCH_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
               "request_throughput", "output_throughput", "total_token_throughput",

@@ -180,6 +180,14 @@ CHANGES: tuple[Change, ...] = (
            "serve_prefix's prefill tokens count kvcompress's segment requests (was: vLLM's "
            "prompt counters only, which do not see them)",
            ("serve_prefix",)),
+    Change("b526c69", "2026-12-05T00:00:54+00:00",
+           "a shared prefix's segment is filed uncompressed and compacted in place once the "
+           "readers admitted with it prefilled over all of it (was: compacted before anyone "
+           "read it); an adopter scored by the surrogate alone holds and reserves scores of "
+           "its new tokens only (was: of its whole prompt)",
+           ("multi_turn", "multi_turn_recall", "shared_prefix", "shared_context",
+            "serve_prefix"),
+           measured_by=("shared_context_segments.json",)),
 )
 
 

@@ -385,7 +385,16 @@ class KVCompressScheduler(Scheduler):
         if request.num_output_tokens + 1 >= request.max_tokens:
             return num_new_tokens  # ends in its prefill step: the worker does not score it
         config = resolve(self.compression_config, request.sampling_params)
-        return self.scoring_gate.limit(request, config, num_computed_tokens, num_new_tokens)
+        return self.scoring_gate.limit(request, config, num_computed_tokens, num_new_tokens,
+                                       reads_segment=self._reads_pending_segment(request))
+
+    def _reads_pending_segment(self, request: Any) -> bool:
+        """Whether the request adopts (or adopted) a shared prefix still uncompressed."""
+        match = self.kv_cache_manager._matches.get(request.request_id)
+        if match is not None:
+            return self.page_manager.is_pending(match.entry_id)
+        state = self.page_manager.shards[0].tables.states.get(request.request_id)
+        return state is not None and state.sealed > 0
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:

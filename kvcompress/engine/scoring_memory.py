@@ -113,12 +113,18 @@ def scores_prompt(config: KVCompressionConfig, prompt_len: int) -> bool:
     return config.compresses(prompt_len) and config.policy.compression_method.needs_scores
 
 
-def scored_width(config: KVCompressionConfig, prompt_len: int, num_computed: int) -> int:
-    """Tokens the accumulator of a prompt entering its scoring with ``num_computed`` tokens
-    computed holds: the whole prompt (scores by physical slot, adopted ones included), or
-    scored by a surrogate alone, the tokens still to prefill (an adopter's new part:
-    ``WorkerKVState._add_surrogate_tokens``; a surrogate scores from the first chunk)."""
-    if config.loads_surrogate and not config.scores_window:
+def scored_width(config: KVCompressionConfig, prompt_len: int, num_computed: int,
+                 reads_segment: bool = False) -> int:
+    """Tokens of accumulators the gate counts for a prompt entering its scoring with
+    ``num_computed`` tokens computed: the whole prompt (scores by physical slot, adopted
+    ones included). Scored by a surrogate alone, an adopter's accumulator holds its new
+    tokens only (``WorkerKVState._add_surrogate_tokens``), so the whole prompt
+    over-reserves; that is kept but for readers of a shared prefix still uncompressed
+    (``reads_segment``), counted at their new tokens so that they prefill it together.
+    (Counted so for every adopter, multi-turn chat lost a sixth of its cached tokens: more
+    turns prefilling at once evicted the entries of the next ones; ``benchmarks.multi_turn``,
+    2026-12-05.)"""
+    if reads_segment and config.loads_surrogate and not config.scores_window:
         return max(1, prompt_len - num_computed)
     return prompt_len
 
@@ -150,7 +156,7 @@ class ScoringGate:
         self.deferred_chunks = 0  # chunks cut short of a window (for tests and logs)
 
     def limit(self, request: Any, config: KVCompressionConfig, num_computed: int,
-              num_new: int) -> int:
+              num_new: int, reads_segment: bool = False) -> int:
         """``num_new`` or fewer tokens: a chunk enters a window only when its prompt fits."""
         request_id = request.request_id
         prompt_len = request.num_prompt_tokens
@@ -161,7 +167,7 @@ class ScoringGate:
         window_start = scored_from(config, prompt_len)
         if num_computed + num_new <= window_start:
             return num_new  # this chunk stays before the window
-        width = scored_width(config, prompt_len, num_computed)
+        width = scored_width(config, prompt_len, num_computed, reads_segment)
         if self.scoring and self.tokens_in_flight + width > self.reserve_tokens:
             self.deferred_chunks += 1
             return max(0, window_start - num_computed)

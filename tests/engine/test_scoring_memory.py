@@ -86,6 +86,26 @@ def test_a_chunk_stops_short_of_its_window_while_others_fill_the_reserve():
     assert gate.peak_tokens == 600
 
 
+def test_readers_of_a_shared_prefix_still_whole_count_their_own_tokens_only():
+    """Scored by the surrogate alone, an adopter holds scores of its new tokens only; the
+    gate counts so the readers of a pending segment (they prefill together over the whole
+    prefix), any other adopter at its whole prompt, as a window-scored one holds."""
+    surrogate = KVCompressionConfig.from_mapping(
+        {"kv_compression": "pyramidkv", "kv_budget": 64, "kv_scoring": "surrogate"})
+    gate = ScoringGate(reserve_tokens=1000)
+    readers = [FakeRequest(f"r{i}", 720, 600) for i in range(4)]
+    assert all(gate.limit(r, surrogate, 600, 120, reads_segment=True) == 120 for r in readers)
+    assert gate.tokens_in_flight == 4 * 120
+    other = FakeRequest("o", 720, 600)
+    assert gate.limit(other, surrogate, 600, 120) == 0  # 480 + 720 > 1000: it waits
+    gate.prune({})
+    assert gate.limit(other, surrogate, 600, 120) == 120 and gate.tokens_in_flight == 720
+    gate.prune({})
+    # The window's scores are by slot, the adopted ones included: the whole prompt.
+    assert gate.limit(other, SNAPKV, 600, 120, reads_segment=True) == 120
+    assert gate.tokens_in_flight == 720
+
+
 def test_one_prompt_always_enters_even_beyond_the_reserve():
     gate = ScoringGate(reserve_tokens=100)
     assert gate.limit(FakeRequest("a", 600), SNAPKV, 0, 600) == 600
