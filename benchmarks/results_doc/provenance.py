@@ -188,6 +188,13 @@ CHANGES: tuple[Change, ...] = (
            ("multi_turn", "multi_turn_recall", "shared_prefix", "shared_context",
             "serve_prefix"),
            measured_by=("shared_context_segments.json",)),
+    Change("8286544", "2026-12-05T00:37:26+00:00",
+           "the scoring gate counts only readers of a shared prefix still uncompressed at "
+           "their own tokens, other adopters at their whole prompt again (b526c69 counted "
+           "every surrogate-scored adopter at its own tokens)",
+           ("multi_turn", "multi_turn_recall", "shared_prefix", "serve_prefix"),
+           # segment readers are counted as in b526c69's runs
+           measured_by=("shared_context_segments.json",)),
 )
 
 
