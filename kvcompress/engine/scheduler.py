@@ -263,10 +263,11 @@ class KVCompressScheduler(Scheduler):
         manager = self.page_manager
         segment_id = manager.pending_segment_id(entry_id)
         entry = manager.shards[0].entry(entry_id)
+        if entry is None:
+            return False
         for reader_id in self._segment_readers.get(segment_id or "", ()):
             request = self.requests.get(reader_id)
-            if (request is None or reader_id in manager or request.is_finished()
-                    or entry is None):
+            if request is None or reader_id in manager or request.is_finished():
                 continue
             return manager.can_adopt(entry_id, entry.logical_len, request.num_prompt_tokens,
                                      share=True)

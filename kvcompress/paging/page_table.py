@@ -104,14 +104,7 @@ class HeadPageTable:
         if (counts < 0).any() or (counts > self.num_pages).any():
             raise ValueError(f"cannot drop {counts.tolist()} leading pages of rows holding "
                              f"{self.num_pages.tolist()}")
-        dropped = self.pages_between(np.zeros_like(self.num_pages), counts)
-        width = self.pages.shape[1]
-        source = np.minimum(np.arange(width)[None, :] + counts[:, None], width - 1)
-        self.pages = np.take_along_axis(self.pages, source, axis=1)
-        self.num_pages = self.num_pages - counts
-        self.total_pages -= len(dropped)
-        self.version = next(_VERSIONS)
-        return dropped
+        return self.drop_between(np.zeros_like(counts), counts)
 
     def drop_between(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
         """Drop pages ``[start[row], stop[row])`` of each row (a shared segment compacted

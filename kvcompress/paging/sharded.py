@@ -243,7 +243,7 @@ class ShardedPageManager:
         return None
 
     def is_pending(self, entry_id: int) -> bool:
-        return any(entry_id in shard.pending_ids() for shard in self.shards)
+        return self.pending_segment_id(entry_id) is not None
 
     def segment_readers(self, entry_id: int) -> set[str]:
         """Running requests reading the pending entry's pages on any rank."""
