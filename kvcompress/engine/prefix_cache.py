@@ -38,7 +38,7 @@ from vllm.v1.request import RequestStatus
 from kvcompress.engine.request_settings import resolve
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
-from kvcompress.paging.prefix_index import PrefixIndex
+from kvcompress.paging.prefix_index import PrefixIndex, shared_prefix
 from kvcompress.settings.config import KVCompressionConfig
 
 logger = get_logger(__name__)
@@ -112,6 +112,23 @@ class PrefixCachePolicy:
             if hit and (best is None or (hit, entry_id) > (best.hit, best.entry_id)):
                 best = Match(entry_id, hit)
         return best
+
+    def waits_for_compaction(self, tokens: np.ndarray, prompt_len: int, settings: Any,
+                             min_tokens: int) -> bool:
+        """Whether a waiting request shares at least ``min_tokens`` with a pending segment
+        (filed uncompressed: adopted only whole until it is compacted in place) under equal
+        settings, yet cannot adopt it whole. It waits for that compaction rather than have a
+        segment of its own made: that one's pages would evict the pending one before its
+        readers adopt it, and its readers' next segment would evict that one in turn (two
+        groups recomputing their prefixes forever, seen over HTTP)."""
+        for entry_id in self.pages.pending_ids():
+            filed = self.index.filed(entry_id)
+            if filed is None or filed[1] != settings:
+                continue
+            shared = shared_prefix(filed[0], tokens, prompt_len - 1)
+            if min_tokens <= shared < len(filed[0]):
+                return True
+        return False
 
     def retire(self, request: Any) -> bool:
         """Retire a finished request into an entry; False when its pages were freed."""

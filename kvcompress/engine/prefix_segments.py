@@ -90,15 +90,24 @@ def shared_length(first: np.ndarray, second: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else limit
 
 
+def block_floor(length: int) -> int:
+    """A segment ends on a 16-token block boundary within the shared prefix: a tokenizer
+    merges the last shared characters with what follows, so the requests that arrive first
+    may share a token more among themselves than with those that arrive later, who could
+    then not adopt the segment whole (see docs/design.md, "Where a segment ends")."""
+    return length // _BLOCK * _BLOCK
+
+
 def choose_segment(first: Candidate, others: Sequence[Candidate],
                    min_tokens: int = MIN_SEGMENT_TOKENS) -> tuple[int, list[str]]:
     """The prefix ``first`` should share with ``others``: ``(length, readers)`` (``(0, [])``:
     none). Among the lengths ``first`` shares with some other request (same settings), the
     one that saves the most prefill: length x readers who share at least that much, ties
-    to the longer. A stray request sharing little does not shorten everyone's segment, and a
-    pair sharing more than the rest does not split it. It must exceed what a cached entry
+    to the longer, each length cut to a block boundary (``block_floor``). A stray request
+    sharing little does not shorten everyone's segment, and a pair sharing more than the
+    rest does not split it. It must exceed what a cached entry
     gives every reader by ``min_tokens``."""
-    shared = {other.request_id: shared_length(first.tokens, other.tokens)
+    shared = {other.request_id: block_floor(shared_length(first.tokens, other.tokens))
               for other in others if other.settings == first.settings}
     best, readers = 0, []
     for length in sorted(set(shared.values()), reverse=True):

@@ -159,7 +159,9 @@ class KVCompressScheduler(Scheduler):
         (``PrefixSegments.plan``), and take out of ``self.waiting`` the requests whose
         prompts start with a segment still being computed: held while vLLM schedules, so that
         they adopt it once filed rather than prefill it again, without blocking the requests
-        behind them. Returns the held requests and the queue positions (``_unhold``)."""
+        behind them. Those that share a pending segment but cannot adopt it whole are held
+        until it is compacted (``PrefixCachePolicy.waits_for_compaction``). Returns the held
+        requests and the queue positions (``_unhold``)."""
         segments = self.segments
         if not self.reuse.enabled:
             return [], {}
@@ -171,6 +173,7 @@ class KVCompressScheduler(Scheduler):
             return [], {}
         held: list[Any] = []
         candidates: list[Candidate] = []
+        pending_entries = bool(self.page_manager.pending_ids())
         def may_share(request: Any) -> bool:
             return (not segments.is_segment(request.request_id)
                     and request.sampling_params is not None and self.reuse.may_read(request))
@@ -180,7 +183,10 @@ class KVCompressScheduler(Scheduler):
                 continue
             tokens = segments.prompt_of(request.request_id, request.prompt_token_ids)
             settings = resolve(self.compression_config, request.sampling_params)
-            if segments.pending and segments.holding(tokens, request.num_prompt_tokens, settings):
+            if ((segments.pending
+                 and segments.holding(tokens, request.num_prompt_tokens, settings))
+                    or (pending_entries and self.reuse.waits_for_compaction(
+                        tokens, request.num_prompt_tokens, settings, segments.min_tokens))):
                 held.append(request)
             elif (request.status == RequestStatus.WAITING and not request.num_computed_tokens
                   and may_segment(settings, request.num_prompt_tokens)):

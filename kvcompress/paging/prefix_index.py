@@ -74,6 +74,11 @@ class PrefixIndex:
         if not siblings:
             del self._by_hash[filed.boundary_hash]
 
+    def filed(self, entry_id: int) -> tuple[np.ndarray, Hashable] | None:
+        """The tokens and settings entry ``entry_id`` was filed with (None: not filed)."""
+        filed = self._filed.get(entry_id)
+        return None if filed is None else (filed.tokens, filed.settings)
+
     def candidates(self, tokens: np.ndarray, limit: int,
                    settings: Hashable) -> list[tuple[int, int, bool]]:
         """``(entry_id, shared, same_settings)`` for every entry the prompt ``tokens`` may
@@ -87,11 +92,11 @@ class PrefixIndex:
                 filed = self._filed[entry_id]
                 same = filed.settings == settings
                 if same or filed.exact:
-                    found.append((entry_id, _shared_prefix(filed.tokens, tokens, limit), same))
+                    found.append((entry_id, shared_prefix(filed.tokens, tokens, limit), same))
         return found
 
 
-def _shared_prefix(first: np.ndarray, second: np.ndarray, limit: int) -> int:
+def shared_prefix(first: np.ndarray, second: np.ndarray, limit: int) -> int:
     length = min(len(first), len(second), limit)
     differ = np.flatnonzero(first[:length] != second[:length])
     return int(differ[0]) if len(differ) else length

@@ -43,13 +43,13 @@ def segment_ids(harness: EngineHarness) -> list[str]:
 
 
 def test_arriving_together_they_compute_the_prefix_once_and_answer_as_vanilla(tiny_llama):
-    """Four questions on one 300-token prefix, sent at once, no warm-up: one segment request
-    prefills the prefix (300 tokens), the four wait for it, then each adopts it by sharing,
-    prefills only its 40 tokens and reports 300 cached; the pages they hold together count
+    """Four questions on one 304-token prefix, sent at once, no warm-up: one segment request
+    prefills the prefix (304 tokens), the four wait for it, then each adopts it by sharing,
+    prefills only its 40 tokens and reports 304 cached; the pages they hold together count
     the prefix's once; with a budget above every prompt the answers are vanilla's (with
     vLLM's prefix caching), and no output of the segment request reaches the client."""
     rng = random.Random(21)
-    prefix = new_tokens(rng, 300)
+    prefix = new_tokens(rng, 304)
     questions = questions_on(prefix, 4, 40, seed=22)
     answers, held = {}, {}
     for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
@@ -73,10 +73,10 @@ def test_arriving_together_they_compute_the_prefix_once_and_answer_as_vanilla(ti
                 held = {"together": pages.owned_pages(), "read": pages.num_read, "own": own}
             answers[name] = harness.run_until_done()
             if compression:
-                assert all(harness.cached_tokens[q] == 300 for q in questions)
+                assert all(harness.cached_tokens[q] == 304 for q in questions)
                 reuse = harness.scheduler.reuse.totals
-                assert (reuse.segments, reuse.segment_tokens) == (1, 300)
-                assert reuse.adopted_tokens == 4 * 300 and reuse.shares + reuse.handovers == 4
+                assert (reuse.segments, reuse.segment_tokens) == (1, 304)
+                assert reuse.adopted_tokens == 4 * 304 and reuse.shares + reuse.handovers == 4
                 assert set(answers[name]) == set(questions), "segment outputs stay inside"
                 assert not segment_ids(harness)
                 assert_pages_back(harness)
@@ -88,13 +88,13 @@ def test_arriving_together_they_compute_the_prefix_once_and_answer_as_vanilla(ti
 
 def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
     """The default serve settings (pyramidkv, surrogate scoring, reuse on) on the embedded
-    SmolLM2: eight questions on a 600-token prefix; the prefix is computed once, filed
+    SmolLM2: eight questions on a 608-token prefix; the prefix is computed once, filed
     uncompressed while the eight (admitted in one step) prefill their own parts over all of
     it, then compacted in place once (its entry holds fewer tokens per row than the prefix);
     each answer matches what the question gets reading the same segment beside two other
     readers only (a fresh prefix cache each time)."""
     rng = random.Random(31)
-    prefix = new_tokens(rng, 600)
+    prefix = new_tokens(rng, 608)
     questions = questions_on(prefix, 8, 120, seed=32)
     settings = {"kv_compression": "pyramidkv", "kv_budget": 128}
     answers = {}
@@ -107,9 +107,9 @@ def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
             if mode == "together":
                 answers[mode] = harness.generate(questions, greedy(8))
                 reuse = harness.scheduler.reuse.totals
-                assert (reuse.segments, reuse.segment_tokens) == (1, 600)
+                assert (reuse.segments, reuse.segment_tokens) == (1, 608)
                 entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
-                segment = [e for e in entries if e.prompt_len == 600]
+                segment = [e for e in entries if e.prompt_len == 608]
                 # Compacted (budget shared model-wide: some rows keep all, most keep few).
                 assert len(segment) == 1 and segment[0].prompt_evicted.mean() > 300
                 assert not harness.page_manager.pending_ids()
@@ -124,7 +124,7 @@ def test_compressed_once_by_the_surrogate_and_answers_sensible(embedded_model):
                     answers[mode][question] = harness.generate(
                         {**others, question: prompt}, greedy(8))[question]
                 assert harness.scheduler.reuse.totals.segments == len(questions)
-            assert all(harness.cached_tokens[q] == 600 for q in questions)
+            assert all(harness.cached_tokens[q] == 608 for q in questions)
             assert_pages_back(harness)
         finally:
             harness.shutdown()
@@ -138,7 +138,7 @@ def test_readers_queued_beyond_the_lookahead_wait_for_the_segment_too(tiny_llama
     computed once for all six questions, and they answer as vanilla."""
     monkeypatch.setattr(scheduler_module, "SEGMENT_LOOKAHEAD", 2)
     rng = random.Random(61)
-    prefix = new_tokens(rng, 300)
+    prefix = new_tokens(rng, 304)
     questions = questions_on(prefix, 6, 30, seed=62)
     answers = {}
     for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
@@ -147,9 +147,9 @@ def test_readers_queued_beyond_the_lookahead_wait_for_the_segment_too(tiny_llama
             answers[name] = harness.generate(questions, greedy(6))
             if compression:
                 reuse = harness.scheduler.reuse.totals
-                assert (reuse.segments, reuse.segment_tokens) == (1, 300)
-                assert reuse.adopted_tokens == 6 * 300
-                assert all(harness.cached_tokens[q] == 300 for q in questions)
+                assert (reuse.segments, reuse.segment_tokens) == (1, 304)
+                assert reuse.adopted_tokens == 6 * 304
+                assert all(harness.cached_tokens[q] == 304 for q in questions)
                 assert_pages_back(harness)
         finally:
             harness.shutdown()
@@ -157,12 +157,12 @@ def test_readers_queued_beyond_the_lookahead_wait_for_the_segment_too(tiny_llama
 
 
 def test_aborting_the_segment_request_releases_its_readers(tiny_llama):
-    """The segment request aborted while it prefills (256 of its 600 tokens computed): the
+    """The segment request aborted while it prefills (256 of its 608 tokens computed): the
     questions are held no longer. What it computed was filed (an aborted prompt is kept
     whole), so the next step makes a second segment request that adopts those 256 tokens
-    and computes the rest; the questions adopt its 600 and answer as vanilla."""
+    and computes the rest; the questions adopt its 608 and answer as vanilla."""
     rng = random.Random(41)
-    prefix = new_tokens(rng, 600)
+    prefix = new_tokens(rng, 608)
     questions = questions_on(prefix, 3, 30, seed=42)
     answers = {}
     for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
@@ -177,9 +177,9 @@ def test_aborting_the_segment_request_releases_its_readers(tiny_llama):
             answers[name] = harness.run_until_done()
             if compression:
                 reuse = harness.scheduler.reuse.totals
-                assert (reuse.segments, reuse.segment_tokens) == (2, 1200)
-                assert reuse.adopted_tokens == 256 + 3 * 600
-                assert all(harness.cached_tokens[q] == 600 for q in questions)
+                assert (reuse.segments, reuse.segment_tokens) == (2, 1216)
+                assert reuse.adopted_tokens == 256 + 3 * 608
+                assert all(harness.cached_tokens[q] == 608 for q in questions)
                 assert_pages_back(harness)
         finally:
             harness.shutdown()
@@ -187,8 +187,8 @@ def test_aborting_the_segment_request_releases_its_readers(tiny_llama):
 
 
 def test_parallel_samples_share_their_prompt(tiny_llama):
-    """n = 4: vLLM's four sample requests of one prompt compute it once between them (all
-    but its last token, which each computes for its own logits)."""
+    """n = 4: vLLM's four sample requests of one prompt compute it once between them (its
+    whole 16-token blocks short of its last token, which each computes for its logits)."""
     rng = random.Random(51)
     prompt = new_tokens(rng, 200)
     harness = EngineHarness(tiny_llama, EXACT, **ENGINE)
@@ -196,9 +196,9 @@ def test_parallel_samples_share_their_prompt(tiny_llama):
         harness.add("p", prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=6, n=4))
         harness.run_until_done()
         reuse = harness.scheduler.reuse.totals
-        assert (reuse.segments, reuse.segment_tokens) == (1, 199)
-        assert reuse.adopted_tokens == 4 * 199
-        assert harness.cached_tokens["p"] == 199
+        assert (reuse.segments, reuse.segment_tokens) == (1, 192)
+        assert reuse.adopted_tokens == 4 * 192
+        assert harness.cached_tokens["p"] == 192
         assert_pages_back(harness)
     finally:
         harness.shutdown()
@@ -208,7 +208,7 @@ def test_a_segment_scored_by_reconstruction_passes_is_filed_after_them(tiny_llam
     """--kv-scoring reconstruct: the segment request waits for its passes (parked) and is
     ended only once its prompt is compacted; the questions adopt the compressed segment."""
     rng = random.Random(61)
-    prefix = new_tokens(rng, 300)
+    prefix = new_tokens(rng, 304)
     questions = questions_on(prefix, 3, 40, seed=62)
     harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
                                          "kv_scoring": "reconstruct"}, **ENGINE)
@@ -216,11 +216,54 @@ def test_a_segment_scored_by_reconstruction_passes_is_filed_after_them(tiny_llam
         answers = harness.generate(questions, greedy(6))
         assert all(len(answer) == 6 for answer in answers.values())
         reuse = harness.scheduler.reuse.totals
-        assert (reuse.segments, reuse.segment_tokens, reuse.adopted_tokens) == (1, 300, 900)
-        assert all(harness.cached_tokens[q] == 300 for q in questions)
+        assert (reuse.segments, reuse.segment_tokens, reuse.adopted_tokens) == (1, 304, 912)
+        assert all(harness.cached_tokens[q] == 304 for q in questions)
         entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
-        (segment,) = [entry for entry in entries if entry.prompt_len == 300]
-        assert not segment.exact_prompt and segment.logical_len == 300
+        (segment,) = [entry for entry in entries if entry.prompt_len == 304]
+        assert not segment.exact_prompt and segment.logical_len == 304
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+
+
+def test_requests_that_share_less_than_a_pending_segment_wait_for_its_compaction(tiny_llama):
+    """Three questions share a 320-token prefix, computed once by a segment request and filed
+    pending (read whole until compacted in place). Three more arrive then that share only its
+    first 304 tokens (over HTTP: the tokenizer merged the prefix's last characters with the
+    question's first): they cannot adopt it whole, so they wait for its compaction, and only
+    then is a segment of their own made. Made at once, its pages evicted the pending one
+    before its readers adopted it, and theirs evicted the new one in turn: two groups
+    recomputing their prefixes forever. Everyone answers; the pages come back."""
+    rng = random.Random(71)
+    prefix = new_tokens(rng, 320)
+    first = questions_on(prefix, 3, 40, seed=72)
+    later = {f"late{i}": prompt
+             for i, prompt in enumerate(questions_on(prefix[:304], 3, 56, seed=73).values())}
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
+                                         "kv_scoring": "reconstruct"}, **ENGINE)
+    try:
+        for request_id, prompt in first.items():
+            harness.add(request_id, prompt, greedy(6))
+        for _ in range(100):
+            harness.step()
+            if harness.page_manager.pending_ids():
+                break
+        assert harness.page_manager.pending_ids(), "the first segment is filed pending"
+        for request_id, prompt in later.items():
+            harness.add(request_id, prompt, greedy(6))
+        made_while_pending, steps_pending = set(), 0
+        while harness.page_manager.pending_ids():
+            harness.step()
+            if harness.page_manager.pending_ids():  # (compaction comes first in a schedule)
+                made_while_pending.update(segment_ids(harness))
+                steps_pending += 1
+        assert steps_pending and not made_while_pending
+        answers = harness.run_until_done()
+        assert all(len(answers[q]) == 6 for q in [*first, *later])
+        reuse = harness.scheduler.reuse.totals
+        assert (reuse.segments, reuse.segment_tokens) == (2, 320 + 304)
+        assert all(harness.cached_tokens[q] == 320 for q in first)
+        assert all(harness.cached_tokens[q] == 304 for q in later)
         assert_pages_back(harness)
     finally:
         harness.shutdown()

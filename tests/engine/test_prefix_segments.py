@@ -27,12 +27,12 @@ def candidate(name: str, tokens: np.ndarray, settings: str = "s",
     return Candidate(name, tokens, settings, cached)
 
 
-SYSTEM = (1000, 300)
+SYSTEM = (1000, 304)  # a whole number of 16-token blocks
 
 
 def test_shared_length_leaves_each_prompt_its_last_token():
     a, b = prompt(SYSTEM, (5, 10)), prompt(SYSTEM, (90, 10))
-    assert shared_length(a, b) == 300
+    assert shared_length(a, b) == 304
     assert shared_length(a, a.copy()) == len(a) - 1  # parallel samples: all but the last
     assert shared_length(a[:1], a) == 0
 
@@ -44,7 +44,7 @@ def test_the_segment_is_what_most_readers_share_not_a_stray_pair_or_a_stray_requ
     others.append(candidate("q6", prompt(SYSTEM, (5, 20), (9000, 20))))
     others.append(candidate("q7", prompt((1000, 100), (7000, 240))))
     length, readers = choose_segment(first, others)
-    assert length == 300
+    assert length == 304
     assert readers == ["q0", "q1", "q2", "q3", "q4", "q5", "q6"]
 
 
@@ -57,7 +57,7 @@ def test_no_segment_alone_short_or_already_cached_or_under_other_settings():
     # A cached entry gives them 280 already: 20 more tokens are not worth a request.
     cached = [candidate("q1", prompt(SYSTEM, (9, 40)), cached=280)]
     assert choose_segment(first, cached) == (0, [])
-    assert choose_segment(first, [candidate("q1", prompt(SYSTEM, (9, 40)), cached=100)])[0] == 300
+    assert choose_segment(first, [candidate("q1", prompt(SYSTEM, (9, 40)), cached=100)])[0] == 304
 
 
 def test_plan_makes_one_segment_per_shared_prefix_and_holds_its_readers_until_it_is_gone():
@@ -71,16 +71,16 @@ def test_plan_makes_one_segment_per_shared_prefix_and_holds_its_readers_until_it
     made = segments.plan(waiting, lambda request_id: looked_up.append(request_id) or 0)
     assert looked_up == ["a0", "a1", "b0", "b1"], "c0 starts like nobody: no lookup"
     assert [(len(segment.tokens), readers) for segment, readers in made] == [
-        (300, ["a0", "a1"]), (200, ["b0", "b1"])]
+        (304, ["a0", "a1"]), (192, ["b0", "b1"])], "200 shared tokens: a segment of 192"
     assert all(segment.request_id.startswith(SEGMENT_ID_PREFIX) for segment, _ in made)
     assert segments.is_segment(made[0][0].request_id) and not segments.is_segment("a0")
-    assert (segments.made, segments.tokens) == (2, 500)
+    assert (segments.made, segments.tokens) == (2, 496)
     # A request arriving while the segment is computed waits for it; one under other
     # settings, or whose prompt is the prefix itself, does not.
     late = prompt(SYSTEM, (11, 30))
     assert segments.holding(late, len(late), "s")
     assert not segments.holding(late, len(late), "other")
-    assert not segments.holding(prompt(SYSTEM), 300, "s")
+    assert not segments.holding(prompt(SYSTEM), 304, "s")
     # Held requests are not grouped again (the scheduler leaves them out), and the
     # segment request gone (filed, aborted, failed) holds nobody.
     first_id = made[0][0].request_id
@@ -91,10 +91,24 @@ def test_plan_makes_one_segment_per_shared_prefix_and_holds_its_readers_until_it
     assert not segments.pending
 
 
+def test_a_segment_ends_on_a_block_boundary_so_that_later_arrivals_adopt_it_whole():
+    """A tokenizer merges the prompt's last shared characters with the question's first: the
+    requests that arrive first may share a token more among themselves (here 305) than with
+    those arriving later (304). Cut to the block boundary, their segment is one that every
+    later request adopts whole, instead of a second segment of 305 made for the others."""
+    first = candidate("q0", prompt(SYSTEM, (5, 41)))
+    early = [candidate("q1", prompt(SYSTEM, (5, 1), (60, 40)))]
+    length, readers = choose_segment(first, early)
+    assert (length, readers) == (304, ["q0", "q1"])
+    late = prompt(SYSTEM, (7, 40))
+    segment = PrefixSegments().plan([first, *early])[0][0]
+    assert segment.covers(late, len(late), "s")
+
+
 def test_parallel_samples_share_all_but_their_last_token():
     same = prompt(SYSTEM, (5, 40))
     made = PrefixSegments().plan([candidate(f"{i}_r", same.copy()) for i in range(4)])
-    assert [(len(segment.tokens), len(readers)) for segment, readers in made] == [(339, 4)]
+    assert [(len(segment.tokens), len(readers)) for segment, readers in made] == [(336, 4)]
 
 
 def test_only_query_agnostic_scores_or_a_prompt_kept_whole_make_a_segment():
