@@ -12,7 +12,8 @@ same answer on every checkout):
    measured on that change before it was committed (``measured_by``). An entry may be
    limited to runs of some dtypes (``dtypes``: the AMX page layout only picks bf16 pages)
    and to results of some benchmarks (``benchmarks``, the JSON's ``benchmark``: a section
-   may show results of a benchmark the change does not touch).
+   may show results of a benchmark the change does not touch), or to some results by name
+   or section (``results``: one workload among a section's others).
 
 A change that alters what a benchmark measures (a default, an algorithm, the work per step)
 adds an entry here; docs/results.md then marks every older result of the sections it names.
@@ -51,6 +52,8 @@ class Change:
     dtypes: tuple[str, ...] = ()  # only runs in these dtypes (empty: every run)
     measured_by: tuple[str, ...] = ()  # results run on this change before it was committed
     benchmarks: tuple[str, ...] = ()  # only results of these benchmarks (empty: every one)
+    # only these results, or every result of these sections (empty: every result)
+    results: tuple[str, ...] = ()
 
     @property
     def time(self) -> datetime.datetime:
@@ -61,7 +64,8 @@ class Change:
         return (section in self.sections and started < self.time
                 and name not in self.measured_by
                 and (not self.dtypes or dtype in self.dtypes)
-                and (not self.benchmarks or benchmark in self.benchmarks))
+                and (not self.benchmarks or benchmark in self.benchmarks)
+                and (not self.results or name in self.results or section in self.results))
 
 
 CHANGES: tuple[Change, ...] = (
@@ -195,6 +199,13 @@ CHANGES: tuple[Change, ...] = (
            ("multi_turn", "multi_turn_recall", "shared_prefix", "serve_prefix"),
            # segment readers are counted as in b526c69's runs
            measured_by=("shared_context_segments.json",)),
+    Change("9d7e4be", "2026-12-05T03:47:26+00:00",
+           "a shared prefix's segment ends on the last whole 16-token block of the tokens its "
+           "readers share (was: at their exact common prefix), and a request sharing less "
+           "than a pending segment waits for its compaction before a segment of its own",
+           ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
+           results=("shared_prefix", "shared_context", "serve_prefix",
+                    "throughput_system_prompt.json")),
 )
 
 

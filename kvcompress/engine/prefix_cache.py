@@ -123,10 +123,12 @@ class PrefixCachePolicy:
         groups recomputing their prefixes forever, seen over HTTP)."""
         for entry_id in self.pages.pending_ids():
             filed = self.index.filed(entry_id)
-            if filed is None or filed[1] != settings:
+            if filed is None:
                 continue
-            shared = shared_prefix(filed[0], tokens, prompt_len - 1)
-            if min_tokens <= shared < len(filed[0]):
+            segment_tokens, segment_settings = filed
+            if (segment_settings == settings and min_tokens
+                    <= shared_prefix(segment_tokens, tokens, prompt_len - 1)
+                    < len(segment_tokens)):
                 return True
         return False
 
