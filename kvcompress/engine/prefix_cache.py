@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,15 +114,16 @@ class PrefixCachePolicy:
                 best = Match(entry_id, hit)
         return best
 
-    def waits_for_compaction(self, tokens: np.ndarray, prompt_len: int, settings: Any,
-                             min_tokens: int) -> bool:
+    def waits_for_compaction(self, pending: Sequence[int], tokens: np.ndarray, prompt_len: int,
+                             settings: Any, min_tokens: int) -> bool:
         """Whether a waiting request shares at least ``min_tokens`` with a pending segment
-        (filed uncompressed: adopted only whole until it is compacted in place) under equal
-        settings, yet cannot adopt it whole. It waits for that compaction rather than have a
-        segment of its own made: that one's pages would evict the pending one before its
-        readers adopt it, and its readers' next segment would evict that one in turn (two
-        groups recomputing their prefixes forever, seen over HTTP)."""
-        for entry_id in self.pages.pending_ids():
+        (one of the entries ``pending``, ``ShardedPageManager.pending_ids`` asked once per
+        schedule; filed uncompressed: adopted only whole until it is compacted in place)
+        under equal settings, yet cannot adopt it whole. It waits for that compaction rather
+        than have a segment of its own made: that one's pages would evict the pending one
+        before its readers adopt it, and its readers' next segment would evict that one in
+        turn (two groups recomputing their prefixes forever, seen over HTTP)."""
+        for entry_id in pending:
             filed = self.index.filed(entry_id)
             if filed is None:
                 continue

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
+from kvcompress.paging.prefix_index import shared_prefix
 
 # A shared prefix shorter than this (beyond what a cached entry already gives) is not worth
 # a request of its own: four 16-token blocks.
@@ -84,10 +85,7 @@ def shared_length(first: np.ndarray, second: np.ndarray) -> int:
     """Tokens the two prompts share, at most each one's length minus one (a reader's last
     prompt token is always its own: vLLM needs its logits)."""
     limit = min(len(first), len(second)) - 1
-    if limit <= 0:
-        return 0
-    differ = np.flatnonzero(first[:limit] != second[:limit])
-    return int(differ[0]) if len(differ) else limit
+    return shared_prefix(first, second, limit) if limit > 0 else 0
 
 
 def block_floor(length: int) -> int:

@@ -173,7 +173,7 @@ class KVCompressScheduler(Scheduler):
             return [], {}
         held: list[Any] = []
         candidates: list[Candidate] = []
-        pending_entries = bool(self.page_manager.pending_ids())
+        pending_entries = self.page_manager.pending_ids()
         def may_share(request: Any) -> bool:
             return (not segments.is_segment(request.request_id)
                     and request.sampling_params is not None and self.reuse.may_read(request))
@@ -186,7 +186,8 @@ class KVCompressScheduler(Scheduler):
             if ((segments.pending
                  and segments.holding(tokens, request.num_prompt_tokens, settings))
                     or (pending_entries and self.reuse.waits_for_compaction(
-                        tokens, request.num_prompt_tokens, settings, segments.min_tokens))):
+                        pending_entries, tokens, request.num_prompt_tokens, settings,
+                        segments.min_tokens))):
                 held.append(request)
             elif (request.status == RequestStatus.WAITING and not request.num_computed_tokens
                   and may_segment(settings, request.num_prompt_tokens)):
