@@ -25,6 +25,7 @@ SEGMENT_READERS_AFTER_ARG = "kvcompress_segment_readers_after"
 PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
 PASS_GRANTS_ATTR = "kvcompress_pass_grants"
 SEGMENT_ORDERS_ATTR = "kvcompress_segment_orders"
+DEFERRED_ATTR = "kvcompress_deferred_compactions"
 REPORT_ATTR = "kvcompress_report"
 # The reason a rank gives for a request it failed because another rank did (ranks agree
 # on failures before the steps' collectives); merged reports keep the other rank's.
@@ -58,6 +59,31 @@ class Compaction:
         prompt_evicted = (self.logical_len - self.physical_lengths if self.kind == "prompt"
                           else self.prompt_evicted)
         return replace(later, prompt_evicted=prompt_evicted)
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A shared prefix made of a deferred request's first ``tokens`` prompt tokens: the
+    worker copies them onto the pages of the pseudo-request ``segment_id`` (allocated by the
+    scheduler) and plans them as a segment request's prompt, from the request's own scores
+    (``engine/prefix_segments.py``, "forks")."""
+
+    segment_id: str
+    tokens: int
+
+
+@dataclass
+class DeferredCompactions:
+    """One step's orders about prompts compacted a step late: ``defer``, the requests whose
+    prompt completes in this step and is not compacted yet (their scores are kept); ``run``,
+    those deferred in the step before, compacted in this one (parked: not in its batch),
+    each with the fork made of its first tokens, or None."""
+
+    defer: frozenset[str] = frozenset()
+    run: dict[str, Fork | None] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.defer or self.run)
 
 
 @dataclass
@@ -169,6 +195,15 @@ def attach_segment_orders(scheduler_output: Any,
 def segment_orders(scheduler_output: Any, rank: int = 0) -> dict[str, np.ndarray | None]:
     orders_by_rank = getattr(scheduler_output, SEGMENT_ORDERS_ATTR, None)
     return orders_by_rank[rank] if orders_by_rank else {}
+
+
+def attach_deferred_compactions(scheduler_output: Any, orders: DeferredCompactions) -> None:
+    if orders:
+        setattr(scheduler_output, DEFERRED_ATTR, orders)
+
+
+def deferred_compactions(scheduler_output: Any) -> DeferredCompactions:
+    return getattr(scheduler_output, DEFERRED_ATTR, None) or DeferredCompactions()
 
 
 def pass_grants(scheduler_output: Any) -> dict[str, int]:

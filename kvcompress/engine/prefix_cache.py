@@ -142,13 +142,26 @@ class PrefixCachePolicy:
                 or request_id not in self.pages or computed <= 0
                 or not self._keyed_by_tokens(request)):
             return False
+        tokens = np.asarray(request.all_token_ids[:computed], dtype=np.int64)
+        return self._file(request_id, tokens, request.num_prompt_tokens,
+                          resolve(self.engine_config, request.sampling_params))
+
+    def file_segment(self, fork_id: str, tokens: np.ndarray, settings: Any) -> bool:
+        """A fork (``KVCompressScheduler._fork``): the pseudo-request ``fork_id``, its plan
+        reported, filed as a segment request is when it ends, pending; False when its pages
+        were freed."""
+        if not self.enabled:
+            return False
+        return self._file(fork_id, tokens, len(tokens), settings)
+
+    def _file(self, request_id: str, tokens: np.ndarray, prompt_len: int,
+              settings: Any) -> bool:
+        """The request's pages as a new entry of ``tokens`` (its computed ones), indexed."""
         entry_id = next(self._entry_ids)
-        if not self.pages.retire(request_id, entry_id, computed, request.num_prompt_tokens):
+        if not self.pages.retire(request_id, entry_id, len(tokens), prompt_len):
             return False
         entry = self.pages.shards[0].entry(entry_id)
         exact = all(shard.entry(entry_id).exact_prompt for shard in self.pages.shards)
-        settings = resolve(self.engine_config, request.sampling_params)
-        tokens = np.asarray(request.all_token_ids[:computed], dtype=np.int64)
         if not self.index.add(entry_id, tokens, 1 if exact else entry.first_cut, settings,
                               exact):
             self.pages.drop_entry(entry_id)  # too short to be worth a lookup

@@ -19,6 +19,12 @@ any more: the requests adopt the entry by sharing (every one reads its whole pag
 ``paging/prefix_cache.py``), prefill only their own part, compress it as an adopter's new
 part, and report the prefix as cached.
 
+A burst's first request often reaches an idle engine alone and completes its prompt before
+the others arrive. Its compaction then waits a step, and what the waiting requests share
+with it becomes a **fork**: a segment copied off its uncompacted pages by a pseudo-request
+of the same id form (no prefill, no vLLM request), planned from its scores, filed as a
+segment request's pages are (``KVCompressScheduler._fork``, docs/design.md).
+
 No state beyond the pending segments; the scheduler (``engine/scheduler.py``) does the queue
 work.
 """
@@ -128,9 +134,14 @@ class PrefixSegments:
     # Each waiting request's prompt tokens and the hash of their first block (requests are
     # grouped only with others starting alike), kept while it lives: prompts do not change.
     _prompts: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
-    # Segment requests queued and tokens they prefilled, since the start (tests, figures).
+    # Segment requests queued and tokens they prefilled, since the start (tests, figures),
+    # and forks made (segments copied off a request's pages: no prefill of their own).
     made: int = 0
     tokens: int = 0
+    forks: int = 0
+    # Requests a segment or fork was made for that failed: they compress their own copies
+    # from now on (one made for them again could fail again, and hold them forever).
+    unshared: set[str] = field(default_factory=set)
 
     def prune(self, live: Callable[[str], bool]) -> None:
         """Forget segments whose request finished, was aborted or failed: their readers are
@@ -139,6 +150,7 @@ class PrefixSegments:
             del self.pending[request_id]
         for request_id in [rid for rid in self._prompts if not live(rid)]:
             del self._prompts[request_id]
+        self.unshared = {request_id for request_id in self.unshared if live(request_id)}
 
     def prompt_of(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
         """The request's prompt as int64 tokens (converted once)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -16,6 +17,10 @@ from vllm.v1.request import RequestStatus
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import (
     Compaction,
+    DeferredCompactions,
+    Fork,
+    WorkerReport,
+    attach_deferred_compactions,
     attach_page_deltas,
     attach_pass_grants,
     attach_segment_orders,
@@ -28,6 +33,8 @@ from kvcompress.engine.prefix_segments import (
     SEGMENT_LOOKAHEAD,
     Candidate,
     PrefixSegments,
+    Segment,
+    choose_segment,
     may_segment,
     segment_request,
 )
@@ -106,6 +113,11 @@ class KVCompressScheduler(Scheduler):
         self._schedules = 0
         # Each segment request's readers, as grouped (the ones a pending segment waits for).
         self._segment_readers: dict[str, list[str]] = {}
+        # A lone prompt's compaction waits a step (``_defer_lone_prompt``): request id -> the
+        # schedule that deferred it; and the forks ordered in this schedule, by the id of
+        # the request they are made of (filed with the step's report, ``_file_forks``).
+        self._deferred: dict[str, int] = {}
+        self._forks: dict[str, Segment] = {}
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
@@ -134,29 +146,41 @@ class KVCompressScheduler(Scheduler):
         """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas
         and the reconstruction pass chunks this step runs (``engine.pass_schedule``)."""
         self.passes.prune(self.requests)
-        self.scoring_gate.prune(self.requests, held=self.passes.parked())
+        self._deferred = {request_id: since for request_id, since in self._deferred.items()
+                          if (request := self.requests.get(request_id)) is not None
+                          and not request.is_finished()}
+        self.scoring_gate.prune(self.requests, held=self._holding_scores())
         self.admission.prune(self.requests)
         self._order_running_by_recompute_cost()
         self._schedules += 1
         self._compact_segments()
         self._plan_cache_evictions()
         freed_before = self.kv_cache_manager.window_freed_pages
-        held, positions = self._share_prefixes()
-        passes = self._grant_passes()
+        # Deferred in the schedule before: compacted (and forked) in this step, parked.
+        ready, self._deferred = list(self._deferred), {}
+        held, positions = self._share_prefixes(ready)
+        passes = self._grant_passes(ready)
         try:
             scheduler_output = super().schedule(*args, **kwargs)
         finally:
             self._unpark(passes)
             self._unhold(held, positions)
         self.figures.window_freed_pages += self.kv_cache_manager.window_freed_pages - freed_before
+        attach_deferred_compactions(scheduler_output, DeferredCompactions(
+            self._defer_lone_prompt(scheduler_output),
+            {request_id: (None if (fork := self._forks.get(request_id)) is None
+                          else Fork(fork.request_id, len(fork.tokens)))
+             for request_id in ready}))
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         attach_segment_orders(scheduler_output, self.page_manager.take_segment_orders())
         attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
 
-    def _share_prefixes(self) -> tuple[list[Any], dict[str, int]]:
-        """Queue a segment request for each prefix that waiting requests share
-        (``PrefixSegments.plan``), and take out of ``self.waiting`` the requests whose
+    def _share_prefixes(self, deferred: list[str]) -> tuple[list[Any], dict[str, int]]:
+        """Make a fork of each ``deferred`` request's first tokens that waiting requests
+        share (``_fork``), queue a segment request for each prefix that other waiting
+        requests share (``PrefixSegments.plan``), and take out of ``self.waiting`` the
+        requests whose
         prompts start with a segment still being computed: held while vLLM schedules, so that
         they adopt it once filed rather than prefill it again, without blocking the requests
         behind them. Those that share a pending segment but cannot adopt it whole are held
@@ -169,7 +193,7 @@ class KVCompressScheduler(Scheduler):
                        and not request.is_finished())
         if not self.waiting:
             return [], {}
-        if len(self.waiting) < 2 and not segments.pending:
+        if len(self.waiting) < 2 and not segments.pending and not deferred:
             return [], {}
         held: list[Any] = []
         candidates: list[Candidate] = []
@@ -190,6 +214,7 @@ class KVCompressScheduler(Scheduler):
                         segments.min_tokens))):
                 held.append(request)
             elif (request.status == RequestStatus.WAITING and not request.num_computed_tokens
+                  and request.request_id not in segments.unshared
                   and may_segment(settings, request.num_prompt_tokens)):
                 candidates.append(Candidate(request.request_id, tokens, settings))
 
@@ -197,6 +222,10 @@ class KVCompressScheduler(Scheduler):
             match = self.reuse.lookup(self.requests[request_id])
             return 0 if match is None else match.hit
 
+        for request_id in deferred:
+            readers = self._fork(request_id, candidates, cached_of)
+            held.extend(self.requests[reader] for reader in readers)
+            candidates = [c for c in candidates if c.request_id not in readers]
         for segment, readers in segments.plan(candidates, cached_of):
             first = self.requests[readers[0]]
             own = sorted(self.requests[request_id].num_prompt_tokens - len(segment.tokens)
@@ -230,6 +259,97 @@ class KVCompressScheduler(Scheduler):
         self.waiting.remove_requests(held)
         return held, positions
 
+    def _fork(self, request_id: str, candidates: list[Candidate],
+              cached_of: Callable[[str], int]) -> list[str]:
+        """A fork: the deferred request's first tokens that waiting ``candidates`` share
+        (``choose_segment``, the request first) become a segment without a request of its
+        own. The scheduler allocates its pages as a pseudo-request's (the worker copies the
+        request's uncompressed pages onto them and plans them, ``DeferredCompactions``);
+        with the step's report it is filed pending, as a segment request's (``_file_forks``),
+        and the readers, held meanwhile, adopt it. Returns the readers' ids (none: no
+        fork)."""
+        request = self.requests[request_id]
+        segments = self.segments
+        if not candidates or not request.sampling_params:
+            return []
+        settings = resolve(self.compression_config, request.sampling_params)
+        tokens = segments.prompt_of(request_id, request.prompt_token_ids)
+        first = tokens[:16].tobytes()
+        sharing = [candidate for candidate in candidates
+                   if candidate.tokens[:16].tobytes() == first]
+        for candidate in sharing:
+            if candidate.cached is None:
+                candidate.cached = cached_of(candidate.request_id)
+        length, readers = choose_segment(Candidate(request_id, tokens, settings, cached=0),
+                                         sharing, segments.min_tokens)
+        if not length:
+            return []
+        fork = Segment(segments.next_id(), tokens[:length].copy(), settings)
+        if not self.page_manager.allocate(fork.request_id, length):
+            return []  # no room for a copy: the readers make a segment of their own
+        segments.pending[fork.request_id] = fork
+        segments.forks += 1
+        self._forks[request_id] = fork
+        self._segment_readers[fork.request_id] = list(readers)
+        logger.debug("kvcompress: %d waiting requests share %d prompt tokens with %s, forked "
+                     "as %s", len(readers) - 1, length, request_id, fork.request_id)
+        return readers[1:]
+
+    def _defer_lone_prompt(self, scheduler_output: SchedulerOutput) -> frozenset[str]:
+        """A prompt that completes in this step while nothing else runs or waits is compacted
+        a step late, parked meanwhile (its first output is sampled as usual; its scores are
+        kept): requests sent together with it, a burst's first arriving alone, are waiting
+        by then, and what they share with it is forked off its pages (``_fork``) instead of
+        being computed again by a segment request. Only for prompts that a segment could be
+        made of (query-agnostic scores computed in their prefill, ``may_segment``) and that
+        are compacted at all; the cost is the request's second token a step later."""
+        if (not self.reuse.enabled or self.waiting or len(self.running) != 1
+                or self.passes.pending):
+            return frozenset()
+        request = self.running[0]
+        request_id = request.request_id
+        scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+        prompt_len = request.num_prompt_tokens
+        if not (scheduled and request.num_computed_tokens - scheduled < prompt_len
+                == request.num_computed_tokens and not request.num_output_tokens):
+            return frozenset()  # not completing a fresh prompt (nor resuming) in this step
+        if (self.segments.is_segment(request_id) or request.sampling_params is None
+                or not self.reuse.may_read(request)
+                or request.num_output_tokens + 1 >= request.max_tokens
+                or prompt_len <= self.segments.min_tokens + 16
+                or self.page_manager.adoption(request_id) is not None):
+            return frozenset()
+        settings = resolve(self.compression_config, request.sampling_params)
+        if (not settings.compresses(prompt_len) or settings.reconstructs(prompt_len)
+                or not may_segment(settings, prompt_len)):
+            return frozenset()
+        self._deferred[request_id] = self._schedules
+        return frozenset((request_id,))
+
+    def _file_forks(self, report: WorkerReport, failed: dict[str, str]) -> None:
+        """The forks ordered in this step: each filed pending (its plan reported, as a
+        segment request's when it ends) and indexed by its tokens, or its pages freed (the
+        worker reported no plan, or it failed). Their readers are held no longer."""
+        for fork in self._forks.values():
+            fork_id = fork.request_id
+            self.segments.pending.pop(fork_id, None)
+            compaction = report.compactions.get(fork_id)
+            failure = failed.pop(fork_id, None)
+            if failure is not None:
+                logger.error("kvcompress: fork %s failed: %s", fork_id, failure)
+                self._unshare(fork_id)
+            planned = (failure is None and compaction is not None
+                       and compaction.kind == "deferred")
+            if not (planned and self.reuse.file_segment(fork_id, fork.tokens, fork.settings)):
+                self.page_manager.free(fork_id)
+                self._segment_readers.pop(fork_id, None)
+        self._forks = {}
+
+    def _unshare(self, segment_id: str) -> None:
+        """A segment request or fork failed: the requests it was made for compress their own
+        copies from now on (``PrefixSegments.unshared``)."""
+        self.segments.unshared.update(self._segment_readers.pop(segment_id, ()))
+
     def _compact_segments(self) -> None:
         """Compact each pending segment entry in place (``paging.prefix_cache``) once none of
         the requests reading it is in prefill (they prefilled their own parts over the whole
@@ -244,8 +364,9 @@ class KVCompressScheduler(Scheduler):
         for entry_id in [entry_id for entry_id in self._pending_since if entry_id not in pending]:
             del self._pending_since[entry_id]
         live = {manager.pending_segment_id(entry_id) for entry_id in pending}
+        forks = {fork.request_id for fork in self._forks.values()}
         for segment_id in [s for s in self._segment_readers
-                           if s not in live and s not in self.requests]:
+                           if s not in live and s not in self.requests and s not in forks]:
             del self._segment_readers[segment_id]
         if not pending:
             return
@@ -279,6 +400,11 @@ class KVCompressScheduler(Scheduler):
             return manager.can_adopt(entry_id, entry.logical_len, request.num_prompt_tokens,
                                      share=True)
         return False
+
+    def _holding_scores(self) -> frozenset[str]:
+        """Requests past their prefill whose prompt scores live on: parked for
+        reconstruction passes, or compacted a step late."""
+        return self.passes.parked() | frozenset(self._deferred)
 
     def _in_prefill(self, request_id: str, parked: Any) -> bool:
         """Whether the request's prompt is not computed and compacted yet."""
@@ -340,16 +466,19 @@ class KVCompressScheduler(Scheduler):
                 next_use.setdefault(match.entry_id, position)
         self.page_manager.plan_evictions(next_use)
 
-    def _grant_passes(self) -> StepPasses:
+    def _grant_passes(self, deferred: list[str]) -> StepPasses:
         """This step's pass chunks, out of the token budget after one token per decoding
-        request; the parked requests leave ``running`` (and its limits) while vLLM schedules,
+        request; the parked requests (those waiting for passes, and the ``deferred`` ones,
+        compacted in this step) leave ``running`` (and its limits) while vLLM schedules,
         so their decode waits and no victim is picked among them."""
-        if not self.passes.pending:
+        if not self.passes.pending and not deferred:
             return StepPasses({}, 0, frozenset())
-        self._parked_now = [r for r in self.running if r.request_id in self.passes.parked()]
-        self.running = [r for r in self.running if r.request_id not in self.passes.parked()]
+        parked_ids = self.passes.parked() | frozenset(deferred)
+        self._parked_now = [r for r in self.running if r.request_id in parked_ids]
+        self.running = [r for r in self.running if r.request_id not in parked_ids]
         decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
         passes = self.passes.grant(self._full_token_budget - decoding)
+        passes = StepPasses(passes.grants, passes.tokens, parked_ids)
         parked = len(self._parked_now)
         self.max_num_running_reqs -= parked
         self.max_num_active_reqs -= parked
@@ -415,6 +544,11 @@ class KVCompressScheduler(Scheduler):
             except Exception as error:  # a bad report ends its request, not the engine
                 logger.exception("kvcompress: compaction report of %s rejected", request_id)
                 failed[request_id] = f"compaction report rejected: {error!r}"
+        if self._forks:
+            self._file_forks(report, failed)
+        for request_id in failed:
+            if self.segments.is_segment(request_id):
+                self._unshare(request_id)
         if self.log_stats:
             self.figures.add_report(report)
             self.figures.failed_requests += len(failed)
@@ -424,7 +558,7 @@ class KVCompressScheduler(Scheduler):
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
             self.passes.add(report.passes_pending, self.requests)
-            self.scoring_gate.prune(self.requests, held=self.passes.parked())
+            self.scoring_gate.prune(self.requests, held=self._holding_scores())
             if failed:
                 self._finish_with_error(failed, outputs)
             self._end_segment_requests(outputs)

@@ -23,7 +23,9 @@ from kvcompress.engine.messages import (
     FAILED_ON_ANOTHER_RANK,
     SEGMENT_READERS_AFTER_ARG,
     Compaction,
+    DeferredCompactions,
     WorkerReport,
+    deferred_compactions,
     page_deltas,
     pass_grants,
     segment_orders,
@@ -35,7 +37,11 @@ from kvcompress.engine.worker_compaction import (
 )
 from kvcompress.engine.worker_expected import ExpectedScorer
 from kvcompress.engine.worker_moves import MoveBatch, copy_pages
-from kvcompress.engine.worker_reconstruction import ReconstructionPass, Reconstructor
+from kvcompress.engine.worker_reconstruction import (
+    CompletedPasses,
+    ReconstructionPass,
+    Reconstructor,
+)
 from kvcompress.engine.worker_state import WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
@@ -91,6 +97,10 @@ class PagedKVRuntime:
         self._passes_registered: dict[str, list[int]] = {}
         self._passes_done: list[str] = []
         self._pass_failures: dict[str, str] = {}
+        # Prompts compacted a step late (``DeferredCompactions``): this step's orders, and
+        # the requests this worker deferred (prompt complete, scores kept) until compacted.
+        self._deferred_orders = DeferredCompactions()
+        self._deferred_here: set[str] = set()
         self.expected_scorer: ExpectedScorer | None = None
         self.surrogate: ScoreSurrogate | None = None
         # The requests that failed on any tensor-parallel rank, from this rank's: every
@@ -152,6 +162,9 @@ class PagedKVRuntime:
         self.step, self._metadata = None, None
         self.state.drop(scheduler_output.finished_req_ids)
         self.state.drop(scheduler_output.preempted_req_ids or ())
+        self._deferred_here -= set(scheduler_output.finished_req_ids)
+        self._deferred_here -= set(scheduler_output.preempted_req_ids or ())
+        self._deferred_orders = deferred_compactions(scheduler_output)
         if self.reconstructor is not None:
             self.reconstructor.forget(scheduler_output.finished_req_ids)
             self.reconstructor.forget(scheduler_output.preempted_req_ids or ())
@@ -159,7 +172,25 @@ class PagedKVRuntime:
         deltas = page_deltas(scheduler_output, self.rank)
         self._run_segment_plans(segment_orders(scheduler_output, self.rank), deltas)
         self.state.apply_deltas(deltas)
+        self._start_forks()
         self._copy_adopted_pages()
+
+    def _start_forks(self) -> None:
+        """Set up this step's forks (``WorkerKVState.fork``) before the page copies run: a
+        fork whose source this worker did not defer, or that cannot be made, is dropped
+        (reported without a plan: the scheduler frees its pages)."""
+        for source_id, fork in self._deferred_orders.run.items():
+            if fork is None or fork.segment_id not in self.state.requests:
+                continue
+            if source_id not in self._deferred_here or source_id not in self.state.requests:
+                self.state.requests.pop(fork.segment_id)
+                continue
+            try:
+                self.state.fork(source_id, fork.segment_id, fork.tokens)
+            except Exception:
+                logger.exception("kvcompress: forking %s off %s failed", fork.segment_id,
+                                 source_id)
+                self.state.requests.pop(fork.segment_id)
 
     def _run_segment_plans(self, orders: dict[str, Any],
                            deltas: dict[str, Any]) -> None:
@@ -366,7 +397,8 @@ class PagedKVRuntime:
         passes_done, self._passes_done = self._passes_done, []
         failures, self._pass_failures = self._pass_failures, {}
         registered, self._passes_registered = self._passes_registered, {}
-        if step is None and not (passes_done or failures or registered):
+        orders, self._deferred_orders = self._deferred_orders, DeferredCompactions()
+        if step is None and not (passes_done or failures or registered or orders.run):
             return WorkerReport()
         compactions = {}
         if step is not None:
@@ -376,11 +408,14 @@ class PagedKVRuntime:
                     self._score_expected(step)
         with self.compaction_timer.measure() as measurement:
             if step is not None:
+                self._defer_compactions(step, orders.defer)
                 compactions = compress_step(self.state, step, self.pool, self.kernel,
                                             self.stats, self.kernel.page_format)
                 failures.update(step.failures)
             if passes_done:
                 compactions.update(self._compact_reconstructed(passes_done, failures))
+            if orders.run:
+                compactions.update(self._compact_deferred(orders, failures))
             if not compactions:
                 measurement.discard()  # a step with nothing to compact reports no time
         # On CUDA these are the seconds of stages the device finished by now (this step's or
@@ -391,6 +426,46 @@ class PagedKVRuntime:
         self.stats.seconds += seconds
         return WorkerReport(compactions, failures, score_seconds, seconds,
                             passes_pending=registered)
+
+    def _defer_compactions(self, step: Any, defer: frozenset[str]) -> None:
+        """The prompts the scheduler deferred are not compacted in this step (their scores
+        are kept: ``_compact_deferred`` plans them in the next)."""
+        if not defer:
+            return
+        deferred = {index for index in step.completing_prompt
+                    if step.req_ids[index] in defer and step.req_ids[index] not in step.failures}
+        self._deferred_here.update(step.req_ids[index] for index in deferred)
+        step.completing_prompt = [index for index in step.completing_prompt
+                                  if index not in deferred]
+
+    def _compact_deferred(self, orders: DeferredCompactions,
+                          failures: dict[str, str]) -> dict[str, Compaction]:
+        """Compact the prompts deferred in the step before (parked: not in this step's
+        batch), and plan each one's fork as a segment request's prompt (its pages copied
+        before the forward); failures join ``failures``. A fork's pseudo-request is gone
+        after: its plan is kept (``ParkedSegment``) and its pages are the scheduler's."""
+        request_ids, logical_after, forks = [], [], []
+        for source_id, fork in orders.run.items():
+            source = self.state.requests.get(source_id)
+            if source_id not in self._deferred_here or source is None:
+                continue
+            self._deferred_here.discard(source_id)
+            request_ids.append(source_id)
+            logical_after.append(source.prompt_len)
+            if fork is not None and fork.segment_id in self.state.requests:
+                forks.append(fork.segment_id)
+                failure = self.state.adoption_failures.pop(fork.segment_id, None)
+                if failure is not None:  # its pages were not copied
+                    failures[fork.segment_id] = failure
+                    continue
+                request_ids.append(fork.segment_id)
+                logical_after.append(fork.tokens)
+        completed = CompletedPasses(request_ids, np.asarray(logical_after, dtype=np.int64))
+        compactions = compact_completed_prompts(self.state, completed, self.pool, self.kernel,
+                                                self.stats)
+        failures.update(completed.failures)
+        self.state.drop(forks)
+        return compactions
 
     def _compact_reconstructed(self, request_ids: list[str],
                                failures: dict[str, str]) -> dict[str, Compaction]:

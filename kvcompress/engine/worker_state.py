@@ -205,6 +205,33 @@ class WorkerKVState:
             raise RuntimeError(f"request {request_id}: compacted segment pages it never "
                                "filled (scheduler and worker page tables diverged)")
 
+    def fork(self, source_id: str, fork_id: str, tokens: int) -> None:
+        """Make the fresh pseudo-request ``fork_id`` (its pages appended by the scheduler) a
+        segment of ``source_id``'s first ``tokens`` prompt tokens: their pages are copied
+        onto its own before the next forward (``take_copies``; whole pages, the tokens of a
+        last partial one past ``tokens`` are never read), their scores taken over, and it
+        is planned as a segment request's prompt once ``source_id`` is compacted. The source
+        must hold its prompt uncompacted, without an adopted context."""
+        source, fork = self.requests[source_id], self.requests[fork_id]
+        page_size = self.layout.page_size
+        pages = -(-tokens // page_size)
+        if (source.compressed or source.adopted_rows is not None
+                or (source.lengths < tokens).any() or (fork.table.num_pages != pages).any()):
+            raise RuntimeError(f"fork {fork_id} of {source_id}: the rows do not hold "
+                               f"{tokens} uncompacted tokens (scheduler and worker diverged)")
+        per_row = np.full(self.layout.num_rows, pages, dtype=np.int32)
+        self._copies[fork_id] = (source.table.leading_pages(per_row).astype(np.int64),
+                                 fork.table.all_pages().astype(np.int64))
+        fork.lengths = np.full_like(source.lengths, tokens)
+        fork.prompt_len = tokens
+        fork.config = source.config
+        fork.query_agnostic = source.query_agnostic
+        fork.is_segment = True
+        fork.readers_after = source.prompt_len - tokens
+        for name in ("window_scores", "query_scores"):
+            scores = getattr(source, name)
+            setattr(fork, name, None if scores is None else scores[..., :tokens].clone())
+
     def park_segment(self, request_id: str, moves: RowMoves, drops: np.ndarray) -> None:
         """Keep a segment request's plan after it ends (``ParkedSegment``)."""
         request = self.requests[request_id]

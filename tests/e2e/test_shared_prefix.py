@@ -407,3 +407,130 @@ def test_a_segment_request_preempted_in_its_prefill_holds_its_readers(tiny_llama
     # The segment request was preempted, and the questions waited while it was out.
     preemptions, held_steps = segment_preemptions["kvcompress"]
     assert preemptions >= 1 and held_steps >= 1, segment_preemptions
+
+
+def prompt_done(harness: EngineHarness, request_id: str) -> bool:
+    request = harness.scheduler.requests[harness.internal_id(request_id)]
+    return request.num_computed_tokens >= request.num_prompt_tokens
+
+
+def first_alone_then_the_rest(harness: EngineHarness, questions: dict[str, list[int]],
+                              params: SamplingParams) -> dict[str, list[int]]:
+    """The first question alone until its prompt is computed, then the others at once."""
+    (first, *rest) = questions
+    harness.add(first, questions[first], params)
+    while not prompt_done(harness, first):
+        harness.step()
+    for request_id in rest:
+        harness.add(request_id, questions[request_id], params)
+    return harness.run_until_done()
+
+
+def test_a_burst_whose_first_request_arrives_alone_reads_a_fork_of_its_pages(tiny_llama):
+    """The first of four questions on a 304-token prefix arrives alone (over HTTP a burst's
+    first request reaches an idle engine before the others): its compaction waits a step,
+    by which time the other three wait, and what they share with it (the 304 tokens) is
+    forked off its uncompacted pages, a copy planned as a segment, instead of a segment
+    request computing the prefix again. They report it cached and, as its plan keeps every
+    token (a StreamingLLM budget of 320 above the prefix, under the first's 344), answer
+    as vanilla vLLM with its prefix cache."""
+    rng = random.Random(81)
+    prefix = new_tokens(rng, 304)
+    questions = questions_on(prefix, 4, 40, seed=82)
+    answers = {}
+    for name, compression in (("vanilla", None),
+                              ("kvcompress", {"kv_compression": "streamingllm",
+                                              "kv_budget": 320})):
+        harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True, **ENGINE)
+        try:
+            answers[name] = first_alone_then_the_rest(harness, questions, greedy(8))
+            if compression:
+                scheduler = harness.scheduler
+                reuse = scheduler.reuse.totals
+                assert scheduler.segments.forks == 1 and reuse.segments == 0
+                assert reuse.adopted_tokens == 3 * 304
+                assert all(harness.cached_tokens[q] == 304 for q in list(questions)[1:])
+                assert_pages_back(harness)
+        finally:
+            harness.shutdown()
+    readers = list(questions)[1:]
+    assert {q: answers["kvcompress"][q] for q in readers} == {
+        q: answers["vanilla"][q] for q in readers}
+
+
+def test_a_fork_scored_by_the_surrogate_is_compacted_once_for_its_readers(
+        surrogate_tiny_llama):
+    """The default scoring (the surrogate) and a budget the prefix exceeds: the fork's plan
+    drops pages, so it is filed pending, read whole while its three readers prefill their
+    own parts, then compacted in place once; the first question's answer is what it gets
+    arriving with nobody after it (its compaction is only later, the same)."""
+    rng = random.Random(91)
+    prefix = new_tokens(rng, 320)
+    questions = questions_on(prefix, 4, 48, seed=92)
+    settings = {"kv_compression": "pyramidkv", "kv_budget": 64}
+    harness = EngineHarness(surrogate_tiny_llama, settings, **ENGINE)
+    try:
+        answers = first_alone_then_the_rest(harness, questions, greedy(8))
+        scheduler = harness.scheduler
+        reuse = scheduler.reuse.totals
+        assert scheduler.segments.forks == 1 and reuse.segments == 0
+        assert reuse.whole_segment_reads == 3 and reuse.adopted_tokens == 3 * 320
+        assert all(harness.cached_tokens[q] == 320 for q in list(questions)[1:])
+        assert all(len(answer) == 8 for answer in answers.values())
+        entries = [harness.rank_pages().entry(e) for e in harness.page_manager.entry_ids()]
+        (segment,) = [entry for entry in entries if entry.prompt_len == 320]
+        assert segment.segment and segment.prompt_evicted.min() > 0
+        assert not harness.page_manager.pending_ids()
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+    (first,) = list(questions)[:1]
+    alone = EngineHarness(surrogate_tiny_llama, settings, **ENGINE)
+    try:
+        assert alone.generate({first: questions[first]}, greedy(8))[first] == answers[first]
+        assert alone.scheduler.segments.forks == 0
+    finally:
+        alone.shutdown()
+
+
+def test_a_fork_whose_plan_fails_frees_its_pages_and_its_readers(tiny_llama, monkeypatch):
+    """The fork's planning fails (an injected fault for 304-token prompts: the fork's): the
+    first question is compacted as usual, the fork's pages are freed, its readers are held
+    no longer and compress their own copies (no segment is made for them: it would fail
+    the same way, and before, a segment request failing again and again held them
+    forever); every question answers, none with an error, and every page comes back."""
+    monkeypatch.setenv("KVCOMPRESS_FAULT_INJECTION", "plan:304")
+    rng = random.Random(101)
+    questions = questions_on(new_tokens(rng, 304), 4, 40, seed=102)
+    harness = EngineHarness(tiny_llama, {"kv_compression": "streamingllm", "kv_budget": 64},
+                            **ENGINE)
+    try:
+        answers = first_alone_then_the_rest(harness, questions, greedy(6))
+        assert harness.scheduler.segments.forks == 1
+        assert harness.scheduler.reuse.totals.segments == 0
+        assert all(len(answers[q]) == 6 for q in questions)
+        assert all(harness.finish_reasons[q] == "length" for q in questions)
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+
+
+def test_readers_of_a_failed_segment_request_compress_their_own_copies(tiny_llama,
+                                                                       monkeypatch):
+    """Sent together, three questions get a segment request, whose planning fails (an
+    injected fault for its 304 tokens): it ends with its error, and the questions compress
+    their own copies. Before, every step made them a new segment request that failed the
+    same way: they were held forever."""
+    monkeypatch.setenv("KVCOMPRESS_FAULT_INJECTION", "plan:304")
+    rng = random.Random(111)
+    questions = questions_on(new_tokens(rng, 304), 3, 40, seed=112)
+    harness = EngineHarness(tiny_llama, {"kv_compression": "streamingllm", "kv_budget": 64},
+                            **ENGINE)
+    try:
+        answers = harness.generate(questions, greedy(6))
+        assert harness.scheduler.reuse.totals.segments == 1
+        assert all(len(answers[q]) == 6 for q in questions)
+        assert all(harness.finish_reasons[q] == "length" for q in questions)
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
