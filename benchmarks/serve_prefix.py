@@ -51,6 +51,8 @@ COUNTERS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
             # a segment request's prompt (kvcompress computing a shared prefix once) is not
             # in vLLM's prompt counters; it is computed all the same
             "kvcompress:prefix_segment_tokens_total",
+            # a shared prefix copied off a lone request's pages (counted in its prompt)
+            "kvcompress:prefix_fork_tokens_total",
             # readers that prefilled over a whole shared prefix (before its compaction)
             "kvcompress:prefix_segment_whole_reads_total")
 # What vllm bench serve's result JSON gives, kept as is (ms for the latencies).
@@ -149,6 +151,7 @@ def bench_figures(result: Mapping[str, Any], counters: Mapping[str, float], *,
     figures.update({
         "prompt_tokens": prompt, "cached_tokens": cached,
         "segment_tokens": segments,
+        "fork_tokens": counters.get("kvcompress:prefix_fork_tokens_total") or 0.0,
         "prefill_tokens": prompt - cached + segments
         if prompt is not None and cached is not None else None,
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,

@@ -206,6 +206,15 @@ CHANGES: tuple[Change, ...] = (
            ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
            results=("shared_prefix", "shared_context", "serve_prefix",
                     "throughput_system_prompt.json")),
+    Change("290fa77", "2026-12-05T07:15:24+00:00",
+           "a prompt that completes while nothing else runs or waits is compacted a step "
+           "late, and what the requests waiting by then share with it is forked off its "
+           "pages as a pending segment (was: compacted at once, the prefix computed again "
+           "by a segment request for the others)",
+           ("shared_prefix", "serve_prefix"),
+           results=("serve_prefix", "shared_prefix_system_prompt.json"),
+           # its working tree (438611f+dirty) ran the prefix_repetition run
+           measured_by=("serve_prefix/serve_prefix_readme_command.json",)),
 )
 
 

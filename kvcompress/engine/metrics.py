@@ -122,6 +122,10 @@ class _Metrics:
                                       "prefilled and compressed once by a request of their own "
                                       "(no client's request: not in vLLM's prompt tokens)",
                                       labels)
+        self.fork_tokens = Counter(
+            "kvcompress:prefix_fork_tokens",
+            "Prompt tokens of prefixes that waiting requests share with a request that ran "
+            "alone, copied off its pages (a fork: computed once, within its prompt)", labels)
         self.whole_segment_reads = Counter(
             "kvcompress:prefix_segment_whole_reads",
             "Requests that read a shared prefix before its compaction: they prefilled their "
@@ -171,6 +175,7 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.adoptions.labels(engine, "handover").inc(figures.get("handovers", 0))
         metrics.evicted_entries.labels(engine).inc(figures.get("evicted_entries", 0))
         metrics.segment_tokens.labels(engine).inc(figures.get("segment_tokens", 0))
+        metrics.fork_tokens.labels(engine).inc(figures.get("fork_tokens", 0))
         metrics.whole_segment_reads.labels(engine).inc(figures.get("whole_segment_reads", 0))
 
     def log_engine_initialized(self) -> None:

@@ -71,6 +71,10 @@ class PrefixCacheFigures:
     # Adoptions of a segment still uncompressed (pending): readers that prefill their own
     # part over the whole prefix, as a request compressing its own copy does.
     whole_segment_reads: int = 0
+    # Shared prefixes copied off a lone request's pages (forks) and their tokens: computed
+    # once, within that request's prompt.
+    forks: int = 0
+    fork_tokens: int = 0
 
     def take(self) -> dict[str, int]:
         figures = dataclasses.asdict(self)
@@ -150,9 +154,10 @@ class PrefixCachePolicy:
         """A fork (``KVCompressScheduler._fork``): the pseudo-request ``fork_id``, its plan
         reported, filed as a segment request is when it ends, pending; False when its pages
         were freed."""
-        if not self.enabled:
+        if not self.enabled or not self._file(fork_id, tokens, len(tokens), settings):
             return False
-        return self._file(fork_id, tokens, len(tokens), settings)
+        self._count(forks=1, fork_tokens=len(tokens))
+        return True
 
     def _file(self, request_id: str, tokens: np.ndarray, prompt_len: int,
               settings: Any) -> bool:

@@ -113,10 +113,10 @@ class KVCompressScheduler(Scheduler):
         self._schedules = 0
         # Each segment request's readers, as grouped (the ones a pending segment waits for).
         self._segment_readers: dict[str, list[str]] = {}
-        # A lone prompt's compaction waits a step (``_defer_lone_prompt``): request id -> the
-        # schedule that deferred it; and the forks ordered in this schedule, by the id of
+        # A lone prompt's compaction waits a step (``_defer_lone_prompt``): the requests
+        # deferred in the last schedule; and the forks ordered in this schedule, by the id of
         # the request they are made of (filed with the step's report, ``_file_forks``).
-        self._deferred: dict[str, int] = {}
+        self._deferred: set[str] = set()
         self._forks: dict[str, Segment] = {}
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
@@ -146,7 +146,7 @@ class KVCompressScheduler(Scheduler):
         """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas
         and the reconstruction pass chunks this step runs (``engine.pass_schedule``)."""
         self.passes.prune(self.requests)
-        self._deferred = {request_id: since for request_id, since in self._deferred.items()
+        self._deferred = {request_id for request_id in self._deferred
                           if (request := self.requests.get(request_id)) is not None
                           and not request.is_finished()}
         self.scoring_gate.prune(self.requests, held=self._holding_scores())
@@ -157,7 +157,7 @@ class KVCompressScheduler(Scheduler):
         self._plan_cache_evictions()
         freed_before = self.kv_cache_manager.window_freed_pages
         # Deferred in the schedule before: compacted (and forked) in this step, parked.
-        ready, self._deferred = list(self._deferred), {}
+        ready, self._deferred = sorted(self._deferred), set()
         held, positions = self._share_prefixes(ready)
         passes = self._grant_passes(ready)
         try:
@@ -180,12 +180,12 @@ class KVCompressScheduler(Scheduler):
         """Make a fork of each ``deferred`` request's first tokens that waiting requests
         share (``_fork``), queue a segment request for each prefix that other waiting
         requests share (``PrefixSegments.plan``), and take out of ``self.waiting`` the
-        requests whose
-        prompts start with a segment still being computed: held while vLLM schedules, so that
-        they adopt it once filed rather than prefill it again, without blocking the requests
-        behind them. Those that share a pending segment but cannot adopt it whole are held
-        until it is compacted (``PrefixCachePolicy.waits_for_compaction``). Returns the held
-        requests and the queue positions (``_unhold``)."""
+        requests whose prompts start with a segment still being computed (or a fork): held
+        while vLLM schedules, so that they adopt it once filed rather than prefill it again,
+        without blocking the requests behind them. Those that share a pending segment but
+        cannot adopt it whole are held until it is compacted
+        (``PrefixCachePolicy.waits_for_compaction``). Returns the held requests and the
+        queue positions (``_unhold``)."""
         segments = self.segments
         if not self.reuse.enabled:
             return [], {}
@@ -285,7 +285,9 @@ class KVCompressScheduler(Scheduler):
         if not length:
             return []
         fork = Segment(segments.next_id(), tokens[:length].copy(), settings)
-        if not self.page_manager.allocate(fork.request_id, length):
+        allocated = self.page_manager.allocate(fork.request_id, length)
+        self.reuse.forget_evicted()  # entries whose pages the copy takes
+        if not allocated:
             return []  # no room for a copy: the readers make a segment of their own
         segments.pending[fork.request_id] = fork
         segments.forks += 1
@@ -323,7 +325,7 @@ class KVCompressScheduler(Scheduler):
         if (not settings.compresses(prompt_len) or settings.reconstructs(prompt_len)
                 or not may_segment(settings, prompt_len)):
             return frozenset()
-        self._deferred[request_id] = self._schedules
+        self._deferred.add(request_id)
         return frozenset((request_id,))
 
     def _file_forks(self, report: WorkerReport, failed: dict[str, str]) -> None:

@@ -6,6 +6,7 @@ method; every rank's pages come back after finish, abort and preemption (the sch
 checks the invariants of every rank after each step, KVCOMPRESS_CHECK_PAGES=1). Served over
 HTTP at tensor parallel 2 and at data parallel 2 (each engine its own pool)."""
 
+import random
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -233,3 +234,30 @@ def test_dp2_served_over_http_each_engine_its_own_pool(tiny_llama_kv4, tmp_path)
     engines = set(re.findall(r'^kvcompress:pages_total\{[^}]*engine="(\d+)"', text, re.M))
     assert engines == {"0", "1"}
 
+
+
+def test_tp2_a_burst_whose_first_request_arrives_alone_shares_a_fork(surrogate_tiny_llama_kv4):
+    """The default scoring at TP 2: the first of four questions on a 320-token prefix arrives
+    alone, the others once its prompt is computed; every rank copies its heads' part of the
+    prefix onto the fork's pages and plans it, the fork is filed pending on both and
+    compacted in place once its three readers prefilled over it; they report it cached,
+    and every rank's pages come back."""
+    from .test_shared_prefix import first_alone_then_the_rest, new_tokens, questions_on
+
+    questions = questions_on(new_tokens(random.Random(121), 320), 4, 48, seed=122)
+    harness = EngineHarness(surrogate_tiny_llama_kv4, {"kv_compression": "pyramidkv",
+                                                       "kv_budget": 64},
+                            max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8,
+                            kv_cache_memory_bytes=64 << 20, **TP2)
+    try:
+        assert_default_scoring(harness)
+        answers = first_alone_then_the_rest(harness, questions, greedy(8))
+        scheduler = harness.scheduler
+        assert scheduler.segments.forks == 1 and scheduler.reuse.totals.segments == 0
+        assert scheduler.reuse.totals.whole_segment_reads == 3
+        assert all(harness.cached_tokens[q] == 320 for q in list(questions)[1:])
+        assert all(len(answer) == 8 for answer in answers.values())
+        assert not harness.page_manager.pending_ids()
+        assert_every_rank_free(harness)
+    finally:
+        harness.shutdown()

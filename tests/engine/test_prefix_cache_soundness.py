@@ -223,7 +223,8 @@ def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that
         kv_cache_manager=manager, page_manager=manager.pages, reuse=manager.reuse,
         log_stats=False, check_pages_every_step=False, requests={"a": done},
         scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
-            passes=PassSchedule(), segments=PrefixSegments())
+        passes=PassSchedule(), segments=PrefixSegments(), _deferred=set(), _forks={},
+        _segment_readers={})
 
     def vllm_update(self, scheduler_output, model_runner_output):
         # vLLM: "a" hit its stop condition in this step, so it is finished and freed.
