@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
-from kvcompress.paging.prefix_index import shared_prefix
+from kvcompress.paging.prefix_index import BLOCK_TOKENS, shared_prefix
 
 # A shared prefix shorter than this (beyond what a cached entry already gives) is not worth
 # a request of its own: four 16-token blocks.
@@ -47,8 +47,6 @@ MIN_SEGMENT_TOKENS = 64
 # Waiting requests scanned for shared prefixes per step (as the eviction plan's lookahead).
 SEGMENT_LOOKAHEAD = 64
 SEGMENT_ID_PREFIX = "kvcompress-segment-"
-# Tokens per hashed block of the grouping (vLLM's default block size).
-_BLOCK = 16
 
 
 @dataclass
@@ -84,7 +82,7 @@ class Candidate:
 
 def _block_hash(tokens: np.ndarray) -> int:
     """The grouping's key: a hash of the prompt's first block."""
-    return hash(tokens[:_BLOCK].tobytes())
+    return hash(tokens[:BLOCK_TOKENS].tobytes())
 
 
 def shared_length(first: np.ndarray, second: np.ndarray) -> int:
@@ -99,7 +97,7 @@ def block_floor(length: int) -> int:
     merges the last shared characters with what follows, so the requests that arrive first
     may share a token more among themselves than with those that arrive later, who could
     then not adopt the segment whole (see docs/design.md, "Where a segment ends")."""
-    return length // _BLOCK * _BLOCK
+    return length // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def choose_segment(first: Candidate, others: Sequence[Candidate],
@@ -168,13 +166,17 @@ class PrefixSegments:
         return any(segment.covers(tokens, prompt_len, settings)
                    for segment in self.pending.values())
 
+    def block_of(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """The hash of the request's first block, as ``Segment.block`` (computed once)."""
+        self.prompt_of(request_id, token_ids)
+        return self._prompts[request_id][1]
+
     def may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """A cheap first test of ``holding``: the prompt starts with a pending segment's first
         block."""
-        if len(token_ids) <= _BLOCK:
+        if len(token_ids) <= BLOCK_TOKENS:
             return False
-        self.prompt_of(request_id, token_ids)
-        block = self._prompts[request_id][1]
+        block = self.block_of(request_id, token_ids)
         return any(segment.block == block for segment in self.pending.values())
 
     def next_id(self) -> str:
@@ -192,8 +194,7 @@ class PrefixSegments:
         for candidate in candidates:
             if len(candidate.tokens) <= self.min_tokens:
                 continue
-            self.prompt_of(candidate.request_id, candidate.tokens)
-            block = self._prompts[candidate.request_id][1]
+            block = self.block_of(candidate.request_id, candidate.tokens)
             by_block.setdefault(block, []).append(candidate)
         for group in by_block.values():
             if len(group) > 1:

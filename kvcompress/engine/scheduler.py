@@ -30,6 +30,7 @@ from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.pass_schedule import PassSchedule, StepPasses
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.prefix_segments import (
+    BLOCK_TOKENS,
     SEGMENT_LOOKAHEAD,
     Candidate,
     PrefixSegments,
@@ -274,9 +275,9 @@ class KVCompressScheduler(Scheduler):
             return []
         settings = resolve(self.compression_config, request.sampling_params)
         tokens = segments.prompt_of(request_id, request.prompt_token_ids)
-        first = tokens[:16].tobytes()
+        first = segments.block_of(request_id, tokens)
         sharing = [candidate for candidate in candidates
-                   if candidate.tokens[:16].tobytes() == first]
+                   if segments.block_of(candidate.request_id, candidate.tokens) == first]
         for candidate in sharing:
             if candidate.cached is None:
                 candidate.cached = cached_of(candidate.request_id)
@@ -318,7 +319,7 @@ class KVCompressScheduler(Scheduler):
         if (self.segments.is_segment(request_id) or request.sampling_params is None
                 or not self.reuse.may_read(request)
                 or request.num_output_tokens + 1 >= request.max_tokens
-                or prompt_len <= self.segments.min_tokens + 16
+                or prompt_len <= self.segments.min_tokens + BLOCK_TOKENS
                 or self.page_manager.adoption(request_id) is not None):
             return frozenset()
         settings = resolve(self.compression_config, request.sampling_params)
