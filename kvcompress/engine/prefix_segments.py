@@ -32,6 +32,7 @@ work.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,24 +93,34 @@ def shared_length(first: np.ndarray, second: np.ndarray) -> int:
     return shared_prefix(first, second, limit) if limit > 0 else 0
 
 
-def block_floor(length: int) -> int:
-    """A segment ends on a 16-token block boundary within the shared prefix: a tokenizer
-    merges the last shared characters with what follows, so the requests that arrive first
-    may share a token more among themselves than with those that arrive later, who could
-    then not adopt the segment whole (see docs/design.md, "Where a segment ends")."""
-    return length // BLOCK_TOKENS * BLOCK_TOKENS
+def segment_boundary(page_size: int) -> int:
+    """Tokens a segment's length is a multiple of: whole 16-token blocks and whole pages. A
+    segment of whole pages has none that a reader must copy (each reads them all in place),
+    so a filed segment that running readers read holds no page of its own, and is not
+    evicted while they run for the one page a row it would free (see docs/design.md,
+    "Where a segment ends")."""
+    return math.lcm(BLOCK_TOKENS, page_size)
+
+
+def block_floor(length: int, boundary: int = BLOCK_TOKENS) -> int:
+    """A segment ends on a block boundary within the shared prefix: a tokenizer merges the
+    last shared characters with what follows, so the requests that arrive first may share a
+    token more among themselves than with those that arrive later, who could then not adopt
+    the segment whole (see docs/design.md, "Where a segment ends")."""
+    return length // boundary * boundary
 
 
 def choose_segment(first: Candidate, others: Sequence[Candidate],
-                   min_tokens: int = MIN_SEGMENT_TOKENS) -> tuple[int, list[str]]:
+                   min_tokens: int = MIN_SEGMENT_TOKENS,
+                   boundary: int = BLOCK_TOKENS) -> tuple[int, list[str]]:
     """The prefix ``first`` should share with ``others``: ``(length, readers)`` (``(0, [])``:
     none). Among the lengths ``first`` shares with some other request (same settings), the
     one that saves the most prefill: length x readers who share at least that much, ties
-    to the longer, each length cut to a block boundary (``block_floor``). A stray request
-    sharing little does not shorten everyone's segment, and a pair sharing more than the
-    rest does not split it. It must exceed what a cached entry
+    to the longer, each length cut to a multiple of ``boundary`` (``block_floor``). A stray
+    request sharing little does not shorten everyone's segment, and a pair sharing more than
+    the rest does not split it. It must exceed what a cached entry
     gives every reader by ``min_tokens``."""
-    shared = {other.request_id: block_floor(shared_length(first.tokens, other.tokens))
+    shared = {other.request_id: block_floor(shared_length(first.tokens, other.tokens), boundary)
               for other in others if other.settings == first.settings}
     best, readers = 0, []
     for length in sorted(set(shared.values()), reverse=True):
@@ -128,6 +139,7 @@ class PrefixSegments:
 
     pending: dict[str, Segment] = field(default_factory=dict)
     min_tokens: int = MIN_SEGMENT_TOKENS
+    boundary: int = BLOCK_TOKENS  # a segment's length is a multiple (``segment_boundary``)
     _ids: Iterable[int] = field(default_factory=lambda: itertools.count(1))
     # Each waiting request's prompt tokens and the hash of their first block (requests are
     # grouped only with others starting alike), kept while it lives: prompts do not change.
@@ -211,7 +223,8 @@ class PrefixSegments:
                           if other.request_id not in grouped]
                 if not others:
                     break
-                length, readers = choose_segment(first, others, self.min_tokens)
+                length, readers = choose_segment(first, others, self.min_tokens,
+                                                 self.boundary)
                 if not length:
                     continue
                 segment = Segment(self.next_id(), first.tokens[:length].copy(), first.settings)

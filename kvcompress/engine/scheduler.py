@@ -30,13 +30,13 @@ from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.pass_schedule import PassSchedule, StepPasses
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.prefix_segments import (
-    BLOCK_TOKENS,
     SEGMENT_LOOKAHEAD,
     Candidate,
     PrefixSegments,
     Segment,
     choose_segment,
     may_segment,
+    segment_boundary,
     segment_request,
 )
 from kvcompress.engine.request_settings import resolve
@@ -107,7 +107,7 @@ class KVCompressScheduler(Scheduler):
         self._parked_now: list[Any] = []  # out of self.running while vLLM schedules
         # Shared prefixes of waiting requests, each computed once by a request of its own
         # (``engine.prefix_segments``); their readers are out of self.waiting meanwhile.
-        self.segments = PrefixSegments()
+        self.segments = PrefixSegments(boundary=segment_boundary(layout.page_size))
         # Pending segment entries (filed uncompressed) -> the schedule that first saw them:
         # they are compacted from the next one on, once none of their readers is in prefill.
         self._pending_since: dict[int, int] = {}
@@ -282,7 +282,7 @@ class KVCompressScheduler(Scheduler):
             if candidate.cached is None:
                 candidate.cached = cached_of(candidate.request_id)
         length, readers = choose_segment(Candidate(request_id, tokens, settings, cached=0),
-                                         sharing, segments.min_tokens)
+                                         sharing, segments.min_tokens, segments.boundary)
         if not length:
             return []
         fork = Segment(segments.next_id(), tokens[:length].copy(), settings)
@@ -319,7 +319,7 @@ class KVCompressScheduler(Scheduler):
         if (self.segments.is_segment(request_id) or request.sampling_params is None
                 or not self.reuse.may_read(request)
                 or request.num_output_tokens + 1 >= request.max_tokens
-                or prompt_len <= self.segments.min_tokens + BLOCK_TOKENS
+                or prompt_len <= self.segments.min_tokens + self.segments.boundary
                 or self.page_manager.adoption(request_id) is not None):
             return frozenset()
         settings = resolve(self.compression_config, request.sampling_params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
 from kvcompress.engine.prefix_segments import (
@@ -11,6 +12,7 @@ from kvcompress.engine.prefix_segments import (
     PrefixSegments,
     choose_segment,
     may_segment,
+    segment_boundary,
     segment_request,
     shared_length,
 )
@@ -46,6 +48,20 @@ def test_the_segment_is_what_most_readers_share_not_a_stray_pair_or_a_stray_requ
     length, readers = choose_segment(first, others)
     assert length == 304
     assert readers == ["q0", "q1", "q2", "q3", "q4", "q5", "q6"]
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64])
+def test_a_segment_is_whole_blocks_and_whole_pages(page_size):
+    """Whole pages: no reader copies a partial page of it, and a filed segment its readers
+    read holds no page of its own (nothing to evict it for while they run)."""
+    boundary = segment_boundary(page_size)
+    assert boundary % 16 == 0 and boundary % page_size == 0
+    first = candidate("q0", prompt(SYSTEM, (5, 40)))
+    others = [candidate(f"q{i}", prompt(SYSTEM, (100 * i, 40))) for i in range(1, 4)]
+    length, readers = choose_segment(first, others, boundary=boundary)
+    assert length == 304 // boundary * boundary and readers == ["q0", "q1", "q2", "q3"]
+    made = PrefixSegments(boundary=boundary).plan([first, *others])
+    assert [len(segment.tokens) for segment, _ in made] == [length]
 
 
 def test_no_segment_alone_short_or_already_cached_or_under_other_settings():

@@ -306,13 +306,15 @@ class ReuseMachine(RuleBasedStateMachine):
     @rule(data=st.data(), extra=st.integers(1, 6))
     def grow(self, data, extra):
         request_id = data.draw(st.sampled_from(sorted(self.logical)))
-        if self.manager.allocate(request_id, self.logical[request_id] + extra):
+        grown = self.manager.allocate(request_id, self.logical[request_id] + extra)
+        if grown:
             self.logical[request_id] += extra
             if request_id not in self.compacted:
                 self.prompt[request_id] = self.logical[request_id]  # still its prompt
         self._forget_evicted()
         self._sync()
-        self._write_last_pages(request_id)
+        if grown:  # a request that got no slots is not scheduled: it writes nothing
+            self._write_last_pages(request_id)
 
     @precondition(lambda self: set(self.logical) - self.compacted)
     @rule(data=st.data())
