@@ -215,6 +215,15 @@ CHANGES: tuple[Change, ...] = (
            results=("serve_prefix", "shared_prefix_system_prompt.json"),
            # its working tree (438611f+dirty) ran the prefix_repetition run
            measured_by=("serve_prefix/serve_prefix_readme_command.json",)),
+    Change("6c5a276", "2026-12-05T10:52:44+00:00",
+           "a shared prefix's segment ends on whole pages as well as whole 16-token blocks "
+           "(was: 16-token blocks only, which on 32-token pages left a partial page a row that "
+           "readers copied and the filed segment was evicted for)",
+           # only 32-token pages change: bf16 on AMX, fp8 pages
+           ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
+           dtypes=("bfloat16",),
+           results=("shared_prefix", "shared_context_segments.json", "serve_prefix",
+                    "throughput_system_prompt.json")),
 )
 
 
