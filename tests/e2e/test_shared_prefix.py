@@ -12,6 +12,7 @@ from vllm import SamplingParams
 from vllm.v1.request import RequestStatus
 
 from kvcompress.engine import scheduler as scheduler_module
+from kvcompress.paging.page_pool import PageState
 
 from .harness import EngineHarness, assert_default_scoring, greedy
 
@@ -199,6 +200,36 @@ def test_parallel_samples_share_their_prompt(tiny_llama):
         assert (reuse.segments, reuse.segment_tokens) == (1, 192)
         assert reuse.adopted_tokens == 4 * 192
         assert harness.cached_tokens["p"] == 192
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+
+
+def test_on_32_token_pages_a_segment_is_whole_pages_its_running_readers_all_read(tiny_llama):
+    """A 304-token prefix on 32-token pages: the segment ends at 288 (whole blocks and whole
+    pages), so each reader reads every page of it in place and, while they run, the filed
+    segment holds no page of its own, nothing to evict it for (a 304-token segment left a
+    partial page a row that only the entry held)."""
+    rng = random.Random(57)
+    prefix = new_tokens(rng, 304)
+    questions = questions_on(prefix, 3, 40, seed=58)
+    harness = EngineHarness(tiny_llama, {**EXACT, "kv_page_size": 32}, **ENGINE)
+    try:
+        for request_id, prompt in questions.items():
+            harness.add(request_id, prompt, greedy(12))
+        while not all(harness.internal_id(q) in harness.page_manager for q in questions):
+            harness.step()
+        harness.step()  # each reader's first step: its own part prefilled over the prefix
+        pages = harness.rank_pages()
+        assert pages.layout.page_size == 32 and len(pages.entry_ids()) == 1
+        entry = pages.entry(pages.entry_ids()[0])
+        assert entry.logical_len == 288
+        assert not pages.pool.count_in_state(entry.table.all_pages(), PageState.CACHED), (
+            "running readers read every page of the segment")
+        harness.run_until_done()
+        reuse = harness.scheduler.reuse.totals
+        assert (reuse.segments, reuse.segment_tokens) == (1, 288)
+        assert all(harness.cached_tokens[q] == 288 for q in questions)
         assert_pages_back(harness)
     finally:
         harness.shutdown()
