@@ -219,7 +219,7 @@ CHANGES: tuple[Change, ...] = (
            "a shared prefix's segment ends on whole pages as well as whole 16-token blocks "
            "(was: 16-token blocks only, which on 32-token pages left a partial page a row that "
            "readers copied and the filed segment was evicted for)",
-           # only 32-token pages change: bf16 on AMX, fp8 pages
+           # only 32-token pages change: bf16 on AMX (no sharing result ran on fp8 pages)
            ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
            dtypes=("bfloat16",),
            results=("shared_prefix", "shared_context_segments.json", "serve_prefix",

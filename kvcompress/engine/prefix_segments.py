@@ -191,6 +191,10 @@ class PrefixSegments:
         block = self.block_of(request_id, token_ids)
         return any(segment.block == block for segment in self.pending.values())
 
+    def choose(self, first: Candidate, others: Sequence[Candidate]) -> tuple[int, list[str]]:
+        """``choose_segment`` under this grouping's minimum and boundary."""
+        return choose_segment(first, others, self.min_tokens, self.boundary)
+
     def next_id(self) -> str:
         return f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]
 
@@ -223,8 +227,7 @@ class PrefixSegments:
                           if other.request_id not in grouped]
                 if not others:
                     break
-                length, readers = choose_segment(first, others, self.min_tokens,
-                                                 self.boundary)
+                length, readers = self.choose(first, others)
                 if not length:
                     continue
                 segment = Segment(self.next_id(), first.tokens[:length].copy(), first.settings)

@@ -34,7 +34,6 @@ from kvcompress.engine.prefix_segments import (
     Candidate,
     PrefixSegments,
     Segment,
-    choose_segment,
     may_segment,
     segment_boundary,
     segment_request,
@@ -263,7 +262,7 @@ class KVCompressScheduler(Scheduler):
     def _fork(self, request_id: str, candidates: list[Candidate],
               cached_of: Callable[[str], int]) -> list[str]:
         """A fork: the deferred request's first tokens that waiting ``candidates`` share
-        (``choose_segment``, the request first) become a segment without a request of its
+        (``PrefixSegments.choose``, the request first) become a segment without a request of its
         own. The scheduler allocates its pages as a pseudo-request's (the worker copies the
         request's uncompressed pages onto them and plans them, ``DeferredCompactions``);
         with the step's report it is filed pending, as a segment request's (``_file_forks``),
@@ -281,8 +280,8 @@ class KVCompressScheduler(Scheduler):
         for candidate in sharing:
             if candidate.cached is None:
                 candidate.cached = cached_of(candidate.request_id)
-        length, readers = choose_segment(Candidate(request_id, tokens, settings, cached=0),
-                                         sharing, segments.min_tokens, segments.boundary)
+        length, readers = segments.choose(Candidate(request_id, tokens, settings, cached=0),
+                                          sharing)
         if not length:
             return []
         fork = Segment(segments.next_id(), tokens[:length].copy(), settings)
