@@ -10,9 +10,18 @@ to the request's accumulator at the token's physical slot in each row, as a pass
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcompress.step import StepBatch, SurrogateTokens
+from kvcompress.surrogates import MIN_SCORE
+
+# Predicted log scores are clamped before their exp: a surrogate that extrapolates badly (a
+# key far outside what it was fitted on) must give a large finite score, never inf or NaN,
+# which would poison every sum and top-k its request's plan takes. exp(40) ~ 2e17 leaves
+# fp32 room for the sums over layers and heads.
+LOG_SCORE_RANGE = (math.log(MIN_SCORE), 40.0)
 
 
 def accumulate_surrogate_scores(key: torch.Tensor, value: torch.Tensor, step: StepBatch,
@@ -24,7 +33,8 @@ def accumulate_surrogate_scores(key: torch.Tensor, value: torch.Tensor, step: St
     log_scores = plan.surrogate.log_scores(layer, key.index_select(0, plan.token_index),
                                            value.index_select(0, plan.token_index),
                                            plan.place_features)  # [N, H]
-    scores = log_scores.exp_().T  # [H, N]
+    low, high = LOG_SCORE_RANGE
+    scores = log_scores.nan_to_num_(nan=low).clamp_(low, high).exp_().T  # [H, N]
     rows = step.layer_rows(layer)
     for entry in plan.entries:
         _store(entry, layer, scores[:, entry.first : entry.first + entry.num_tokens], rows)

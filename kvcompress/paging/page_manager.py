@@ -209,16 +209,18 @@ class PageManager:
         pending = self.cache.pending(entry_id)
         if pending is None:
             return 0
-        start, stop = pending.start, pending.stop
-        freed = sum(self.tables.drop_compacted(request_id, start, stop)
-                    for request_id in self.segment_readers(entry_id))
-        freed += sum(self.cache.compact_entry(holder, start, stop)
+        freed = 0
+        for request_id in self.segment_readers(entry_id):
+            start = pending.start_in(self._requests[request_id].table)
+            assert start is not None
+            freed += self.tables.drop_compacted(request_id, start, start + pending.counts)
+        freed += sum(self.cache.compact_entry(holder, pending)
                      for holder in self.cache.entries_holding(pending))
         self.cache.finish_pending(entry_id)
         if self.pool.counts(pending.removed).any():
             raise AssertionError(f"pages of segment {pending.request_id} still held after "
                                  "its compaction")
-        self._compacted[pending.request_id] = (stop - start).astype(np.int32)
+        self._compacted[pending.request_id] = pending.counts.copy()
         return freed
 
     def take_segment_orders(self) -> dict[str, np.ndarray | None]:

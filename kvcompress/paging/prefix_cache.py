@@ -99,29 +99,49 @@ class CacheEntry:
 @dataclass
 class PendingSegment:
     """An entry filed uncompressed whose plan the worker holds: compacting it in place drops
-    pages ``[start[row], stop[row])`` (the row's last whole pages, ``removed`` in row order)
-    from every holder's rows."""
+    ``counts[row]`` pages of each row (the row's last whole pages, ``removed`` in row order)
+    from every holder's rows.
+
+    The pages are known by id, not by position: a holder finds them where its own row has
+    them (``start_in``). Another segment compacted first (a shorter prefix this one adopted)
+    shifts them down in every row, and a recorded position would then name other pages."""
 
     request_id: str  # the segment request: the worker keeps its plan under this id
-    start: np.ndarray
-    stop: np.ndarray
-    removed: np.ndarray
+    counts: np.ndarray  # int32 per row, pages dropped
+    removed: np.ndarray  # their ids, in row order
+
+    def __post_init__(self) -> None:
+        self._rows = np.flatnonzero(self.counts)
+        firsts = (np.cumsum(self.counts) - self.counts)[self._rows]
+        self._firsts = self.removed[firsts]  # per row that drops pages, its first dropped
+
+    def start_in(self, table: HeadPageTable) -> np.ndarray | None:
+        """Per row, where ``table`` holds the segment's dropped pages (None: it does not).
+        A holder adopted them whole, as leading pages, so it holds all of them, in order,
+        or none: anything else is a bookkeeping error."""
+        rows = self._rows
+        if not len(rows):
+            return None
+        probe = rows[0]  # most tables hold none: one row tells
+        if not (table.pages[probe, : table.num_pages[probe]] == self._firsts[0]).any():
+            return None
+        width = table.pages.shape[1]
+        inside = np.arange(width)[None, :] < table.num_pages[rows][:, None]
+        found = (table.pages[rows] == self._firsts[:, None]) & inside
+        if not found.any(axis=1).all():
+            raise AssertionError(f"a table reads only some rows of segment {self.request_id}")
+        start = np.zeros(len(self.counts), dtype=np.int32)
+        start[rows] = found.argmax(axis=1)
+        stop = start + self.counts
+        if (stop > table.num_pages).any() or not np.array_equal(
+                table.pages_between(start, stop), self.removed):
+            raise AssertionError(f"a table reads segment {self.request_id}'s pages out of "
+                                 "order")
+        return start
 
     def holds(self, table: HeadPageTable) -> bool:
-        """Whether ``table``'s rows read the segment's pages (at the same places: whoever
-        holds them adopted them whole, as leading pages)."""
-        counts = self.stop - self.start
-        rows = np.flatnonzero(counts)
-        if not len(rows):
-            return False
-        first_removed = self.removed[(np.cumsum(counts) - counts)[rows]]
-        start = self.start[rows]
-        inside = table.num_pages[rows] > start
-        matches = inside & (table.pages[rows, np.minimum(start, table.pages.shape[1] - 1)]
-                            == first_removed)
-        if matches.any() and not matches.all():
-            raise AssertionError(f"a table reads only some rows of segment {self.request_id}")
-        return bool(matches.all())
+        """Whether ``table``'s rows read the segment's pages."""
+        return self.start_in(table) is not None
 
 
 @dataclass(frozen=True)
@@ -225,7 +245,7 @@ class PrefixCache:
         if not drop.any():
             return None
         start, stop = (whole - drop).astype(np.int32), whole.astype(np.int32)
-        return PendingSegment(request_id, start, stop,
+        return PendingSegment(request_id, drop.astype(np.int32),
                               state.table.pages_between(start, stop).copy())
 
     # ----------------------------------------------------------------- pending
@@ -241,12 +261,16 @@ class PrefixCache:
         return [entry_id for entry_id, entry in self._entries.items()
                 if pending.holds(entry.table)]
 
-    def compact_entry(self, entry_id: int, start: np.ndarray, stop: np.ndarray) -> int:
-        """Entry ``entry_id`` holds a pending segment compacted in place: its pages
-        ``[start, stop)`` leave, their tokens evicted. Return how many pages became free."""
+    def compact_entry(self, entry_id: int, pending: PendingSegment) -> int:
+        """Entry ``entry_id`` holds a pending segment compacted in place: its dropped pages
+        leave, their tokens evicted. Return how many pages became free."""
         entry = self._entries[entry_id]
-        tokens = (np.asarray(stop) - np.asarray(start)).astype(np.int64) * self.layout.page_size
-        dropped = entry.table.drop_between(start, stop)
+        start = pending.start_in(entry.table)
+        if start is None:
+            raise AssertionError(f"entry {entry_id} does not hold segment "
+                                 f"{pending.request_id}")
+        tokens = pending.counts.astype(np.int64) * self.layout.page_size
+        dropped = entry.table.drop_between(start, start + pending.counts)
         entry.evicted = entry.evicted + tokens
         entry.prompt_evicted = entry.prompt_evicted + tokens
         entry.sealed = max(0, entry.sealed - 1)

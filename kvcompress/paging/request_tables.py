@@ -336,6 +336,8 @@ class RequestTables:
             state.prompt_evicted = state.prompt_evicted + tokens
         if state.adopted is not None:
             state.adopted = (state.adopted[0], state.adopted[1] - tokens)
+        if state.planned is not None:  # a segment request's own plan keeps the rest
+            state.planned = state.planned - tokens
         state.shared = (state.shared - removed).astype(state.shared.dtype)
         state.shared_pages = int(state.shared.sum())
         state.sealed = max(0, state.sealed - 1)

@@ -80,6 +80,18 @@ VOCAB = 7  # few token ids: prompts share prefixes by chance too
 Slots = list[list[tuple[int, int]]]  # per row, (token id, position) of each slot
 
 
+def planned_start(pages: np.ndarray, pending) -> np.ndarray:
+    """Per row, where the segment request's own table (as its plan saw it) held the pages
+    its compaction drops."""
+    start = np.zeros(len(pending.counts), dtype=np.int64)
+    offset = 0
+    for row, count in enumerate(pending.counts):
+        if count:
+            start[row] = int(np.flatnonzero(pages[row] == pending.removed[offset])[0])
+            offset += int(count)
+    return start
+
+
 class Request(SimpleNamespace):
     """What kvcompress's scheduler side reads of a vLLM request."""
 
@@ -139,6 +151,9 @@ class CacheLife:
         self.most_readers = 0  # the most running requests that read one page at once
         self.held: dict[str, list[Request]] = {}  # segment request -> readers waiting for it
         self.segment_compactions = 0  # with readers, in this life
+        self.nested_segments = 0  # segment requests whose prefix continues a pending one
+        # Rows of holders whose segment pages a shorter segment's compaction had shifted.
+        self.shifted_compactions = 0
 
     # ------------------------------------------------------------ the vLLM part
     def _scheduler(self, monkeypatch: pytest.MonkeyPatch) -> KVCompressScheduler:
@@ -237,9 +252,19 @@ class CacheLife:
     def arrive_sharing(self, readers: int) -> None:
         """A new prefix and ``readers`` requests starting with it: a segment request first
         in the queue (two output tokens; the scheduler ends it once its prompt is planned),
-        its readers held until it is gone (``engine.prefix_segments``)."""
+        its readers held until it is gone (``engine.prefix_segments``). Half the time
+        while a segment is pending, the new prefix continues it (a prefix of a prefix: a
+        system prompt every request sends, a document some send after it), so that the
+        segments nest and either may be compacted first."""
         prefix = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(12, 48))]
         overrides = self.rng.choice(OVERRIDES[:2])  # compressing
+        parents = [e for e in self.pages.pending_ids() if e in self.conversations]
+        if parents and self.rng.random() < 0.5:
+            earlier, earlier_overrides = self.conversations[self.rng.choice(parents)]
+            prefix = list(earlier) + prefix
+            overrides = {key: value for key, value in earlier_overrides.items()
+                         if key != SEGMENT_READERS_AFTER_ARG}
+            self.nested_segments += 1
         segment_id = f"{SEGMENT_ID_PREFIX}{self.next_id}"
         self.waiting.insert(0, self._request(
             segment_id, prefix, {**overrides, SEGMENT_READERS_AFTER_ARG: 4}, 2))
@@ -265,25 +290,40 @@ class CacheLife:
         holder's shadow (requests and entries reading its pages) follows the plan the worker
         kept, its pages' moves then the dropped pages; read back after the worker ran it."""
         pages = self.pages.shards[0]
-        before = {entry_id: (pages.cache.pending(entry_id), pages.segment_readers(entry_id),
-                             pages.cache.entries_holding(pages.cache.pending(entry_id)))
-                  for entry_id in pages.pending_ids()}
+        before = {}
+        for entry_id in pages.pending_ids():
+            pending = pages.cache.pending(entry_id)
+            readers = pages.segment_readers(entry_id)
+            entries = pages.cache.entries_holding(pending)
+            # Each holder's rows hold the segment's pages where they hold them (a shorter
+            # segment compacted first shifted them): the plan's positions shift with them.
+            starts = {("r", r): pending.start_in(pages._requests[r].table) for r in readers}
+            starts.update({("e", e): pending.start_in(pages.entry(e).table) for e in entries})
+            before[entry_id] = (pending, starts)
         self.scheduler._schedules += 1
         self.scheduler._compact_segments()
-        for entry_id, (pending, readers, entries) in before.items():
+        for entry_id, (pending, starts) in before.items():
             if entry_id in pages.pending_ids():
                 continue
-            moves = self.runtime.state.parked[pending.request_id].moves
-            shadows = [self.shadow[r] for r in readers if r in self.shadow]
-            shadows += [self.entries[e] for e in entries]
-            for shadow in shadows:
+            parked = self.runtime.state.parked[pending.request_id]
+            planned_at = planned_start(parked.pages, pending)
+            moves = parked.moves
+            for (kind, holder), start in starts.items():
+                shadow = self.shadow.get(holder) if kind == "r" else self.entries[holder]
+                if shadow is None:
+                    continue
                 for row, held in enumerate(shadow):
+                    if not pending.counts[row]:
+                        continue
+                    shift = (int(start[row]) - int(planned_at[row])) * PAGE
+                    self.shifted_compactions += bool(shift)
                     picks = moves.rows == row
-                    moved = [held[src] for src in moves.src_positions[picks]]
+                    moved = [held[src + shift] for src in moves.src_positions[picks]]
                     for dst, slot in zip(moves.dst_positions[picks], moved):
-                        held[dst] = slot
-                    del held[pending.start[row] * PAGE : pending.stop[row] * PAGE]
-            self.segment_compactions += len(readers)
+                        held[dst + shift] = slot
+                    first = int(start[row]) * PAGE
+                    del held[first : first + int(pending.counts[row]) * PAGE]
+            self.segment_compactions += sum(kind == "r" for kind, _ in starts)
 
     def pick_continuation(self) -> tuple[int, int]:
         """An entry and where a continuation of it leaves it (mostly its end)."""
@@ -330,7 +370,10 @@ class CacheLife:
     def step(self) -> None:
         self.step_number += 1
         self.release_held()
-        if len(self.waiting) < 3:  # now and then several turns at once
+        if (len(self.waiting) < 6 and self.pages.pending_ids()
+                and self.rng.random() < 0.3):  # a continuation while a segment is pending
+            self.arrive_sharing(self.rng.randint(2, 4))
+        elif len(self.waiting) < 3:  # now and then several turns at once
             burst = self.rng.choice((0, 0, 1, 1, 1, 3, 4))
             if burst > 1 and self.rng.random() < 0.3:
                 self.arrive_sharing(burst)
@@ -582,6 +625,15 @@ def test_lives_have_several_concurrent_readers_of_one_entry(monkeypatch):
     assert max(most) >= 3, most
     # Shared prefixes compacted while read, each holder's slots followed.
     assert sum(life.segment_compactions for life in lives) >= 3
+
+
+def test_lives_nest_segments_and_compact_the_shorter_first(monkeypatch):
+    """Prefixes of prefixes (issue 51): segments made while another they continue is
+    pending, and compactions of the longer one after the shorter one's shifted its pages in
+    the holders' rows (where pages recorded by position went wrong)."""
+    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(6)]
+    assert sum(life.nested_segments for life in lives) >= 3
+    assert sum(life.shifted_compactions for life in lives) >= 1
 
 
 # About 0.5 s a life: the two sets together stay under half a minute.

@@ -228,3 +228,23 @@ def test_compaction_after_surrogate_scores_shares_the_budget_model_wide():
     for request_id in ("a", "b"):
         lengths = worker.manager.physical_lengths(request_id)
         assert worker.manager.owned_pages(request_id) == int((-(-lengths // PAGE)).sum())
+
+
+def test_a_surrogate_that_extrapolates_wildly_gives_finite_scores():
+    """Predicted log scores are clamped before their exp (issue 51): a surrogate whose
+    weights blow up on these keys (exp of +-1e4, and NaN from inf - inf) still writes finite,
+    positive scores, and the prompt is compacted to its budget."""
+    worker = Worker(config())
+    wild = make_surrogate()
+    wild.key_weights[0] *= 1e4  # layer 0: log scores of +-1e4
+    wild.bias[1] = float("inf")
+    wild.position_weights[1, :, 0] = float("-inf")  # layer 1: inf - inf = NaN
+    worker.surrogate = wild
+    step = worker.step(["a"], [40], [0], [40])
+    scores = worker.state.requests["a"].window_scores
+    assert scores is not None and torch.isfinite(scores).all() and (scores > 0).all()
+    layer0 = scores[0].flatten()
+    assert layer0.max() > 1e15 and layer0.min() < 1e-10  # clamped, not flattened
+    compactions = compress_step(worker.state, step, worker.pool, worker.kernel, None,
+                                worker.kernel.page_format)
+    assert compactions["a"].physical_lengths.sum() == 16 * LAYERS * HEADS

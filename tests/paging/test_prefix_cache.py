@@ -397,15 +397,16 @@ class ReuseMachine(RuleBasedStateMachine):
         readers = self.manager.segment_readers(entry_id)
         holders = self.manager.cache.entries_holding(pending)
         assert entry_id in holders
+        start = pending.start_in(self.manager.entry(entry_id).table)
+        reader_starts = {r: pending.start_in(self.manager._requests[r].table) for r in readers}
         self.manager.compact_segment(entry_id)
         orders = self.manager.take_segment_orders()
-        assert orders[self.segments.pop(entry_id)].tolist() == (
-            pending.stop - pending.start).tolist()
+        assert orders[self.segments.pop(entry_id)].tolist() == pending.counts.tolist()
         for page in pending.removed:
             assert not self.manager.pool.counts(np.array([page])).any()
         self._released(pending.removed)
         # The moves rewrote the kept whole pages (read by every holder alike).
-        kept = self.manager.entry(entry_id).table.leading_pages(pending.start)
+        kept = self.manager.entry(entry_id).table.leading_pages(start)
         self.pool[kept] = self.next_id * 1000 + 500
         self.next_id += 1
         for content in [*(self.entry_content[e] for e in holders),
@@ -416,7 +417,7 @@ class ReuseMachine(RuleBasedStateMachine):
         self._sync()
         for request_id in readers:
             state = self.manager._requests[request_id]
-            assert state.shared is not None and (state.shared >= pending.start).all()
+            assert state.shared is not None and (state.shared >= reader_starts[request_id]).all()
             assert not state.sealed
 
     @precondition(lambda self: self.manager.entry_ids())
