@@ -191,6 +191,13 @@ class PrefixCachePolicy:
         for entry_id in evicted:
             self.index.remove(entry_id)
 
+    def drop(self, entry_ids: list[int]) -> None:
+        """Drop entries whose pages can no longer be trusted (a failed in-place compaction
+        left them shrunk): gone from the pages and the index."""
+        for entry_id in entry_ids:
+            self.pages.drop_entry(entry_id)  # (nothing where it is gone already)
+            self.index.remove(entry_id)
+
     def clear(self) -> None:
         """vLLM's reset_prefix_cache: every entry's pages are freed."""
         for entry_id in self.pages.entry_ids():

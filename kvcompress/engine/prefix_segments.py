@@ -152,6 +152,9 @@ class PrefixSegments:
     # Requests a segment or fork was made for that failed: they compress their own copies
     # from now on (one made for them again could fail again, and hold them forever).
     unshared: set[str] = field(default_factory=set)
+    # The segment requests this grouping made, while they live: known by id as made, never by
+    # how an id looks (a client's own id may start like ours).
+    _segment_ids: set[str] = field(default_factory=set)
 
     def prune(self, live: Callable[[str], bool]) -> None:
         """Forget segments whose request finished, was aborted or failed: their readers are
@@ -161,6 +164,8 @@ class PrefixSegments:
         for request_id in [rid for rid in self._prompts if not live(rid)]:
             del self._prompts[request_id]
         self.unshared = {request_id for request_id in self.unshared if live(request_id)}
+        self._segment_ids = {request_id for request_id in self._segment_ids
+                             if request_id in self.pending or live(request_id)}
 
     def prompt_of(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
         """The request's prompt as int64 tokens (converted once)."""
@@ -171,7 +176,8 @@ class PrefixSegments:
         return known[0]
 
     def is_segment(self, request_id: str) -> bool:
-        return request_id.startswith(SEGMENT_ID_PREFIX)
+        """Whether the request is one this grouping made (a segment request or a fork)."""
+        return request_id in self._segment_ids
 
     def holding(self, tokens: np.ndarray, prompt_len: int, settings: Hashable) -> bool:
         """Whether a waiting request would adopt a segment still being computed."""
@@ -196,7 +202,10 @@ class PrefixSegments:
         return choose_segment(first, others, self.min_tokens, self.boundary)
 
     def next_id(self) -> str:
-        return f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]
+        """A new segment request's id, known as one from now on (``is_segment``)."""
+        request_id = f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]
+        self._segment_ids.add(request_id)
+        return request_id
 
     def plan(self, candidates: Sequence[Candidate],
              cached_of: Callable[[str], int] = lambda request_id: 0,

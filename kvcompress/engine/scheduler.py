@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import (
+    SEGMENT_READERS_AFTER_ARG,
     Compaction,
     DeferredCompactions,
     Fork,
@@ -62,6 +63,8 @@ for _seam in ("_reserve_prefill_lookahead", "_preempt_request"):
 
 # Schedules a pending segment waits at most for the readers it was made for.
 MAX_PENDING_SCHEDULES = 256
+# Schedules within which the worker reports a segment's failed in-place compaction.
+MAX_REPORT_SCHEDULES = 8
 
 
 class KVCompressScheduler(Scheduler):
@@ -118,6 +121,10 @@ class KVCompressScheduler(Scheduler):
         # the request they are made of (filed with the step's report, ``_file_forks``).
         self._deferred: set[str] = set()
         self._forks: dict[str, Segment] = {}
+        # Segments compacted in place -> (the schedule, the entries holding them): dropped if
+        # the worker reports the compaction failed (``_drop_failed_segments``); a report
+        # comes with the step that ran it, or the next one that runs a batch.
+        self._compacting: dict[str, tuple[int, list[int]]] = {}
         self.figures = StepFigures()  # for /metrics, taken by make_stats
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
@@ -141,6 +148,15 @@ class KVCompressScheduler(Scheduler):
                 self.max_num_running_reqs)
             self.max_num_running_reqs = reserved
             self.max_num_active_reqs = min(self.max_num_active_reqs, reserved)
+
+    def add_request(self, request: Any) -> None:
+        """A client's request may not pass itself off as a segment request: the argument
+        that marks one on the worker is ours (``prefix_segments.segment_request``)."""
+        extra_args = getattr(request.sampling_params, "extra_args", None)
+        if (extra_args and SEGMENT_READERS_AFTER_ARG in extra_args
+                and not self.segments.is_segment(request.request_id)):
+            del extra_args[SEGMENT_READERS_AFTER_ARG]
+        super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         """Stage 1-2 of a step (``kvcompress.step``): admit in pages, ship the page deltas
@@ -347,6 +363,17 @@ class KVCompressScheduler(Scheduler):
                 self._segment_readers.pop(fork_id, None)
         self._forks = {}
 
+    def _drop_failed_segments(self, failed: dict[str, str]) -> None:
+        """A segment whose in-place compaction failed on the worker: every entry holding it
+        (its own, and those its readers retired into) was shrunk already and holds what the
+        failed moves left, so each is dropped; its running readers fail on the worker."""
+        for segment_id in [s for s in failed if s in self._compacting]:
+            _, holders = self._compacting.pop(segment_id)
+            logger.error("kvcompress: segment %s was not compacted (%s); dropping the %d "
+                         "cached entries that hold it", segment_id, failed.pop(segment_id),
+                         len(holders))
+            self.reuse.drop(holders)
+
     def _unshare(self, segment_id: str) -> None:
         """A segment request or fork failed: the requests it was made for compress their own
         copies from now on (``PrefixSegments.unshared``)."""
@@ -362,6 +389,9 @@ class KVCompressScheduler(Scheduler):
         ``MAX_PENDING_SCHEDULES``; one that does not fit gets the pages compaction frees,
         and reads it compacted."""
         manager = self.page_manager
+        self._compacting = {segment_id: compacted for segment_id, compacted
+                            in self._compacting.items()
+                            if self._schedules - compacted[0] < MAX_REPORT_SCHEDULES}
         pending = manager.pending_ids()
         for entry_id in [entry_id for entry_id in self._pending_since if entry_id not in pending]:
             del self._pending_since[entry_id]
@@ -383,6 +413,10 @@ class KVCompressScheduler(Scheduler):
             if (self._schedules - since < MAX_PENDING_SCHEDULES
                     and self._reader_waits_to_fit(entry_id)):
                 continue
+            segment_id = manager.pending_segment_id(entry_id)
+            if segment_id is not None:
+                self._compacting[segment_id] = (self._schedules,
+                                                manager.entries_holding(entry_id))
             self.num_pages_freed_by_compression += manager.compact_segment(entry_id)
             del self._pending_since[entry_id]
             self._segment_readers.pop(manager.pending_segment_id(entry_id) or "", None)
@@ -548,6 +582,7 @@ class KVCompressScheduler(Scheduler):
                 failed[request_id] = f"compaction report rejected: {error!r}"
         if self._forks:
             self._file_forks(report, failed)
+        self._drop_failed_segments(failed)
         for request_id in failed:
             if self.segments.is_segment(request_id):
                 self._unshare(request_id)

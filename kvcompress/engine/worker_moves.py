@@ -181,6 +181,10 @@ class MoveBatch:
             _slots(pages, moves.rows, moves.dst_positions, self.page_size),
         )
 
+    def destination_pages(self, request_id: str) -> np.ndarray:
+        """The pages the request's moves write."""
+        return self._by_request[request_id][1] // self.page_size
+
     def run(self, pool: torch.Tensor, mover: KVMover,
             request_ids: list[str] | None = None) -> None:
         """Every request's moves (or only those of ``request_ids``) in one mover call."""

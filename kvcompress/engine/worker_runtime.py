@@ -97,6 +97,8 @@ class PagedKVRuntime:
         self._passes_registered: dict[str, list[int]] = {}
         self._passes_done: list[str] = []
         self._pass_failures: dict[str, str] = {}
+        # Segments whose in-place compaction failed in this step, by segment request id.
+        self._segment_failures: dict[str, str] = {}
         # Prompts compacted a step late (``DeferredCompactions``): this step's orders, and
         # the requests this worker deferred (prompt complete, scores kept) until compacted.
         self._deferred_orders = DeferredCompactions()
@@ -170,8 +172,10 @@ class PagedKVRuntime:
             self.reconstructor.forget(scheduler_output.preempted_req_ids or ())
         self._pass_grants = pass_grants(scheduler_output)
         deltas = page_deltas(scheduler_output, self.rank)
-        self._run_segment_plans(segment_orders(scheduler_output, self.rank), deltas)
+        readers_failed = self._run_segment_plans(segment_orders(scheduler_output, self.rank),
+                                                 deltas)
         self.state.apply_deltas(deltas)
+        self.state.adoption_failures.update(readers_failed)  # (a fresh table clears them)
         self._start_forks()
         self._copy_adopted_pages()
 
@@ -193,11 +197,13 @@ class PagedKVRuntime:
                 self.state.requests.pop(fork.segment_id)
 
     def _run_segment_plans(self, orders: dict[str, Any],
-                           deltas: dict[str, Any]) -> None:
+                           deltas: dict[str, Any]) -> dict[str, str]:
         """Compact the segments the scheduler ordered compacted (their plans were kept when
         their requests ended) in place, before anything reads them; forget the others. If
         the moves fail, the requests reading them (those whose tables drop pages in this
-        step) fail; the engine goes on."""
+        step, and those that adopt any page the moves wrote) fail, the scheduler drops the
+        entries holding them; the engine goes on. Returns the failed readers, why."""
+        readers_failed: dict[str, str] = {}
         for request_id, drops in orders.items():
             if drops is None:
                 self.state.parked.pop(request_id, None)
@@ -210,10 +216,15 @@ class PagedKVRuntime:
             except Exception as error:
                 raise_if_fatal(error, self.pool.device, "compacting a shared segment")
                 logger.exception("kvcompress: compacting segment %s failed", request_id)
+                # The scheduler drops the entries that hold it (their rows shrank already).
+                self._segment_failures[request_id] = (
+                    f"compacting the shared prefix in place failed: {error!r}")
+                written = np.unique(moves.destination_pages(request_id))
                 for reader, delta in deltas.items():
-                    if delta.removals:
-                        self.state.adoption_failures[reader] = (
+                    if delta.removals or _adopts_any(delta, written):
+                        readers_failed[reader] = (
                             f"compacting the shared prefix it reads failed: {error!r}")
+        return readers_failed
 
     def _copy_adopted_pages(self) -> None:
         """Every adoption's page copies in one index copy on the pool; if that fails (and
@@ -396,6 +407,8 @@ class PagedKVRuntime:
         step, self.step, self._metadata = self.step, None, None
         passes_done, self._passes_done = self._passes_done, []
         failures, self._pass_failures = self._pass_failures, {}
+        failures.update(self._segment_failures)
+        self._segment_failures = {}
         registered, self._passes_registered = self._passes_registered, {}
         orders, self._deferred_orders = self._deferred_orders, DeferredCompactions()
         if step is None and not (passes_done or failures or registered or orders.run):
@@ -485,3 +498,14 @@ class PagedKVRuntime:
         self.stats.score_seconds += self.state.score_timer.take(wait=True)
         self.stats.seconds += self.compaction_timer.take(wait=True)
         return self.stats
+
+
+def _adopts_any(delta: Any, pages: np.ndarray) -> bool:
+    """Whether a fresh table's adopted pages (read in place or copied) include any of
+    ``pages``."""
+    if not delta.fresh or delta.adopted_lengths is None:
+        return False
+    adopted = [ids for _, ids in delta.appends]
+    if delta.copies is not None:
+        adopted.append(np.asarray(delta.copies[0]))
+    return any(np.isin(ids, pages).any() for ids in adopted)

@@ -250,6 +250,15 @@ class ShardedPageManager:
         return {request_id for shard in self.shards
                 for request_id in shard.segment_readers(entry_id)}
 
+    def entries_holding(self, entry_id: int) -> list[int]:
+        """Entries whose rows hold the pending entry's pages on any rank (its own included)."""
+        holders: set[int] = set()
+        for shard in self.shards:
+            pending = shard.cache.pending(entry_id)
+            if pending is not None:
+                holders.update(shard.cache.entries_holding(pending))
+        return sorted(holders)
+
     def compact_segment(self, entry_id: int) -> int:
         """On every rank at once (``PageManager.compact_segment``); pages freed."""
         return sum(shard.compact_segment(entry_id) for shard in self.shards)

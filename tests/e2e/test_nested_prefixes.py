@@ -87,3 +87,59 @@ def test_nested_segments_in_every_arrival_order(surrogate_tiny_llama, order):
             harness.cached_tokens)
     finally:
         harness.shutdown()
+
+
+def test_a_client_cannot_pass_for_a_segment_request(surrogate_tiny_llama):
+    """Segment requests are known by the scheduler as made, not by their ids or arguments: a
+    client request whose id starts like ours, and one that sends the worker's segment
+    argument, are answered as any other (their outputs were filtered out, and the first hung)
+    and answer as they do alone."""
+    from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
+
+    rng = random.Random(5)
+    prompts = {"kvcompress-segment-1": tokens(rng, 300), "marked": tokens(rng, 300)}
+    settings = {"kv_compression": "snapkv", "kv_budget": 64}
+    engine = dict(dtype="float32", max_model_len=1024, max_num_seqs=4,
+                  kv_cache_memory_bytes=32 << 20)
+    answers = {}
+    for mode in ("alone", "posing"):
+        harness = EngineHarness(surrogate_tiny_llama, settings, **engine)
+        try:
+            for request_id, prompt in prompts.items():
+                extra = ({SEGMENT_READERS_AFTER_ARG: 3}
+                         if mode == "posing" and request_id == "marked" else None)
+                params = greedy(6, extra_args=extra) if extra else greedy(6)
+                name = request_id if mode == "posing" else f"plain-{request_id}"
+                harness.add(name, prompt, params)
+            answers[mode] = harness.run_until_done(max_steps=200)
+            assert len(answers[mode]) == 2
+            pages = harness.page_manager
+            assert not pages.request_ids() and not pages.pending_ids()
+        finally:
+            harness.shutdown()
+    assert answers["posing"]["kvcompress-segment-1"] == answers["alone"][
+        "plain-kvcompress-segment-1"]
+    assert answers["posing"]["marked"] == answers["alone"]["plain-marked"]
+
+
+def test_the_issue_prompts_over_http_keep_the_server_alive(embedded_model, tmp_path):
+    """The issue's eight prompts sent at once to /v1/completions of the README's server
+    (pyramidkv, its defaults) in 300 MB: every one is answered (HTTP 500 and a dead engine
+    before), the server answers after them, and no page stays in use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .serving import client, kv_usage, running_server
+
+    prompts = list(prefix_tree(1024, 1024, 4, seed=0).values())
+    with running_server(embedded_model, tmp_path, "--kv-compression", "pyramidkv",
+                        "--kv-cache-memory-bytes", "300000000") as (base, _):
+        def complete(prompt: list[int]):
+            return client(base).completions.create(model=embedded_model, prompt=prompt,
+                                                   max_tokens=8, temperature=0)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(complete, prompts))
+        assert all(reply.choices[0].finish_reason == "length" for reply in replies)
+        after = complete(prompts[-1])
+        assert after.choices[0].text == replies[-1].choices[0].text
+        assert kv_usage(base) == 0.0

@@ -55,7 +55,7 @@ from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import REPORT_ATTR, SEGMENT_READERS_AFTER_ARG
 from kvcompress.engine.pass_schedule import PassSchedule
 from kvcompress.engine.prefix_cache import PrefixCachePolicy
-from kvcompress.engine.prefix_segments import SEGMENT_ID_PREFIX, PrefixSegments, Segment
+from kvcompress.engine.prefix_segments import PrefixSegments, Segment
 from kvcompress.engine.scheduler import KVCompressScheduler
 from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
 from kvcompress.engine.worker_moves import MoveBatch
@@ -109,6 +109,7 @@ class Request(SimpleNamespace):
 class Faults:
     copy_batch: float = 0.0  # a step's batched page copy writes, then raises
     moves: float = 0.0  # a request's token moves write half, then raise (batch and retry)
+    segment_moves: float = 0.0  # a segment's in-place compaction writes half, then raises
     armed_moves: set[str] = field(default_factory=set)
 
 
@@ -166,7 +167,7 @@ class CacheLife:
             num_pages_freed_by_compression=0,
             scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
             passes=PassSchedule(), segments=PrefixSegments(), _schedules=0,
-            _pending_since={}, _segment_readers={}, _deferred=set(), _forks={})
+            _pending_since={}, _segment_readers={}, _deferred=set(), _forks={}, _compacting={})
 
         def update_from_output(self, scheduler_output, model_runner_output):
             for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -265,7 +266,7 @@ class CacheLife:
             overrides = {key: value for key, value in earlier_overrides.items()
                          if key != SEGMENT_READERS_AFTER_ARG}
             self.nested_segments += 1
-        segment_id = f"{SEGMENT_ID_PREFIX}{self.next_id}"
+        segment_id = self.scheduler.segments.next_id()
         self.waiting.insert(0, self._request(
             segment_id, prefix, {**overrides, SEGMENT_READERS_AFTER_ARG: 4}, 2))
         self.scheduler.segments.pending[segment_id] = Segment(
@@ -404,6 +405,7 @@ class CacheLife:
                                  kvcompress_page_deltas=self.pages.take_deltas(),
                                  kvcompress_segment_orders=self.pages.take_segment_orders())
         self.finished_since = set()
+        self.batch_runs = bool(scheduled)
         if not scheduled:
             self.runtime.begin_step(output)
             self._check_entries()
@@ -440,6 +442,8 @@ class CacheLife:
         real_copy, real_run = worker_runtime.copy_pages, MoveBatch.run
         driver = self
         driver.copy_fault = False
+        driver.batch_runs = False  # this step runs a batch (so its report comes now)
+        driver.failed_segments = 0
 
         def copy_pages(pool, src, dst):
             real_copy(pool, src, dst)
@@ -448,6 +452,14 @@ class CacheLife:
                 raise RuntimeError("injected device fault after the batched copy")
 
         def run(batch, pool, mover, request_ids=None):
+            segments = [r for r in batch._by_request if driver.scheduler.segments.is_segment(r)]
+            if (segments and driver.batch_runs
+                    and driver.rng.random() < driver.faults.segment_moves):
+                src, dst = batch._by_request[segments[0]]
+                half = len(src) // 2
+                mover.move(pool, torch.as_tensor(src[:half]), torch.as_tensor(dst[:half]))
+                driver.failed_segments += 1
+                raise RuntimeError("injected device fault in a segment's compaction")
             armed = driver.faults.armed_moves & set(request_ids or batch._by_request)
             if armed and request_ids is None:
                 raise RuntimeError("injected device fault in the batched moves")
@@ -645,6 +657,21 @@ def test_cache_life(seed, monkeypatch):
 @pytest.mark.parametrize("seed", range(20))
 def test_cache_life_with_device_faults(seed, monkeypatch):
     run_life(seed, Faults(copy_batch=0.5, moves=0.1), monkeypatch, steps=150)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_cache_life_with_segment_compaction_faults(seed, monkeypatch):
+    """A segment's in-place compaction that fails halfway (issue 51): its readers fail, and
+    every entry holding it is dropped (it was shrunk already and holds half-moved rows: the
+    entries' slots are checked every step, and would differ)."""
+    life = run_life(seed, Faults(segment_moves=0.5), monkeypatch, steps=150)
+    assert all(entry_id in life.pages.entry_ids() for entry_id in life.entries)
+
+
+def test_segment_compaction_faults_happen(monkeypatch):
+    lives = [run_life(seed, Faults(segment_moves=0.5), monkeypatch, steps=150)
+             for seed in range(10)]
+    assert sum(life.failed_segments for life in lives) >= 2
 
 
 # Copy faults alone: seeds 0 and 30 gave an adopter another entry's K/V before item 2's fix.
