@@ -23,7 +23,13 @@ from benchmarks import (
 from benchmarks.multi_turn import report as multi_turn_report
 from benchmarks.quality import report as quality_report
 from benchmarks.report import RESULTS_DIR, with_prefix_caching
-from benchmarks.studies import compression_cost, decode_fidelity, hybrid_memory, step_overhead
+from benchmarks.studies import (
+    compression_cost,
+    decode_fidelity,
+    hybrid_memory,
+    scheduler_cost,
+    step_overhead,
+)
 
 Report = Mapping[str, Any]
 
@@ -104,6 +110,10 @@ def _step_overhead(report: Report) -> str:
     return step_overhead.render(report["cases"])
 
 
+def _scheduler_cost(report: Report) -> str:
+    return scheduler_cost.render(report["results"])
+
+
 def _decode_fidelity(report: Report) -> str:
     return with_prefix_caching(decode_fidelity.fidelity_table(report["configs"]),
                                report.get("settings") or {})
@@ -178,6 +188,8 @@ SECTIONS: tuple[Section, ...] = (
              "throughput_memory_sweep_decode_policies.json"),
             _memory_sweep),
     Section("step_overhead", "Host work per step", ("step_overhead.json",), _step_overhead),
+    Section("scheduler_cost", "The scheduler with a long waiting queue",
+            ("scheduler_cost.json",), _scheduler_cost),
     Section("long_generation", "Long generations",
             ("throughput_long_generation.json", "throughput_long_generation_intel_amx.json",
              "throughput_long_generation_window.json",

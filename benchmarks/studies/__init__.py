@@ -4,6 +4,7 @@ what a user runs, each as ``python -m benchmarks.studies.NAME`` from the reposit
 
     kernels             Triton kernel microbenchmarks (torch + triton only; scripts/gpu_check.sh)
     step_overhead       host work per engine step at Llama-3-8B shapes (target: 2 ms)
+    scheduler_cost      one schedule() with a long waiting queue, against vLLM's scheduler
     compression_cost    scoring + selection + compaction as a share of prefill time
     hybrid_memory       KV held on a hybrid (sliding-window) model, vanilla vs kvcompress
     decode_fidelity     decode-time eviction against the full cache; --recall (decode_recall)

@@ -39,7 +39,7 @@ from vllm.v1.request import RequestStatus
 from kvcompress.engine.request_settings import resolve
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
-from kvcompress.paging.prefix_index import PrefixIndex, shared_prefix
+from kvcompress.paging.prefix_index import PrefixIndex, PromptChains, TokenChain
 from kvcompress.settings.config import KVCompressionConfig
 
 logger = get_logger(__name__)
@@ -85,7 +85,8 @@ class PrefixCacheFigures:
 class PrefixCachePolicy:
     """The engine's prefix cache over every rank's pages: lookup, retire, adopt, clear."""
 
-    def __init__(self, pages: ShardedPageManager, engine_config: KVCompressionConfig) -> None:
+    def __init__(self, pages: ShardedPageManager, engine_config: KVCompressionConfig,
+                 chains: PromptChains | None = None) -> None:
         self.pages = pages
         self.engine_config = engine_config
         self.enabled = engine_config.reuse == "on" and not pages.layout.has_sliding_layers
@@ -93,6 +94,21 @@ class PrefixCachePolicy:
         self.figures = PrefixCacheFigures()  # since the last /metrics update
         self.totals = PrefixCacheFigures()  # since the start
         self._entry_ids = itertools.count(1)
+        # Each live request's prompt with its block hashes, made once (``PromptChains``):
+        # a lookup every schedule then hashes none of its tokens. The scheduler shares it
+        # with the grouping of shared prefixes and prunes it.
+        self.chains = chains if chains is not None else PromptChains()
+        # Each request's last answer, valid while ``state_version`` is what it was then.
+        self._lookups: dict[str, Match | None] = {}
+        self._lookups_at: tuple = ()
+        self._waits: dict[tuple[str, int], bool] = {}  # the same for waits_for_compaction
+        self._waits_at: tuple = ()
+
+    def chain_of(self, request: Any) -> TokenChain:
+        """The request's prompt tokens and their block hashes."""
+        length = request.num_prompt_tokens
+        return self.chains.get(request.request_id, length,
+                               lambda: request.all_token_ids[:length])
 
     def lookup(self, request: Any) -> Match | None:
         """The longest hit among the entries the request's prompt starts with (its last
@@ -102,11 +118,25 @@ class PrefixCachePolicy:
         self.forget_evicted()
         if not len(self.index):
             return None
-        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        version = self.state_version()
+        if version != self._lookups_at:
+            self._lookups, self._lookups_at = {}, version
+        request_id = request.request_id
+        if request_id not in self._lookups:
+            self._lookups[request_id] = self._best_match(request)
+        return self._lookups[request_id]
+
+    def state_version(self) -> tuple:
+        """Changes whenever an entry is filed, dropped, adopted whole or compacted: what
+        ``lookup`` answers (and what the grouping of shared prefixes reads) depends only on
+        the entries' states and the request's own prompt and settings."""
+        return (self.index.version, self.pages.cache_version)
+
+    def _best_match(self, request: Any) -> Match | None:
         settings = resolve(self.engine_config, request.sampling_params)
         best: Match | None = None
         for entry_id, shared, same in self.index.candidates(
-                tokens, request.num_prompt_tokens - 1, settings):
+                self.chain_of(request), request.num_prompt_tokens - 1, settings):
             entries = [shard.entry(entry_id) for shard in self.pages.shards]
             hit = min(entry.best_hit(shared) for entry in entries)
             # (A segment's entry is read by many: kept whole where its plan dropped no page.)
@@ -118,8 +148,8 @@ class PrefixCachePolicy:
                 best = Match(entry_id, hit)
         return best
 
-    def waits_for_compaction(self, pending: Sequence[int], tokens: np.ndarray, prompt_len: int,
-                             settings: Any, min_tokens: int) -> bool:
+    def waits_for_compaction(self, request_id: str, pending: Sequence[int], chain: TokenChain,
+                             prompt_len: int, settings: Any, min_tokens: int) -> bool:
         """Whether a waiting request shares at least ``min_tokens`` with a pending segment
         (one of the entries ``pending``, ``ShardedPageManager.pending_ids`` asked once per
         schedule; filed uncompressed: adopted only whole until it is compacted in place)
@@ -127,13 +157,24 @@ class PrefixCachePolicy:
         than have a segment of its own made: that one's pages would evict the pending one
         before its readers adopt it, and its readers' next segment would evict that one in
         turn (two groups recomputing their prefixes forever, seen over HTTP)."""
+        version = self.state_version()
+        if version != self._waits_at:
+            self._waits, self._waits_at = {}, version
+        key = (request_id, min_tokens)
+        if key not in self._waits:
+            self._waits[key] = self._shares_less_than_pending(pending, chain, prompt_len,
+                                                              settings, min_tokens)
+        return self._waits[key]
+
+    def _shares_less_than_pending(self, pending: Sequence[int], chain: TokenChain,
+                                  prompt_len: int, settings: Any, min_tokens: int) -> bool:
         for entry_id in pending:
             filed = self.index.filed(entry_id)
             if filed is None:
                 continue
             segment_tokens, segment_settings = filed
             if (segment_settings == settings and min_tokens
-                    <= shared_prefix(segment_tokens, tokens, prompt_len - 1)
+                    <= self.index.shared_with(entry_id, chain, prompt_len - 1)
                     < len(segment_tokens)):
                 return True
         return False

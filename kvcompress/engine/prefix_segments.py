@@ -40,7 +40,12 @@ from typing import Any
 import numpy as np
 
 from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
-from kvcompress.paging.prefix_index import BLOCK_TOKENS, shared_prefix
+from kvcompress.paging.prefix_index import (
+    BLOCK_TOKENS,
+    PromptChains,
+    TokenChain,
+    shared_prefix,
+)
 
 # A shared prefix shorter than this (beyond what a cached entry already gives) is not worth
 # a request of its own: four 16-token blocks.
@@ -48,6 +53,9 @@ MIN_SEGMENT_TOKENS = 64
 # Waiting requests scanned for shared prefixes per step (as the eviction plan's lookahead).
 SEGMENT_LOOKAHEAD = 64
 SEGMENT_ID_PREFIX = "kvcompress-segment-"
+# Pairs of waiting requests whose shared length the grouping remembers (then it starts over):
+# the lookahead's 64 requests make 4,032 ordered pairs.
+MAX_REMEMBERED_PAIRS = 16384
 
 
 @dataclass
@@ -58,15 +66,26 @@ class Segment:
     tokens: np.ndarray  # int64, the prefix
     settings: Hashable  # the resolved compression settings of its readers
     block: int = field(init=False)  # the hash of its first block, as ``_prompts`` keeps them
+    chain: TokenChain = field(init=False)  # its block hashes
 
     def __post_init__(self) -> None:
         self.block = _block_hash(self.tokens)
+        self.chain = TokenChain(self.tokens)
 
-    def covers(self, tokens: np.ndarray, prompt_len: int, settings: Hashable) -> bool:
-        """Whether a request with these prompt tokens and settings would adopt it."""
+    def covers(self, tokens: np.ndarray | TokenChain, prompt_len: int,
+               settings: Hashable) -> bool:
+        """Whether a request with these prompt tokens (or their chain) and settings would
+        adopt it. A segment of whole blocks is compared by its last block's chained hash."""
         length = len(self.tokens)
-        return (settings == self.settings and prompt_len > length
-                and np.array_equal(tokens[:length], self.tokens))
+        if settings != self.settings or prompt_len <= length:
+            return False
+        if isinstance(tokens, TokenChain):
+            if length % BLOCK_TOKENS == 0 and length:
+                blocks = length // BLOCK_TOKENS
+                return (len(tokens.hashes) >= blocks
+                        and tokens.hashes[blocks - 1] == self.chain.hashes[-1])
+            tokens = tokens.tokens
+        return np.array_equal(tokens[:length], self.tokens)
 
 
 @dataclass
@@ -79,11 +98,32 @@ class Candidate:
     # Tokens a cached entry already gives it (its lookup's hit); None: not looked up yet
     # (``PrefixSegments.plan`` looks up only requests that start like another).
     cached: int | None = None
+    chain: TokenChain | None = None  # its prompt's block hashes, where known
+
+    def shared_with(self, other: Candidate) -> int:
+        """``shared_length`` of the two prompts (by block hashes where both have them)."""
+        if self.chain is not None and other.chain is not None:
+            limit = min(len(self.tokens), len(other.tokens)) - 1
+            return self.chain.shared_with(other.chain, limit) if limit > 0 else 0
+        return shared_length(self.tokens, other.tokens)
+
+
+@dataclass(frozen=True)
+class SharingView:
+    """What the grouping reads of a waiting request and does not change while it lives."""
+
+    shares: bool  # it may read a shared prefix (a client's request that may look up)
+    chain: TokenChain  # its prompt with its block hashes
+    settings: Hashable  # its resolved compression settings
+    segmentable: bool  # a segment may be made of its prefix (``may_segment``)
 
 
 def _block_hash(tokens: np.ndarray) -> int:
-    """The grouping's key: a hash of the prompt's first block."""
-    return hash(tokens[:BLOCK_TOKENS].tobytes())
+    """The grouping's key: a hash of the prompt's first block (its chain hash, as
+    ``TokenChain.hashes[0]``, where the prompt has a whole block)."""
+    if len(tokens) >= BLOCK_TOKENS:
+        return hash((0, tokens[:BLOCK_TOKENS].tobytes()))
+    return hash(tokens.tobytes())
 
 
 def shared_length(first: np.ndarray, second: np.ndarray) -> int:
@@ -112,7 +152,9 @@ def block_floor(length: int, boundary: int = BLOCK_TOKENS) -> int:
 
 def choose_segment(first: Candidate, others: Sequence[Candidate],
                    min_tokens: int = MIN_SEGMENT_TOKENS,
-                   boundary: int = BLOCK_TOKENS) -> tuple[int, list[str]]:
+                   boundary: int = BLOCK_TOKENS,
+                   shared_of: Callable[[Candidate, Candidate], int] | None = None,
+                   ) -> tuple[int, list[str]]:
     """The prefix ``first`` should share with ``others``: ``(length, readers)`` (``(0, [])``:
     none). Among the lengths ``first`` shares with some other request (same settings), the
     one that saves the most prefill: length x readers who share at least that much, ties
@@ -120,7 +162,8 @@ def choose_segment(first: Candidate, others: Sequence[Candidate],
     request sharing little does not shorten everyone's segment, and a pair sharing more than
     the rest does not split it. It must exceed what a cached entry
     gives every reader by ``min_tokens``."""
-    shared = {other.request_id: block_floor(shared_length(first.tokens, other.tokens), boundary)
+    shared_of = shared_of or Candidate.shared_with
+    shared = {other.request_id: block_floor(shared_of(first, other), boundary)
               for other in others if other.settings == first.settings}
     best, readers = 0, []
     for length in sorted(set(shared.values()), reverse=True):
@@ -141,9 +184,10 @@ class PrefixSegments:
     min_tokens: int = MIN_SEGMENT_TOKENS
     boundary: int = BLOCK_TOKENS  # a segment's length is a multiple (``segment_boundary``)
     _ids: Iterable[int] = field(default_factory=lambda: itertools.count(1))
-    # Each waiting request's prompt tokens and the hash of their first block (requests are
-    # grouped only with others starting alike), kept while it lives: prompts do not change.
-    _prompts: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+    # Each waiting request's prompt tokens and their block hashes (requests are grouped only
+    # with others starting alike), kept while it lives: prompts do not change. Shared with
+    # the prefix cache's lookups (``PrefixCachePolicy.chains``).
+    chains: PromptChains = field(default_factory=PromptChains)
     # Segment requests queued and tokens they prefilled, since the start (tests, figures),
     # and forks made (segments copied off a request's pages: no prefill of their own).
     made: int = 0
@@ -152,6 +196,17 @@ class PrefixSegments:
     # Requests a segment or fork was made for that failed: they compress their own copies
     # from now on (one made for them again could fail again, and hold them forever).
     unshared: set[str] = field(default_factory=set)
+    # Each request a segment was computed for (its request ended having computed it all) or
+    # a fork made for -> its length: another is made for it only if longer by
+    # ``min_tokens`` (as for a cached hit), so a segment its readers could not adopt
+    # (evicted first, filed without a plan) is not made again for them every step. One cut
+    # short (aborted) may be made again.
+    served: dict[str, int] = field(default_factory=dict)
+    # Tokens two waiting requests share, by (first, other) id (``_shared_of``).
+    _pairs: dict[tuple[str, str], int] = field(default_factory=dict)
+    # The candidates of the last plan and the cache state it saw (``plan``).
+    _planned: set[str] = field(default_factory=set)
+    _planned_at: Hashable = None
     # The segment requests this grouping made, while they live: known by id as made, never by
     # how an id looks (a client's own id may start like ours).
     _segment_ids: set[str] = field(default_factory=set)
@@ -161,33 +216,34 @@ class PrefixSegments:
         held no longer."""
         for request_id in [rid for rid in self.pending if not live(rid)]:
             del self.pending[request_id]
-        for request_id in [rid for rid in self._prompts if not live(rid)]:
-            del self._prompts[request_id]
         self.unshared = {request_id for request_id in self.unshared if live(request_id)}
+        self.served = {request_id: length for request_id, length in self.served.items()
+                       if live(request_id)}
         self._segment_ids = {request_id for request_id in self._segment_ids
                              if request_id in self.pending or live(request_id)}
 
     def prompt_of(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
         """The request's prompt as int64 tokens (converted once)."""
-        known = self._prompts.get(request_id)
-        if known is None:
-            tokens = np.asarray(token_ids, dtype=np.int64)
-            known = self._prompts[request_id] = (tokens, _block_hash(tokens))
-        return known[0]
+        return self.chain_of(request_id, token_ids).tokens
+
+    def chain_of(self, request_id: str, token_ids: Sequence[int]) -> TokenChain:
+        """The request's prompt with its block hashes (made once)."""
+        return self.chains.get(request_id, len(token_ids), lambda: token_ids)
 
     def is_segment(self, request_id: str) -> bool:
         """Whether the request is one this grouping made (a segment request or a fork)."""
         return request_id in self._segment_ids
 
-    def holding(self, tokens: np.ndarray, prompt_len: int, settings: Hashable) -> bool:
+    def holding(self, tokens: np.ndarray | TokenChain, prompt_len: int,
+                settings: Hashable) -> bool:
         """Whether a waiting request would adopt a segment still being computed."""
         return any(segment.covers(tokens, prompt_len, settings)
                    for segment in self.pending.values())
 
     def block_of(self, request_id: str, token_ids: Sequence[int]) -> int:
         """The hash of the request's first block, as ``Segment.block`` (computed once)."""
-        self.prompt_of(request_id, token_ids)
-        return self._prompts[request_id][1]
+        chain = self.chain_of(request_id, token_ids)
+        return chain.hashes[0] if chain.hashes else _block_hash(chain.tokens)
 
     def may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """A cheap first test of ``holding``: the prompt starts with a pending segment's first
@@ -198,8 +254,27 @@ class PrefixSegments:
         return any(segment.block == block for segment in self.pending.values())
 
     def choose(self, first: Candidate, others: Sequence[Candidate]) -> tuple[int, list[str]]:
-        """``choose_segment`` under this grouping's minimum and boundary."""
-        return choose_segment(first, others, self.min_tokens, self.boundary)
+        """``choose_segment`` under this grouping's minimum and boundary, each request's
+        earlier segment counting as a cached hit (``served``)."""
+        for candidate in (first, *others):
+            if candidate.request_id in self.served:
+                candidate.cached = max(candidate.cached or 0, self.served[candidate.request_id])
+        return choose_segment(first, others, self.min_tokens, self.boundary, self._shared_of)
+
+    def _shared_of(self, first: Candidate, other: Candidate) -> int:
+        """``Candidate.shared_with``, once per pair of requests while both live: a long
+        queue regrouped as it moves compares only the pairs it has not seen."""
+        key = (first.request_id, other.request_id)
+        shared = self._pairs.get(key)
+        if shared is None:
+            if len(self._pairs) > MAX_REMEMBERED_PAIRS:
+                self._pairs = {}
+            shared = self._pairs[key] = first.shared_with(other)
+        return shared
+
+    def serve(self, readers: Sequence[str], length: int) -> None:
+        """A segment or fork of ``length`` tokens was made for ``readers``."""
+        self.served.update(dict.fromkeys(readers, length))
 
     def next_id(self) -> str:
         """A new segment request's id, known as one from now on (``is_segment``)."""
@@ -209,12 +284,22 @@ class PrefixSegments:
 
     def plan(self, candidates: Sequence[Candidate],
              cached_of: Callable[[str], int] = lambda request_id: 0,
-             ) -> list[tuple[Segment, list[str]]]:
+             version: Hashable = None) -> list[tuple[Segment, list[str]]]:
         """New segments among waiting ``candidates`` (in queue order, none held): for each
         request not yet in a group, ``choose_segment`` among those behind it that start with
         the same block (``cached_of`` gives what a cached entry gives a request, asked only
         of those). Returns each new segment (its id assigned, now pending) with its readers'
-        request ids, in queue order."""
+        request ids, in queue order.
+
+        ``version``: the state of the prefix cache (``PrefixCachePolicy.state_version``).
+        While it is unchanged and no candidate is new since the last plan, the grouping
+        would find nothing new (the same requests, or fewer, against the same entries), so
+        it is not run again: a long waiting queue costs a set comparison per schedule, not
+        a comparison of every pair."""
+        ids = {candidate.request_id for candidate in candidates}
+        if version is not None and version == self._planned_at and ids <= self._planned:
+            return []
+        self._planned, self._planned_at = ids, version
         by_block: dict[int, list[Candidate]] = {}
         for candidate in candidates:
             if len(candidate.tokens) <= self.min_tokens:

@@ -35,6 +35,7 @@ from kvcompress.engine.prefix_segments import (
     Candidate,
     PrefixSegments,
     Segment,
+    SharingView,
     may_segment,
     segment_boundary,
     segment_request,
@@ -46,6 +47,7 @@ from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
 from kvcompress.paging.page_table import pages_for_lengths
+from kvcompress.paging.prefix_index import PromptChains
 from kvcompress.settings.config import KVCompressionConfig
 
 logger = get_logger(__name__)
@@ -63,6 +65,8 @@ for _seam in ("_reserve_prefill_lookahead", "_preempt_request"):
 
 # Schedules a pending segment waits at most for the readers it was made for.
 MAX_PENDING_SCHEDULES = 256
+# Schedules between prunings of what is kept per waiting request (prompt chains, holds).
+PRUNE_EVERY = 16
 # Schedules within which the worker reports a segment's failed in-place compaction.
 MAX_REPORT_SCHEDULES = 8
 
@@ -92,7 +96,10 @@ class KVCompressScheduler(Scheduler):
             # Parked requests (waiting for reconstruction passes) hold pages and grow later.
             running=lambda: [*self.running, *self._parked_now],
         )
-        self.reuse = PrefixCachePolicy(self.page_manager, self.compression_config)
+        # Prompts with their block hashes, made once per request (lookups and grouping).
+        self.prompt_chains = PromptChains()
+        self.reuse = PrefixCachePolicy(self.page_manager, self.compression_config,
+                                       self.prompt_chains)
         if self.compression_config.reuse == "on" and not self.reuse.enabled:
             logger.info("kvcompress: the prefix cache (--kv-reuse) is off for models with "
                         "sliding-window layers")
@@ -109,7 +116,8 @@ class KVCompressScheduler(Scheduler):
         self._parked_now: list[Any] = []  # out of self.running while vLLM schedules
         # Shared prefixes of waiting requests, each computed once by a request of its own
         # (``engine.prefix_segments``); their readers are out of self.waiting meanwhile.
-        self.segments = PrefixSegments(boundary=segment_boundary(layout.page_size))
+        self.segments = PrefixSegments(boundary=segment_boundary(layout.page_size),
+                                       chains=self.prompt_chains)
         # Pending segment entries (filed uncompressed) -> the schedule that first saw them:
         # they are compacted from the next one on, once none of their readers is in prefill.
         self._pending_since: dict[int, int] = {}
@@ -121,6 +129,15 @@ class KVCompressScheduler(Scheduler):
         # the request they are made of (filed with the step's report, ``_file_forks``).
         self._deferred: set[str] = set()
         self._forks: dict[str, Segment] = {}
+        # The last ``_reader_waits_to_fit`` question and its answer.
+        self._fits_asked: tuple = ((), False)
+        # The queue head and cache state the eviction order was last planned for.
+        self._evictions_planned_for: tuple = ()
+        # What the grouping reads of each waiting request, made once (``_sharing_view``).
+        self._views: dict[str, SharingView] = {}
+        # Waiting requests held for a shared prefix -> the schedule that first held them
+        # (``_waited_enough``: a wait is bounded by --kv-sharing-wait).
+        self._held_since: dict[str, int] = {}
         # Segments compacted in place -> (the schedule, the entries holding them): dropped if
         # the worker reports the compaction failed (``_drop_failed_segments``); a report
         # comes with the step that ran it, or the next one that runs a batch.
@@ -205,8 +222,16 @@ class KVCompressScheduler(Scheduler):
         segments = self.segments
         if not self.reuse.enabled:
             return [], {}
-        segments.prune(lambda request_id: (request := self.requests.get(request_id)) is not None
-                       and not request.is_finished())
+        def live(request_id: str) -> bool:
+            return (request := self.requests.get(request_id)) is not None and (
+                not request.is_finished())
+
+        segments.prune(live)
+        if self._schedules % PRUNE_EVERY == 0:  # (what it forgets costs nothing meanwhile)
+            self.prompt_chains.prune(live)
+            self._views = {r: view for r, view in self._views.items() if live(r)}
+            self._held_since = {r: since for r, since in self._held_since.items()
+                                if live(r) and self.requests[r].status != RequestStatus.RUNNING}
         if not self.waiting:
             return [], {}
         if len(self.waiting) < 2 and not segments.pending and not deferred:
@@ -214,25 +239,27 @@ class KVCompressScheduler(Scheduler):
         held: list[Any] = []
         candidates: list[Candidate] = []
         pending_entries = self.page_manager.pending_ids()
+
         def may_share(request: Any) -> bool:
-            return (not segments.is_segment(request.request_id)
-                    and request.sampling_params is not None and self.reuse.may_read(request))
+            view = self._sharing_view(request)
+            return view.shares and not self._waited_enough(request.request_id)
 
         for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD):
-            if not may_share(request):
+            view = self._sharing_view(request)
+            if not view.shares or self._waited_enough(request.request_id):
                 continue
-            tokens = segments.prompt_of(request.request_id, request.prompt_token_ids)
-            settings = resolve(self.compression_config, request.sampling_params)
+            chain, settings = view.chain, view.settings
             if ((segments.pending
-                 and segments.holding(tokens, request.num_prompt_tokens, settings))
+                 and segments.holding(chain, request.num_prompt_tokens, settings))
                     or (pending_entries and self.reuse.waits_for_compaction(
-                        pending_entries, tokens, request.num_prompt_tokens, settings,
-                        segments.min_tokens))):
+                        request.request_id, pending_entries, chain, request.num_prompt_tokens,
+                        settings, segments.min_tokens))):
                 held.append(request)
-            elif (request.status == RequestStatus.WAITING and not request.num_computed_tokens
-                  and request.request_id not in segments.unshared
-                  and may_segment(settings, request.num_prompt_tokens)):
-                candidates.append(Candidate(request.request_id, tokens, settings))
+            elif (view.segmentable and request.status == RequestStatus.WAITING
+                  and not request.num_computed_tokens
+                  and request.request_id not in segments.unshared):
+                candidates.append(Candidate(request.request_id, chain.tokens, settings,
+                                            chain=chain))
 
         def cached_of(request_id: str) -> int:
             match = self.reuse.lookup(self.requests[request_id])
@@ -242,7 +269,8 @@ class KVCompressScheduler(Scheduler):
             readers = self._fork(request_id, candidates, cached_of)
             held.extend(self.requests[reader] for reader in readers)
             candidates = [c for c in candidates if c.request_id not in readers]
-        for segment, readers in segments.plan(candidates, cached_of):
+        for segment, readers in segments.plan(candidates, cached_of,
+                                              version=self.reuse.state_version()):
             first = self.requests[readers[0]]
             own = sorted(self.requests[request_id].num_prompt_tokens - len(segment.tokens)
                          for request_id in readers)
@@ -269,11 +297,36 @@ class KVCompressScheduler(Scheduler):
                             request.num_prompt_tokens,
                             resolve(self.compression_config, request.sampling_params))):
                     held.append(request)
+        for request in held:
+            self._held_since.setdefault(request.request_id, self._schedules)
         if not held:
             return [], {}
         positions = {request.request_id: index for index, request in enumerate(self.waiting)}
         self.waiting.remove_requests(held)
         return held, positions
+
+    def _sharing_view(self, request: Any) -> SharingView:
+        """What the grouping of shared prefixes reads of a waiting request that does not
+        change while it lives (``SharingView``), made once."""
+        view = self._views.get(request.request_id)
+        if view is None:
+            shares = (not self.segments.is_segment(request.request_id)
+                      and request.sampling_params is not None and self.reuse.may_read(request))
+            settings = resolve(self.compression_config, request.sampling_params)
+            view = self._views[request.request_id] = SharingView(
+                shares, self.segments.chain_of(request.request_id, request.prompt_token_ids),
+                settings, may_segment(settings, request.num_prompt_tokens))
+        return view
+
+    def _waited_enough(self, request_id: str) -> bool:
+        """Whether the request was held for shared prefixes ``--kv-sharing-wait`` schedules
+        since it was first held: then it is held no more, shares no new segment, and
+        prefills (and compresses) its own copy, adopting what the cache offers by then."""
+        since = self._held_since.get(request_id)
+        if since is None or self._schedules - since < self.compression_config.sharing_wait:
+            return False
+        self.segments.unshared.add(request_id)
+        return True
 
     def _fork(self, request_id: str, candidates: list[Candidate],
               cached_of: Callable[[str], int]) -> list[str]:
@@ -289,15 +342,16 @@ class KVCompressScheduler(Scheduler):
         if not candidates or not request.sampling_params:
             return []
         settings = resolve(self.compression_config, request.sampling_params)
-        tokens = segments.prompt_of(request_id, request.prompt_token_ids)
+        chain = segments.chain_of(request_id, request.prompt_token_ids)
+        tokens = chain.tokens
         first = segments.block_of(request_id, tokens)
         sharing = [candidate for candidate in candidates
                    if segments.block_of(candidate.request_id, candidate.tokens) == first]
         for candidate in sharing:
             if candidate.cached is None:
                 candidate.cached = cached_of(candidate.request_id)
-        length, readers = segments.choose(Candidate(request_id, tokens, settings, cached=0),
-                                          sharing)
+        length, readers = segments.choose(
+            Candidate(request_id, tokens, settings, cached=0, chain=chain), sharing)
         if not length:
             return []
         fork = Segment(segments.next_id(), tokens[:length].copy(), settings)
@@ -307,6 +361,7 @@ class KVCompressScheduler(Scheduler):
             return []  # no room for a copy: the readers make a segment of their own
         segments.pending[fork.request_id] = fork
         segments.forks += 1
+        segments.serve(readers, length)
         self._forks[request_id] = fork
         self._segment_readers[fork.request_id] = list(readers)
         logger.debug("kvcompress: %d waiting requests share %d prompt tokens with %s, forked "
@@ -433,8 +488,13 @@ class KVCompressScheduler(Scheduler):
             request = self.requests.get(reader_id)
             if request is None or reader_id in manager or request.is_finished():
                 continue
-            return manager.can_adopt(entry_id, entry.logical_len, request.num_prompt_tokens,
-                                     share=True)
+            # Asked every schedule while it waits; the answer moves only with the pool.
+            key = (entry_id, reader_id, manager.num_free, manager.num_available,
+                   self.reuse.state_version())
+            if self._fits_asked[0] != key:
+                self._fits_asked = (key, manager.can_adopt(
+                    entry_id, entry.logical_len, request.num_prompt_tokens, share=True))
+            return self._fits_asked[1]
         return False
 
     def _holding_scores(self) -> frozenset[str]:
@@ -480,7 +540,10 @@ class KVCompressScheduler(Scheduler):
         if done:
             self.finish_requests(done, RequestStatus.FINISHED_ABORTED)
             for request_id in done:
-                segments.pending.pop(request_id, None)
+                segment = segments.pending.pop(request_id, None)
+                if segment is not None:
+                    segments.serve(self._segment_readers.get(request_id, ()),
+                                   len(segment.tokens))
         for batch in outputs.values():
             batch.outputs = [output for output in batch.outputs
                              if not segments.is_segment(output.request_id)]
@@ -495,8 +558,13 @@ class KVCompressScheduler(Scheduler):
         turns the first admitted no longer evict the caches of the turns queued behind."""
         if not self.reuse.enabled or not len(self.reuse.index):
             return
+        first = list(itertools.islice(self.waiting, EVICTION_LOOKAHEAD))
+        key = (self.reuse.state_version(), [request.request_id for request in first])
+        if key == self._evictions_planned_for:
+            return  # the same queue head against the same entries: the same order
+        self._evictions_planned_for = key
         next_use: dict[int, int] = {}
-        for position, request in enumerate(itertools.islice(self.waiting, EVICTION_LOOKAHEAD)):
+        for position, request in enumerate(first):
             match = self.reuse.lookup(request)
             if match is not None:
                 next_use.setdefault(match.entry_id, position)

@@ -115,10 +115,11 @@ class PendingSegment:
         firsts = (np.cumsum(self.counts) - self.counts)[self._rows]
         self._firsts = self.removed[firsts]  # per row that drops pages, its first dropped
 
-    def start_in(self, table: HeadPageTable) -> np.ndarray | None:
+    def start_in(self, table: HeadPageTable, verify: bool = True) -> np.ndarray | None:
         """Per row, where ``table`` holds the segment's dropped pages (None: it does not).
         A holder adopted them whole, as leading pages, so it holds all of them, in order,
-        or none: anything else is a bookkeeping error."""
+        or none: anything else is a bookkeeping error, which ``verify`` checks page by page
+        (asking only whether a table holds them, ``holds``, checks the first of each row)."""
         rows = self._rows
         if not len(rows):
             return None
@@ -133,15 +134,15 @@ class PendingSegment:
         start = np.zeros(len(self.counts), dtype=np.int32)
         start[rows] = found.argmax(axis=1)
         stop = start + self.counts
-        if (stop > table.num_pages).any() or not np.array_equal(
-                table.pages_between(start, stop), self.removed):
+        if verify and ((stop > table.num_pages).any() or not np.array_equal(
+                table.pages_between(start, stop), self.removed)):
             raise AssertionError(f"a table reads segment {self.request_id}'s pages out of "
                                  "order")
         return start
 
     def holds(self, table: HeadPageTable) -> bool:
         """Whether ``table``'s rows read the segment's pages."""
-        return self.start_in(table) is not None
+        return self.start_in(table, verify=False) is not None
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,9 @@ class PrefixCache:
         self._pending: dict[int, PendingSegment] = {}
         # Segment plans the worker may forget (their entry is gone, or never was).
         self.discarded_plans: list[str] = []
+        # Counts every change of an entry's existence or rows (retire, compaction, adoption
+        # by handover, drop): a lookup's answer stays right while it does not move.
+        self.version = 0
 
     @property
     def num_cached(self) -> int:
@@ -200,6 +204,7 @@ class PrefixCache:
         ``entry_id`` (most recently used); pages beyond them are released. False
         (everything released) when its rows do not hold those tokens. A segment request
         with a deferred plan (``RequestPages.planned``) is filed pending."""
+        self.version += 1
         lengths = logical_len - state.evicted
         if (logical_len <= 0 or logical_len > state.logical_len or (lengths < 0).any()
                 or state.cuts_shared_run(lengths, self.layout.page_size)):
@@ -264,6 +269,7 @@ class PrefixCache:
     def compact_entry(self, entry_id: int, pending: PendingSegment) -> int:
         """Entry ``entry_id`` holds a pending segment compacted in place: its dropped pages
         leave, their tokens evicted. Return how many pages became free."""
+        self.version += 1
         entry = self._entries[entry_id]
         start = pending.start_in(entry.table)
         if start is None:
@@ -295,6 +301,8 @@ class PrefixCache:
         if cut is None:
             return False
         available = self.pool.num_free + self.pool.num_evictable
+        if self._growth(cut, hit, logical_len) + reserve > available:
+            return False  # (the growth alone is too much: no need to count the rest)
         return self._adoption_cost(cut, hit, logical_len, share) + reserve <= available
 
     def can_share_from_free(self, entry_id: int, hit: int, logical_len: int,
@@ -329,6 +337,7 @@ class PrefixCache:
             finally:
                 self._adopting = None
         else:
+            self.version += 1
             del self._entries[entry_id]
             self._forget_pending(entry_id)
             # A partial page nobody else holds is taken as it is; one others hold (a longer
@@ -413,6 +422,7 @@ class PrefixCache:
         entry = self._entries.pop(entry_id, None)
         if entry is None:
             return 0
+        self.version += 1
         self._forget_pending(entry_id)
         return self.pool.release(entry.table.all_pages(), Holder.ENTRY)
 
@@ -453,6 +463,7 @@ class PrefixCache:
         assert self._adopting is None, "an adoption did not finish"
         for entry_id, pending in self._pending.items():
             entry = self._entries.get(entry_id)
-            assert entry is not None and entry.sealed and pending.holds(entry.table), (
+            assert entry is not None and entry.sealed and pending.start_in(
+                entry.table) is not None, (
                 f"pending segment {pending.request_id} is not its entry {entry_id}'s")
         return [entry.table.all_pages() for entry in self._entries.values()], list(self._pins)

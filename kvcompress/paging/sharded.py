@@ -250,6 +250,11 @@ class ShardedPageManager:
         return {request_id for shard in self.shards
                 for request_id in shard.segment_readers(entry_id)}
 
+    @property
+    def cache_version(self) -> tuple[int, ...]:
+        """Every rank's ``PrefixCache.version``: unchanged, every entry is as it was."""
+        return tuple(shard.cache.version for shard in self.shards)
+
     def entries_holding(self, entry_id: int) -> list[int]:
         """Entries whose rows hold the pending entry's pages on any rank (its own included)."""
         holders: set[int] = set()

@@ -47,6 +47,7 @@ from kvcompress.settings.flags import (
     DEFAULT_MIN_PROMPT,
     DEFAULT_RECONSTRUCT_CHUNK,
     DEFAULT_SCORING,
+    DEFAULT_SHARING_WAIT,
     FLAG_SPECS,
     GQA_REDUCES,
     METHODS,
@@ -93,6 +94,7 @@ class KVCompressionConfig:
     decode_interval: int = DEFAULT_DECODE_INTERVAL
     decode_score_every: int = 1
     admission_lookahead: int = DEFAULT_ADMISSION_LOOKAHEAD
+    sharing_wait: int = DEFAULT_SHARING_WAIT
     reuse: str = "on"
     scoring: str = DEFAULT_SCORING
     reconstruct_chunk: int = DEFAULT_RECONSTRUCT_CHUNK
@@ -438,6 +440,8 @@ def _check_pool_and_scoring(config: KVCompressionConfig) -> None:
     if config.admission_lookahead < 0:
         _fail("kv_admission_lookahead",
                f"got {config.admission_lookahead}; allowed: an integer >= 0")
+    if config.sharing_wait < 1:
+        _fail("kv_sharing_wait", f"got {config.sharing_wait}; allowed: an integer >= 1")
     if config.scoring not in SCORINGS:
         _fail("kv_scoring", f"got {config.scoring!r}; allowed: {', '.join(SCORINGS)}")
     low, high = RECONSTRUCT_CHUNK_RANGE

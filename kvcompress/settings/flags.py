@@ -51,6 +51,10 @@ PAGE_SIZE_RANGE = (4, 256)
 # Decode growth reserved per running request when admitting a prefill: most answers are
 # shorter, and a longer one that outgrows it is preempted (the cheapest to recompute first).
 DEFAULT_ADMISSION_LOOKAHEAD = 512
+# Schedules a waiting request is held for a shared prefix (a segment being computed, or one
+# filed uncompressed that it cannot adopt whole until it is compacted) before it goes on with
+# a copy of its own. A schedule is one engine step: about 30-300 ms on a CPU here.
+DEFAULT_SHARING_WAIT = 256
 REUSE_CHOICES = ("on", "off")
 # Which prompt tokens a compressed head keeps is decided by scores: "window" (the prompt's
 # last queries, question-aware), "reconstruct" (how much a reconstruction of the context
@@ -310,6 +314,13 @@ _POOL_SPECS: tuple[FlagSpec, ...] = (
         f"{DEFAULT_ADMISSION_LOOKAHEAD}.",
     ),
     FlagSpec(
+        "kv_sharing_wait", "--kv-sharing-wait", "sharing_wait", int,
+        "The longest a waiting request is held for a shared prefix, in engine steps: while "
+        "a segment its prompt starts with is computed, or while one it shares only part of "
+        "waits to be compacted. After that it prefills and compresses its own copy. >= 1; "
+        f"default {DEFAULT_SHARING_WAIT}.",
+    ),
+    FlagSpec(
         "kv_reuse", "--kv-reuse", "reuse", str,
         "Multi-turn reuse: a finished request's compressed cache stays in the pool (evicted "
         "least-recently-used when pages are needed) and a later prompt that starts with its "
@@ -342,6 +353,7 @@ CONFIG_KEYS = frozenset(spec.key for spec in FLAG_SPECS)
 # The reconstruction chunk sizes scratch pages reserved once for the engine.
 # The query profile and the score surrogate are loaded once, at start.
 REQUEST_KEYS = CONFIG_KEYS - {"kv_page_size", "kv_admission_lookahead", "kv_reuse",
+                              "kv_sharing_wait",
                               "kv_reconstruct_chunk", "kv_profile", "kv_surrogate"}
 SPEC_BY_KEY = {spec.key: spec for spec in FLAG_SPECS}
 

@@ -300,6 +300,47 @@ def test_requests_that_share_less_than_a_pending_segment_wait_for_its_compaction
         harness.shutdown()
 
 
+def test_a_wait_for_a_pending_segment_is_bounded_by_the_sharing_wait(tiny_llama):
+    """Arrivals as above, the first questions long enough that the segment stays pending a
+    few steps, with --kv-sharing-wait 1 (issue 51: every wait has a bound): the later
+    questions are held one schedule, then prefill and compress their own copies while the
+    first segment is still pending, and no segment is made for them; all answer and the
+    pages come back."""
+    rng = random.Random(71)
+    prefix = new_tokens(rng, 320)
+    # Long questions: their prefill over the pending segment takes several steps.
+    first = questions_on(prefix, 3, 400, seed=72)
+    later = {f"late{i}": prompt
+             for i, prompt in enumerate(questions_on(prefix[:304], 3, 56, seed=73).values())}
+    harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
+                                         "kv_scoring": "reconstruct", "kv_sharing_wait": 1},
+                            **ENGINE)
+    try:
+        for request_id, prompt in first.items():
+            harness.add(request_id, prompt, greedy(6))
+        for _ in range(100):
+            harness.step()
+            if harness.page_manager.pending_ids():
+                break
+        assert harness.page_manager.pending_ids(), "the first segment is filed pending"
+        for request_id, prompt in later.items():
+            harness.add(request_id, prompt, greedy(6))
+        admitted_while_pending = set()
+        while harness.page_manager.pending_ids():
+            harness.step()
+            if harness.page_manager.pending_ids():
+                admitted_while_pending.update(
+                    q for q in later if any(r.startswith(q + "-")
+                                            for r in harness.page_manager.request_ids()))
+        assert admitted_while_pending, "the bound let the later questions go on"
+        answers = harness.run_until_done()
+        assert all(len(answers[q]) == 6 for q in [*first, *later])
+        assert harness.scheduler.reuse.totals.segments == 1
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+
+
 # A tight pool: kvcompress makes 273 pages of 16 tokens of it for 8 rows (tiny_llama: 4
 # layers x 2 KV heads), 544 tokens uncompressed; vanilla vLLM 768 tokens of blocks. Admission
 # as vLLM does it (no growth reserved), so that growing requests preempt each other.

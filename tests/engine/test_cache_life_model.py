@@ -167,7 +167,8 @@ class CacheLife:
             num_pages_freed_by_compression=0,
             scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
             passes=PassSchedule(), segments=PrefixSegments(), _schedules=0,
-            _pending_since={}, _segment_readers={}, _deferred=set(), _forks={}, _compacting={})
+            _pending_since={}, _segment_readers={}, _deferred=set(), _forks={}, _compacting={},
+            _held_since={}, _fits_asked=((), False), _evictions_planned_for=(), _views={})
 
         def update_from_output(self, scheduler_output, model_runner_output):
             for request_id, num_new in scheduler_output.num_scheduled_tokens.items():

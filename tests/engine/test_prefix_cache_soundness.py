@@ -224,7 +224,8 @@ def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that
         log_stats=False, check_pages_every_step=False, requests={"a": done},
         scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
         passes=PassSchedule(), segments=PrefixSegments(), _deferred=set(), _forks={},
-        _compacting={},
+        _compacting={}, _held_since={}, _fits_asked=((), False), _evictions_planned_for=(),
+        _views={},
         _segment_readers={})
 
     def vllm_update(self, scheduler_output, model_runner_output):

@@ -184,3 +184,55 @@ def test_a_segment_request_asks_two_tokens_and_says_where_its_readers_place_it()
     assert segment.sampling_params.extra_args == {"kv_budget": 64,
                                                   SEGMENT_READERS_AFTER_ARG: 120}
     assert reader.sampling_params.extra_args == {"kv_budget": 64, "kv_transfer_params": {"x": 1}}
+
+
+def test_a_segment_is_made_once_for_its_readers_and_replanning_waits_for_something_new():
+    """Issue 51: a segment its readers could not adopt (filed without a plan, evicted
+    first) is not made again for them every schedule (it was, forever, in the scheduler
+    benchmark: a livelock); a longer one may be. And a queue that brings no new request
+    against an unchanged cache is not grouped again (its pairs would all be compared)."""
+    segments = PrefixSegments()
+    longer = prompt(SYSTEM, (9000, 160))  # 464 tokens, starting with the 304 of SYSTEM
+    a0 = candidate("a0", np.concatenate([longer, np.arange(5, 45)]))
+    x = candidate("x", prompt(SYSTEM, (7, 400)))
+    made = segments.plan([a0, x], version=1)
+    assert [(len(segment.tokens), readers) for segment, readers in made] == [
+        (304, ["a0", "x"])]
+    (segment, readers), = made
+    segments.serve(readers, len(segment.tokens))  # (its request ended, all computed)
+    segments.prune(lambda request_id: request_id in ("a0", "x", "a2"))  # the segment is gone
+    assert segments.plan([a0, x], version=2) == [], "the same segment again"
+    # With a newcomer that shares a longer prefix with a0: a longer segment is made.
+    a2 = candidate("a2", np.concatenate([longer, np.arange(9, 49)]))
+    made = segments.plan([a0, x, a2], version=3)
+    assert [(len(segment.tokens), readers) for segment, readers in made] == [
+        (464, ["a0", "a2"])]
+    # Nothing new since (the same candidates, or fewer, the same cache): not grouped again.
+    b = [candidate("b0", prompt((3000, 200), (6, 40))), candidate("b1", prompt((3000, 200)))]
+    segments._planned, segments._planned_at = {"b0", "b1"}, 4
+    assert segments.plan(b[:1], version=4) == []
+    assert segments.plan(b, version=4) == []  # (b0 and b1 share 192 tokens: skipped)
+    assert [readers for _, readers in segments.plan(b, version=5)] == [["b0", "b1"]]
+
+
+def test_token_chains_share_what_the_tokens_share():
+    """``TokenChain.shared_with`` (block hashes, then one block's tokens) equals the token by
+    token comparison on prompts that share any prefix length, under any limit."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvcompress.paging.prefix_index import TokenChain, shared_prefix
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.integers(0, 200), st.integers(0, 60), st.integers(0, 60), st.integers(0, 300),
+           st.integers(0, 2**31))
+    def check(common, first_rest, second_rest, limit, seed):
+        rng = np.random.default_rng(seed)
+        base = rng.integers(0, 50, common)
+        first = np.concatenate([base, rng.integers(50, 100, first_rest)])
+        second = np.concatenate([base, rng.integers(100, 150, second_rest)])
+        expected = shared_prefix(first, second, limit)
+        assert TokenChain(first).shared_with(TokenChain(second), limit) == expected
+        assert TokenChain(second).shared_with(TokenChain(first), limit) == expected
+
+    check()
