@@ -122,24 +122,47 @@ def test_a_client_cannot_pass_for_a_segment_request(surrogate_tiny_llama):
     assert answers["posing"]["marked"] == answers["alone"]["plain-marked"]
 
 
-def test_the_issue_prompts_over_http_keep_the_server_alive(embedded_model, tmp_path):
-    """The issue's eight prompts sent at once to /v1/completions of the README's server
-    (pyramidkv, its defaults) in 300 MB: every one is answered (HTTP 500 and a dead engine
-    before), the server answers after them, and no page stays in use."""
+def test_prefix_trees_over_http_answer_as_vanilla_and_leave_the_pool_empty(embedded_model,
+                                                                           tmp_path):
+    """The issue's eight prompts (a 1,024-token system prompt; a 1,024-token document after
+    it for half) and four more that override compression to ``none`` on the system prompt
+    and another document (two share a third document after it: prefixes of prefixes), all
+    sent at once to /v1/completions of the README's server (pyramidkv, its defaults) in
+    300 MB, and to a vanilla server (``--kv-compression none``). Before identities the
+    README's server answered HTTP 500 and died. Every request answers, each ``none``
+    request's greedy tokens are vanilla's, the server answers after them, and no page stays
+    in use."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .serving import client, kv_usage, running_server
 
-    prompts = list(prefix_tree(1024, 1024, 4, seed=0).values())
-    with running_server(embedded_model, tmp_path, "--kv-compression", "pyramidkv",
-                        "--kv-cache-memory-bytes", "300000000") as (base, _):
-        def complete(prompt: list[int]):
-            return client(base).completions.create(model=embedded_model, prompt=prompt,
-                                                   max_tokens=8, temperature=0)
+    rng = random.Random(3)
+    tree = prefix_tree(1024, 1024, 4, seed=0)
+    system = tree["sys0"][:1024]
+    other, third = tokens(rng, 512), tokens(rng, 256)
+    exact = {f"none{i}": system + other + (third if i % 2 else []) + tokens(rng, 40)
+             for i in range(4)}
+    prompts = {**tree, **exact}
+    replies: dict[str, dict[str, str]] = {}
+    for side, flags in (("kvcompress", ("--kv-compression", "pyramidkv")),
+                        ("vanilla", ("--kv-compression", "none"))):
+        with running_server(embedded_model, tmp_path, *flags,
+                            "--kv-cache-memory-bytes", "300000000") as (base, _):
+            def complete(item: tuple[str, list[int]], base: str = base, side: str = side):
+                name, prompt = item
+                extra = ({"vllm_xargs": {"kv_compression": "none"}}
+                         if side == "kvcompress" and name.startswith("none") else None)
+                return name, client(base).completions.create(
+                    model=embedded_model, prompt=prompt, max_tokens=8, temperature=0,
+                    extra_body=extra)
 
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            replies = list(pool.map(complete, prompts))
-        assert all(reply.choices[0].finish_reason == "length" for reply in replies)
-        after = complete(prompts[-1])
-        assert after.choices[0].text == replies[-1].choices[0].text
-        assert kv_usage(base) == 0.0
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                answered = dict(pool.map(complete, prompts.items()))
+            assert all(reply.choices[0].finish_reason == "length"
+                       for reply in answered.values())
+            replies[side] = {name: reply.choices[0].text for name, reply in answered.items()}
+            _, after = complete(("none0", prompts["none0"]))  # the server still answers
+            assert after.choices[0].text == replies[side]["none0"]
+            assert kv_usage(base) == 0.0
+    assert {n: replies["kvcompress"][n] for n in exact} == {n: replies["vanilla"][n]
+                                                             for n in exact}
