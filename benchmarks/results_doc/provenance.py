@@ -224,6 +224,14 @@ CHANGES: tuple[Change, ...] = (
            dtypes=("bfloat16",),
            results=("shared_prefix", "shared_context_segments.json", "serve_prefix",
                     "throughput_system_prompt.json")),
+    Change("b228a21", "2026-12-07T03:55:27+00:00",
+           "issue 51: a request gets a second shared segment only if longer than one computed "
+           "for it, a hold for a shared prefix lasts at most --kv-sharing-wait steps, and the "
+           "scheduler's lookups and grouping are remembered between steps (pending segments "
+           "know their pages by id since 4617157: only nested prefixes, which died before)",
+           ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
+           results=("shared_prefix", "shared_context_segments.json", "serve_prefix",
+                    "throughput_system_prompt.json", "throughput_defaults.json")),
 )
 
 
