@@ -257,6 +257,30 @@ def test_a_segment_scored_by_reconstruction_passes_is_filed_after_them(tiny_llam
         harness.shutdown()
 
 
+def first_and_later_questions(own: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Three questions of ``own`` tokens on a 320-token prefix, and three later ones that
+    share only its first 304 tokens."""
+    prefix = new_tokens(random.Random(71), 320)
+    first = questions_on(prefix, 3, own, seed=72)
+    later = {f"late{i}": prompt
+             for i, prompt in enumerate(questions_on(prefix[:304], 3, 56, seed=73).values())}
+    return first, later
+
+
+def send_later_while_pending(harness: EngineHarness, first: dict[str, list[int]],
+                             later: dict[str, list[int]]) -> None:
+    """``first`` sent, steps until their segment is filed pending, then ``later`` sent."""
+    for request_id, prompt in first.items():
+        harness.add(request_id, prompt, greedy(6))
+    for _ in range(100):
+        harness.step()
+        if harness.page_manager.pending_ids():
+            break
+    assert harness.page_manager.pending_ids(), "the first segment is filed pending"
+    for request_id, prompt in later.items():
+        harness.add(request_id, prompt, greedy(6))
+
+
 def test_requests_that_share_less_than_a_pending_segment_wait_for_its_compaction(tiny_llama):
     """Three questions share a 320-token prefix, computed once by a segment request and filed
     pending (read whole until compacted in place). Three more arrive then that share only its
@@ -265,23 +289,11 @@ def test_requests_that_share_less_than_a_pending_segment_wait_for_its_compaction
     then is a segment of their own made. Made at once, its pages evicted the pending one
     before its readers adopted it, and theirs evicted the new one in turn: two groups
     recomputing their prefixes forever. Everyone answers; the pages come back."""
-    rng = random.Random(71)
-    prefix = new_tokens(rng, 320)
-    first = questions_on(prefix, 3, 40, seed=72)
-    later = {f"late{i}": prompt
-             for i, prompt in enumerate(questions_on(prefix[:304], 3, 56, seed=73).values())}
+    first, later = first_and_later_questions(own=40)
     harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
                                          "kv_scoring": "reconstruct"}, **ENGINE)
     try:
-        for request_id, prompt in first.items():
-            harness.add(request_id, prompt, greedy(6))
-        for _ in range(100):
-            harness.step()
-            if harness.page_manager.pending_ids():
-                break
-        assert harness.page_manager.pending_ids(), "the first segment is filed pending"
-        for request_id, prompt in later.items():
-            harness.add(request_id, prompt, greedy(6))
+        send_later_while_pending(harness, first, later)
         made_while_pending, steps_pending = set(), 0
         while harness.page_manager.pending_ids():
             harness.step()
@@ -306,25 +318,13 @@ def test_a_wait_for_a_pending_segment_is_bounded_by_the_sharing_wait(tiny_llama)
     questions are held one schedule, then prefill and compress their own copies while the
     first segment is still pending, and no segment is made for them; all answer and the
     pages come back."""
-    rng = random.Random(71)
-    prefix = new_tokens(rng, 320)
     # Long questions: their prefill over the pending segment takes several steps.
-    first = questions_on(prefix, 3, 400, seed=72)
-    later = {f"late{i}": prompt
-             for i, prompt in enumerate(questions_on(prefix[:304], 3, 56, seed=73).values())}
+    first, later = first_and_later_questions(own=400)
     harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64,
                                          "kv_scoring": "reconstruct", "kv_sharing_wait": 1},
                             **ENGINE)
     try:
-        for request_id, prompt in first.items():
-            harness.add(request_id, prompt, greedy(6))
-        for _ in range(100):
-            harness.step()
-            if harness.page_manager.pending_ids():
-                break
-        assert harness.page_manager.pending_ids(), "the first segment is filed pending"
-        for request_id, prompt in later.items():
-            harness.add(request_id, prompt, greedy(6))
+        send_later_while_pending(harness, first, later)
         admitted_while_pending = set()
         while harness.page_manager.pending_ids():
             harness.step()
