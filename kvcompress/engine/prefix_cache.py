@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,22 @@ class PrefixCacheFigures:
         return figures
 
 
+class UntilChanged:
+    """Answers by key, all forgotten when the state they were computed in (a version)
+    changes."""
+
+    def __init__(self) -> None:
+        self._answers: dict[Any, Any] = {}
+        self._version: Any = None
+
+    def get(self, version: Any, key: Any, compute: Callable[[], Any]) -> Any:
+        if version != self._version:
+            self._answers, self._version = {}, version
+        if key not in self._answers:
+            self._answers[key] = compute()
+        return self._answers[key]
+
+
 class PrefixCachePolicy:
     """The engine's prefix cache over every rank's pages: lookup, retire, adopt, clear."""
 
@@ -98,11 +114,9 @@ class PrefixCachePolicy:
         # a lookup every schedule then hashes none of its tokens. The scheduler shares it
         # with the grouping of shared prefixes and prunes it.
         self.chains = chains if chains is not None else PromptChains()
-        # Each request's last answer, valid while ``state_version`` is what it was then.
-        self._lookups: dict[str, Match | None] = {}
-        self._lookups_at: tuple = ()
-        self._waits: dict[tuple[str, int], bool] = {}  # the same for waits_for_compaction
-        self._waits_at: tuple = ()
+        # Each request's last answers (lookup, waits_for_compaction) while no entry changed.
+        self._lookups = UntilChanged()
+        self._waits = UntilChanged()
 
     def chain_of(self, request: Any) -> TokenChain:
         """The request's prompt tokens and their block hashes."""
@@ -118,13 +132,8 @@ class PrefixCachePolicy:
         self.forget_evicted()
         if not len(self.index):
             return None
-        version = self.state_version()
-        if version != self._lookups_at:
-            self._lookups, self._lookups_at = {}, version
-        request_id = request.request_id
-        if request_id not in self._lookups:
-            self._lookups[request_id] = self._best_match(request)
-        return self._lookups[request_id]
+        return self._lookups.get(self.state_version(), request.request_id,
+                                 lambda: self._best_match(request))
 
     def state_version(self) -> tuple:
         """Changes whenever an entry is filed, dropped, adopted whole or compacted: what
@@ -157,14 +166,9 @@ class PrefixCachePolicy:
         than have a segment of its own made: that one's pages would evict the pending one
         before its readers adopt it, and its readers' next segment would evict that one in
         turn (two groups recomputing their prefixes forever, seen over HTTP)."""
-        version = self.state_version()
-        if version != self._waits_at:
-            self._waits, self._waits_at = {}, version
-        key = (request_id, min_tokens)
-        if key not in self._waits:
-            self._waits[key] = self._shares_less_than_pending(pending, chain, prompt_len,
-                                                              settings, min_tokens)
-        return self._waits[key]
+        return self._waits.get(self.state_version(), (request_id, min_tokens),
+                               lambda: self._shares_less_than_pending(
+                                   pending, chain, prompt_len, settings, min_tokens))
 
     def _shares_less_than_pending(self, pending: Sequence[int], chain: TokenChain,
                                   prompt_len: int, settings: Any, min_tokens: int) -> bool:

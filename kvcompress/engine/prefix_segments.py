@@ -69,8 +69,8 @@ class Segment:
     chain: TokenChain = field(init=False)  # its block hashes
 
     def __post_init__(self) -> None:
-        self.block = _block_hash(self.tokens)
         self.chain = TokenChain(self.tokens)
+        self.block = first_block_hash(self.chain)
 
     def covers(self, tokens: np.ndarray | TokenChain, prompt_len: int,
                settings: Hashable) -> bool:
@@ -118,12 +118,10 @@ class SharingView:
     segmentable: bool  # a segment may be made of its prefix (``may_segment``)
 
 
-def _block_hash(tokens: np.ndarray) -> int:
-    """The grouping's key: a hash of the prompt's first block (its chain hash, as
-    ``TokenChain.hashes[0]``, where the prompt has a whole block)."""
-    if len(tokens) >= BLOCK_TOKENS:
-        return hash((0, tokens[:BLOCK_TOKENS].tobytes()))
-    return hash(tokens.tobytes())
+def first_block_hash(chain: TokenChain) -> int:
+    """The grouping's key: the chained hash of the prompt's first block, or of its tokens
+    when it has no whole block."""
+    return chain.hashes[0] if chain.hashes else hash(chain.tokens.tobytes())
 
 
 def shared_length(first: np.ndarray, second: np.ndarray) -> int:
@@ -242,8 +240,7 @@ class PrefixSegments:
 
     def block_of(self, request_id: str, token_ids: Sequence[int]) -> int:
         """The hash of the request's first block, as ``Segment.block`` (computed once)."""
-        chain = self.chain_of(request_id, token_ids)
-        return chain.hashes[0] if chain.hashes else _block_hash(chain.tokens)
+        return first_block_hash(self.chain_of(request_id, token_ids))
 
     def may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """A cheap first test of ``holding``: the prompt starts with a pending segment's first

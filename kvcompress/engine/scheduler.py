@@ -245,9 +245,9 @@ class KVCompressScheduler(Scheduler):
             return view.shares and not self._waited_enough(request.request_id)
 
         for request in itertools.islice(self.waiting, SEGMENT_LOOKAHEAD):
-            view = self._sharing_view(request)
-            if not view.shares or self._waited_enough(request.request_id):
+            if not may_share(request):
                 continue
+            view = self._sharing_view(request)
             chain, settings = view.chain, view.settings
             if ((segments.pending
                  and segments.holding(chain, request.num_prompt_tokens, settings))
