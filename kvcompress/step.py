@@ -4,7 +4,7 @@ runtime, the attention backend and the platform kernels.
 One step, in order (scheduler and workers are separate processes; vLLM carries the two
 hand-offs on its own step messages, see ``kvcompress.engine.messages``):
 
-1. admit (scheduler, ``engine/scheduler``): vLLM's scheduler picks the requests; the page
+1. admit (scheduler, ``engine/sched/scheduler``): vLLM's scheduler picks the requests; the page
    manager grows every (layer, KV head) row of each by the pages its new tokens need, or
    refuses (vLLM then queues or preempts). Decided in pages.
 2. page deltas (scheduler -> worker): the pages appended since the worker last heard ride
@@ -142,7 +142,7 @@ class DecodeClassGroup:
 @dataclass
 class DecodeScoring:
     """What every layer's decode scoring needs, built once per step on the device
-    (``engine.decode_plan``) so that no layer copies from the host or indexes by a mask:
+    (``engine.worker.decode_plan``) so that no layer copies from the host or indexes by a mask:
     request ``i`` is ``StepBatch.decode_queries[i]``, ``W`` the most generated offsets any
     of them scores. Ragged: nothing is padded to the longest row; the rows' pages are read
     from the step's own page tables. Each layer writes its scores into ``mass``; ``commit``
@@ -226,7 +226,7 @@ class StepBatch:
     # reconstruction passes): the worker's one timer, kept across steps (on CUDA its events
     # are read once the device finished them).
     score_timer: StageTimer = field(default_factory=StageTimer)
-    # A reconstruction pass (``engine.worker_reconstruction``): one request, its window entry
+    # A reconstruction pass (``engine.worker.reconstruction``): one request, its window entry
     # covering every query, scored by ``attention.reconstruction_scores``; nothing compacts.
     reconstruction: bool = False
     # Requests whose compression failed in this step (request id -> reason): they are not

@@ -4,7 +4,7 @@ package; nothing imports it. Every entry says who uses the name."""
 
 # ruff: noqa: B018, F821  (bare names are how vulture whitelists mark a use)
 
-# Selected by class path strings (engine/engine_args.py, engine/worker_*.py) or entry points
+# Selected by class path strings (engine/engine_args.py, engine/worker/*.py) or entry points
 # (pyproject.toml).
 KVCompressScheduler
 KVCompressCPUWorker
@@ -48,7 +48,7 @@ mm_cache_stats
 engine_idx
 _.waiting  # recorded per step with running and KV usage, for whoever reads the samples
 
-# vLLM's KVCacheManager interface (engine/scheduler_kv_cache.py): its scheduler asks.
+# vLLM's KVCacheManager interface (engine/sched/kv_cache_manager.py): its scheduler asks.
 _.get_computed_blocks
 _.record_prefix_cache_stats
 _.make_prefix_cache_stats
@@ -57,7 +57,7 @@ _.make_prefix_cache_stats
 _.handovers
 _.shares
 
-# vLLM's workers and model runners (engine/worker_*.py).
+# vLLM's workers and model runners (engine/worker/*.py).
 _.model_runner
 _._make_model_runner
 _.initialize_kv_cache_tensors
@@ -97,7 +97,7 @@ _.prompt_rows_kept
 _.of_lengths
 
 # The torch reference of expected scoring, all keys at once: the chunked reading of
-# engine/worker_expected.py is tested against it (tests/attention, tests/engine).
+# engine/worker/expected.py is tested against it (tests/attention, tests/engine).
 expected_scores
 
 # benchmarks/streaming_latency.py: the Row's fields are read through dataclasses.asdict.
@@ -108,11 +108,11 @@ _.output_tokens_per_s
 _.ratio_p99_vs_first
 # engine/pass_schedule.py: budget tokens granted over the engine's life (tests read it).
 _.tokens_granted
-# engine/scheduler.py: vLLM's Scheduler reads these limits while the parked requests are
+# engine/sched/scheduler.py: vLLM's Scheduler reads these limits while the parked requests are
 # out of running.
 _.max_num_running_reqs
 _.max_num_active_reqs
-# engine/prefix_segments.py: a segment request's SamplingParams fields, read by vLLM.
+# engine/sched/prefix_segments.py: a segment request's SamplingParams fields, read by vLLM.
 _.logprobs
 _.prompt_logprobs
 _.structured_outputs

@@ -62,9 +62,9 @@ def _targets_cpu(args: tuple, kwargs: dict) -> bool:
 
 
 def emulate_transfers(monkeypatch: Any) -> None:
-    """``engine.host_transfer.to_host``'s device path on DeviceTensors: a plain host buffer
+    """``engine.worker.host_transfer.to_host``'s device path on DeviceTensors: a plain host buffer
     for the pinned one, the wait on the copies counted as the synchronisation it is."""
-    from kvcompress.engine import host_transfer
+    from kvcompress.engine.worker import host_transfer
 
     def wait(device: torch.device) -> None:
         DeviceTensor.syncs += 1

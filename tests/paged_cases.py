@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcompress.engine.worker_state import StepBatch, WorkerKVState
+from kvcompress.engine.worker.state import StepBatch, WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import PageFormat
 from kvcompress.step import UNSCALED, KVScales

@@ -46,7 +46,7 @@ def test_contracts_hold(lint_imports_available):
     ("module", "planted", "broken"),
     [
         # attention/ reaching up into engine/ (the cycle this layout removed)
-        ("kvcompress/attention/window_scores.py", "import kvcompress.engine.worker_runtime",
+        ("kvcompress/attention/window_scores.py", "import kvcompress.engine.worker.runtime",
          "Rooms in layers"),
         # two sibling modules importing each other
         ("kvcompress/paging/page_table.py", "import kvcompress.paging.page_manager",
@@ -55,7 +55,7 @@ def test_contracts_hold(lint_imports_available):
         ("kvcompress/paging/batch_tables.py", "import kvcompress.paging.page_manager",
          "paging/ in layers"),
         # the worker pipeline picking up vLLM
-        ("kvcompress/engine/worker_state.py", "import vllm", "run without vLLM"),
+        ("kvcompress/engine/worker/state.py", "import vllm", "run without vLLM"),
         # a user benchmark leaning on a study, and a shared part on a benchmark
         ("benchmarks/throughput.py", "import benchmarks.studies.kernels", "benchmarks/ in layers"),
         ("benchmarks/specs.py", "import benchmarks.documents", "benchmarks/ in layers"),

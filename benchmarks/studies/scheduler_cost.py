@@ -49,7 +49,7 @@ def build_scheduler(model: str, compressed: bool, kv_bytes: int, max_model_len: 
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvcompress.engine.scheduler import KVCompressScheduler
+    from kvcompress.engine.sched.scheduler import KVCompressScheduler
 
     additional = {"kv_compression": "pyramidkv"} if compressed else {}
     args = EngineArgs(model=model, dtype="float32", max_model_len=max_model_len,

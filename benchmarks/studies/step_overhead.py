@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from benchmarks.report import RESULTS_DIR, command_string, format_table, machine_info, write_json
-from kvcompress.engine.admission import AdmissionPlanner
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.sched.admission import AdmissionPlanner
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager
 from kvcompress.settings.config import KVCompressionConfig
 

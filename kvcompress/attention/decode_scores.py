@@ -11,7 +11,7 @@ probabilities the model's softmax gives (tests compare with a dense loop).
 
 This is a second pass over the scored requests' keys (K only) per layer, on top of the
 platform kernel's attention. It is ragged: each row's own pages, read from the step's page
-tables (``kvcompress.step.DecodeScoring``, ``engine.decode_plan``), are gathered flat, the
+tables (``kvcompress.step.DecodeScoring``, ``engine.worker.decode_plan``), are gathered flat, the
 softmax of each row runs over its own pages (a segmented max and sum), and nothing is padded
 to the longest row. What it costs per layer is a fixed handful of batched torch operations
 per page-table class of the scored requests (chunked when their keys are many); the layer's

@@ -58,7 +58,7 @@ def expected_logits(keys: torch.Tensor, profile: tuple[torch.Tensor, torch.Tenso
                                                        torch.Tensor],
                     scale: float) -> torch.Tensor:
     """``[H, G, n]`` fp32 logits of ``keys [H, D, n]`` under a ``rotated_profile``. Builds
-    an ``[H, G, D, n]`` product: callers bound ``n`` (``worker_expected``)."""
+    an ``[H, G, D, n]`` product: callers bound ``n`` (``worker.expected``)."""
     mean, cov, rotation = profile
     keys = keys.float()
     linear = torch.matmul(mean, keys)  # [H, G, n]
@@ -90,6 +90,6 @@ def expected_scores(keys: torch.Tensor, lengths: torch.Tensor, means: torch.Tens
     holding ``lengths[h]`` keys; ``means [Hq, D]`` / ``covariances [Hq, D, D]`` the layer's
     profile of its ``Hq = H * group`` query heads. Returns ``[H, S]`` fp32: each key's
     expected attention (0 past a row's length). All keys at once: the reference the
-    engine's chunked reading (``worker_expected``) is tested against."""
+    engine's chunked reading (``worker.expected``) is tested against."""
     profile = rotated_profile(means, covariances, rotation, keys.shape[0])
     return expected_probabilities(expected_logits(keys, profile, scale), lengths, group_reduce)

@@ -13,9 +13,9 @@ from kvcompress.settings.resolution import resolve_at_start
 
 logger = get_logger(__name__)
 
-SCHEDULER_CLS = "kvcompress.engine.scheduler.KVCompressScheduler"
-CPU_WORKER_CLS = "kvcompress.engine.worker_cpu.KVCompressCPUWorker"
-GPU_WORKER_CLS = "kvcompress.engine.worker_gpu.KVCompressGPUWorker"
+SCHEDULER_CLS = "kvcompress.engine.sched.scheduler.KVCompressScheduler"
+CPU_WORKER_CLS = "kvcompress.engine.worker.cpu.KVCompressCPUWorker"
+GPU_WORKER_CLS = "kvcompress.engine.worker.gpu.KVCompressGPUWorker"
 # On CUDA our backend fills the registry's CUSTOM slot (in the worker process only).
 CUDA_ATTENTION_BACKEND = "CUSTOM"
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

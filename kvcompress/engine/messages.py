@@ -16,7 +16,7 @@ import numpy as np
 
 from kvcompress.paging import PageTableDelta
 
-# An extra argument of a shared prefix's own request (``engine/prefix_segments.py``): how
+# An extra argument of a shared prefix's own request (``engine/sched/prefix_segments.py``): how
 # many tokens of their own its readers have after it (the median reader's), so that its
 # tokens are scored at their distance from the readers' questions, as the score surrogate
 # learned them, not from the segment's own end.
@@ -66,7 +66,7 @@ class Fork:
     """A shared prefix made of a deferred request's first ``tokens`` prompt tokens: the
     worker copies them onto the pages of the pseudo-request ``segment_id`` (allocated by the
     scheduler) and plans them as a segment request's prompt, from the request's own scores
-    (``engine/prefix_segments.py``, "forks")."""
+    (``engine/sched/prefix_segments.py``, "forks")."""
 
     segment_id: str
     tokens: int

@@ -28,7 +28,7 @@ from kvcompress.settings.config import KVCompressionConfig
 SCORE_BYTES = 4  # fp32 accumulators
 COUNT_BYTES = 8  # KeepPlan.counts, int64 per (layer, KV head)
 # Tokens of a reconstruction pass's instruction the scratch pages are sized for (longer
-# instructions are cut; ``engine.worker_reconstruction``).
+# instructions are cut; ``engine.worker.reconstruction``).
 MAX_REPEAT_TOKENS = 32
 
 
@@ -60,7 +60,7 @@ def plan_output_bytes(num_layers: int, num_kv_heads: int, prompt_tokens: int,
     """What planning ``prompt_tokens`` of prompts holds besides its workspace: the plan
     itself (``KeepPlan``: an int32 index per kept token of every (layer, KV head) row, at
     most the whole prompt, and the rows' counts), and with two score sources (hybrid) their
-    rank union, one fp32 per score (``worker_compaction._request_scores``). They grow with
+    rank union, one fp32 per score (``worker.compaction._request_scores``). They grow with
     the prompt times the layers like the accumulators, and are sized like them."""
     per_token = INDEX_BYTES + (SCORE_BYTES if accumulators > 1 else 0)
     return num_layers * num_kv_heads * (prompt_tokens * per_token + COUNT_BYTES)

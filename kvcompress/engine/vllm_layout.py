@@ -220,7 +220,7 @@ def _runnable_requests(bytes_left: int, num_rows: int, page_bytes: int,
 
 def _scratch_tokens(wanted: int, kv_bytes: int, bytes_per_token: int) -> int:
     """Tokens per row of reconstruction scratch: one pass's, but at most a sixteenth of the
-    KV memory (a small pool then runs shorter passes, ``worker_reconstruction``). A pool
+    KV memory (a small pool then runs shorter passes, ``worker.reconstruction``). A pool
     whose sixteenth holds less than the instruction and a few prompt tokens gets none: its
     prompts are scored by their window."""
     affordable = kv_bytes // 16 // max(1, bytes_per_token)

@@ -32,7 +32,7 @@ way, so here the unit is a whole finished request. The words, used the same ever
   holder is **sealed**: cut only at its prompt's end, adopted only whole.
 
 Which entry a prompt starts with is found by tokens (``prefix_index``), and who may adopt it
-is the engine's rule (``kvcompress.engine.prefix_cache``); this module only holds pages.
+is the engine's rule (``kvcompress.engine.sched.prefix_cache``); this module only holds pages.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ position where the entry's rows can be cut, ``CacheEntry.first_cut``). Entries a
 under the chained hash of their tokens up to the block boundary at or below that cut, so a
 lookup hashes the prompt once, block by block, finds the candidates filed under any of its
 boundaries, and confirms each one token by token (which also rules out collisions).
-No vLLM imports: the scheduler glue (``kvcompress.engine.prefix_cache``) owns the policy.
+No vLLM imports: the scheduler glue (``kvcompress.engine.sched.prefix_cache``) owns the policy.
 """
 
 from __future__ import annotations

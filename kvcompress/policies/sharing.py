@@ -6,7 +6,7 @@ the uniform one sum to the same); only where it goes changes. The heads a contex
 (retrieval and copying heads) keep most of it, the rest little beyond the observation
 window, which every head keeps anyway. Only scores that compare across layers and heads
 make this meaningful: a reconstruction's (each a softmax probability) do, and ``hybrid``
-ranks its two sources over the whole request before their union (worker_compaction).
+ranks its two sources over the whole request before their union (worker.compaction).
 """
 
 from __future__ import annotations

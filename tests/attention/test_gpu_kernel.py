@@ -16,7 +16,7 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.attention.window_scores import accumulate_window_scores
-from kvcompress.engine.worker_compaction import compact_completed_prompts
+from kvcompress.engine.worker.compaction import compact_completed_prompts
 from kvcompress.paging.page_format import FP8_KV_CACHE_DTYPES, GPU_PAGE_FORMAT, PageFormat
 from kvcompress.policies import aggregate_window_probs
 from kvcompress.settings.config import KVCompressionConfig

@@ -1,6 +1,6 @@
 """Requests that arrive together with one prefix (issue 40 items 2-3): the prefix is computed
 and compressed once, by a segment request of its own, the requests wait for it and read it
-in place (``engine/prefix_segments.py``). Page invariants are checked every step
+in place (``engine/sched/prefix_segments.py``). Page invariants are checked every step
 (KVCOMPRESS_CHECK_PAGES=1)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.request import RequestStatus
 
-from kvcompress.engine import scheduler as scheduler_module
+from kvcompress.engine.sched import scheduler as scheduler_module
 from kvcompress.paging.page_pool import PageState
 
 from .harness import EngineHarness, assert_default_scoring, greedy
@@ -378,7 +378,7 @@ def test_readers_of_one_segment_preempted_while_decoding_answer_as_vanilla(tiny_
     reads is freed while another still reads it.
 
     Before adopters were admitted by what they hold once adopted (the full-sequence check,
-    ``scheduler_kv_cache``), each question had to fit as if its prefix were new pages: with
+    ``sched.kv_cache_manager``), each question had to fit as if its prefix were new pages: with
     the entry read by one question, no second one fitted, and they ran one at a time."""
     rng = random.Random(71)
     prefix = new_tokens(rng, 320)

@@ -36,7 +36,7 @@ FULL_CACHE_TOKENS, COMPRESSED_TOKENS = 256, 32
 def chat_body(model: str, number: int, stream: bool) -> dict:
     full_cache = number % 2 == 1
     # Full-cache chats open with their own words: identical prompts waiting together would
-    # share one computed prefix (engine/prefix_segments.py) and fit without preempting.
+    # share one computed prefix (engine/sched/prefix_segments.py) and fit without preempting.
     content = (f"Chat {number}. {long_question(500)}" if full_cache
                else long_question(600 + 10 * number))
     body = {

@@ -1,4 +1,4 @@
-"""Admission by future page peak (kvcompress.engine.admission), without vLLM."""
+"""Admission by future page peak (kvcompress.engine.sched.admission), without vLLM."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.engine.admission import AdmissionPlanner, Trajectories, Trajectory, peak_pages
+from kvcompress.engine.sched.admission import AdmissionPlanner, Trajectories, Trajectory, peak_pages
 from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
 from kvcompress.paging.page_table import fill_of_lengths
 from kvcompress.policies import layer_budgets, plan_keep, resolve_budget
@@ -244,7 +244,7 @@ def test_the_peak_decides_admission_exactly():
 def test_running_requests_are_ordered_so_the_cheapest_to_recompute_is_preempted():
     from vllm.v1.core.sched.request_queue import SchedulingPolicy
 
-    from kvcompress.engine.scheduler import KVCompressScheduler
+    from kvcompress.engine.sched.scheduler import KVCompressScheduler
 
     def request(name, prompt, computed):
         return SimpleNamespace(name=name, num_prompt_tokens=prompt, num_computed_tokens=computed)

@@ -1,4 +1,4 @@
-"""The worst spread of a shared budget (kvcompress.engine.budget_spread) against every
+"""The worst spread of a shared budget (kvcompress.engine.sched.budget_spread) against every
 spread, enumerated."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.engine.budget_spread import worst_spreads
+from kvcompress.engine.sched.budget_spread import worst_spreads
 
 
 def pages(lengths: np.ndarray, page_size: int) -> int:

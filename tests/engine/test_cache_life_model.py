@@ -50,16 +50,16 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.engine import worker_runtime
-from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import REPORT_ATTR, SEGMENT_READERS_AFTER_ARG
 from kvcompress.engine.pass_schedule import PassSchedule
-from kvcompress.engine.prefix_cache import PrefixCachePolicy
-from kvcompress.engine.prefix_segments import PrefixSegments, Segment
-from kvcompress.engine.scheduler import KVCompressScheduler
-from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
-from kvcompress.engine.worker_moves import MoveBatch
-from kvcompress.engine.worker_runtime import PagedKVRuntime
+from kvcompress.engine.sched.admission import AdmissionPlanner
+from kvcompress.engine.sched.kv_cache_manager import PagedKVCacheManager
+from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.sched.prefix_segments import PrefixSegments, Segment
+from kvcompress.engine.sched.scheduler import KVCompressScheduler
+from kvcompress.engine.worker import runtime as worker_runtime
+from kvcompress.engine.worker.moves import MoveBatch
+from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
 from kvcompress.paging.page_pool import Holder
 from kvcompress.settings.config import KVCompressionConfig
@@ -254,7 +254,7 @@ class CacheLife:
     def arrive_sharing(self, readers: int) -> None:
         """A new prefix and ``readers`` requests starting with it: a segment request first
         in the queue (two output tokens; the scheduler ends it once its prompt is planned),
-        its readers held until it is gone (``engine.prefix_segments``). Half the time
+        its readers held until it is gone (``engine.sched.prefix_segments``). Half the time
         while a segment is pending, the new prefix continues it (a prefix of a prefix: a
         system prompt every request sends, a document some send after it), so that the
         segments nest and either may be compacted first."""

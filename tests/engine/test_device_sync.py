@@ -15,7 +15,7 @@ from kvcompress import device_faults
 from kvcompress.attention.layer import attend_layer
 from kvcompress.device_faults import is_device_fault, may_retry, raise_if_fatal
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine.host_transfer import to_host
+from kvcompress.engine.worker.host_transfer import to_host
 from kvcompress.faults import InjectedFault
 from tests import sync_debug
 from tests.device_emulation import DeviceTensor, emulate_transfers, is_on_device, on_device

@@ -104,7 +104,7 @@ def test_custom_slot_resolves_to_our_backend_only_while_the_model_is_built():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from kvcompress.attention.backend import KVCompressCudaAttentionBackend
-    from kvcompress.engine import worker_gpu as gpu
+    from kvcompress.engine.worker import gpu
     from kvcompress.vllm_hooks import attention_backend_override
 
     with attention_backend_override(gpu.ATTENTION_BACKEND_NAME, gpu.ATTENTION_BACKEND_PATH):
@@ -124,7 +124,7 @@ def test_custom_slot_resolves_to_our_backend_only_while_the_model_is_built():
 
 def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_runs():
     from kvcompress.attention.gpu_kernel import TritonPagedKernel
-    from kvcompress.engine import worker_gpu as gpu
+    from kvcompress.engine.worker import gpu
     from kvcompress.paging import PageLayout
     from kvcompress.step import register_runtime, runtime_for
 
@@ -137,7 +137,7 @@ def test_gpu_runner_builds_the_triton_kernel_and_hides_its_runtime_from_dummy_ru
                                                           "fp8_e5m2")
     assert fp8_kernel.page_format.fp8_dtype == torch.float8_e5m2
 
-    from kvcompress.engine.worker_runner import PagedKVRunnerMixin
+    from kvcompress.engine.worker.runner import PagedKVRunnerMixin
 
     seen = []
 

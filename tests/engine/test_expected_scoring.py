@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvcompress.attention.expected_scores import expected_scores, mean_rotation
-from kvcompress.engine.worker_expected import ExpectedScorer
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.expected import ExpectedScorer
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.profiles import QueryProfile

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvcompress.engine.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
 from kvcompress.paging import PageLayout, ShardedPageManager
 from kvcompress.settings.config import KVCompressionConfig
 

@@ -21,15 +21,15 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.engine import worker_runtime
-from kvcompress.engine.admission import AdmissionPlanner, peak_pages
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
 from kvcompress.engine.pass_schedule import PassSchedule
-from kvcompress.engine.prefix_cache import PrefixCachePolicy
-from kvcompress.engine.prefix_segments import PrefixSegments
-from kvcompress.engine.scheduler import KVCompressScheduler
-from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager
-from kvcompress.engine.worker_runtime import PagedKVRuntime
+from kvcompress.engine.sched.admission import AdmissionPlanner, peak_pages
+from kvcompress.engine.sched.kv_cache_manager import PagedKVCacheManager
+from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.sched.prefix_segments import PrefixSegments
+from kvcompress.engine.sched.scheduler import KVCompressScheduler
+from kvcompress.engine.worker import runtime as worker_runtime
+from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
 from kvcompress.settings.config import KVCompressionConfig
 

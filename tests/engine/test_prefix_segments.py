@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
-from kvcompress.engine.prefix_segments import (
+from kvcompress.engine.sched.prefix_segments import (
     SEGMENT_ID_PREFIX,
     Candidate,
     PrefixSegments,
@@ -145,7 +145,7 @@ def test_held_requests_go_back_where_they_were_behind_those_queued_meanwhile():
     them back in their places; requests vLLM put in meanwhile (preempted) go first."""
     from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
 
-    from kvcompress.engine.scheduler import KVCompressScheduler
+    from kvcompress.engine.sched.scheduler import KVCompressScheduler
 
     class Waiting:  # hashable by identity, as vLLM's requests
         def __init__(self, request_id: str) -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvcompress.attention.reconstruction_scores import accumulate_reconstruction_scores
-from kvcompress.engine.worker_reconstruction import Reconstructor
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.reconstruction import Reconstructor
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.kernels.logits import attention_probs
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompress.engine.worker_moves import MoveBatch, plan_segment_compaction
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.moves import MoveBatch, plan_segment_compaction
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager
 from kvcompress.paging.page_format import PageFormat
 

@@ -13,8 +13,8 @@ import torch
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.engine.worker_compaction import compress_step
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.compaction import compress_step
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.engine.worker_compaction import (
+from kvcompress.engine.worker.compaction import (
     CompactionStats,
     _generated_keys,
     compact_completed_prompts,

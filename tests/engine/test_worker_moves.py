@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.engine.worker_moves import (
+from kvcompress.engine.worker.moves import (
     MoveBatch,
     RowMoves,
     plan_generated_keep,
@@ -306,7 +306,7 @@ def test_rows_shorter_than_their_prompt_part_are_refused():
 
 @pytest.mark.parametrize("slice_pages", [1, 3, 100])
 def test_page_copies_copy_whole_pages_in_slices(monkeypatch, slice_pages):
-    from kvcompress.engine import worker_moves
+    from kvcompress.engine.worker import moves as worker_moves
 
     pool = torch.randn(12, 2, 4, HEAD_SIZE)
     before = pool.clone()

@@ -13,7 +13,7 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.engine.messages import merge_rank_reports
-from kvcompress.engine.worker_runtime import PagedKVRuntime
+from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 from kvcompress.settings.config import KVCompressionConfig
 
@@ -117,7 +117,7 @@ def adopting_runtime(monkeypatch=None, failing_page: int | None = None):
     deltas = {"short": adoption(*ADOPTERS["short"], first_page=0, source_first_page=40),
               "long": adoption(*ADOPTERS["long"], first_page=20, source_first_page=50)}
     if failing_page is not None:
-        from kvcompress.engine import worker_runtime
+        from kvcompress.engine.worker import runtime as worker_runtime
 
         real_copy = worker_runtime.copy_pages
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=4, dtype_bytes=4,

@@ -27,13 +27,13 @@ from kvcompress.attention.reconstruction_scores import (
     SCORING_WORKSPACE_BYTES,
     accumulate_reconstruction_scores,
 )
-from kvcompress.engine import worker_compaction
-from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.scoring_memory import plan_output_bytes, workspace_bytes
-from kvcompress.engine.worker_compaction import _plan
-from kvcompress.engine.worker_expected import ExpectedScorer
-from kvcompress.engine.worker_reconstruction import Reconstructor
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker import compaction as worker_compaction
+from kvcompress.engine.worker.compaction import _plan
+from kvcompress.engine.worker.expected import ExpectedScorer
+from kvcompress.engine.worker.host_transfer import to_host
+from kvcompress.engine.worker.reconstruction import Reconstructor
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT
 from kvcompress.profiles import QueryProfile

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, ShardedPageManager
 
 RANKS = 2

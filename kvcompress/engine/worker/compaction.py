@@ -25,15 +25,15 @@ import numpy as np
 import torch
 
 from kvcompress.device_faults import raise_if_fatal
-from kvcompress.engine.host_transfer import to_host
 from kvcompress.engine.messages import Compaction, merge_compactions
-from kvcompress.engine.worker_moves import (
+from kvcompress.engine.worker.host_transfer import to_host
+from kvcompress.engine.worker.moves import (
     MoveBatch,
     plan_generated_keep,
     plan_prompt_moves,
     plan_segment_compaction,
 )
-from kvcompress.engine.worker_state import RequestKV, WorkerKVState
+from kvcompress.engine.worker.state import RequestKV, WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging.page_format import PageFormat
@@ -50,7 +50,7 @@ logger = get_logger(__name__)
 
 class CompletingPrompts(Protocol):
     """What compacting prompts reads of a batch: a ``StepBatch``, or the requests whose
-    last reconstruction pass ran (``worker_reconstruction.CompletedPasses``)."""
+    last reconstruction pass ran (``worker.reconstruction.CompletedPasses``)."""
 
     req_ids: list[str]
     logical_after: np.ndarray

@@ -1,6 +1,6 @@
 """CPU worker and model runner for kvcompress: vLLM's CPU worker with the paged-KV runner.
 
-Everything but the kernel is shared with the CUDA path (``worker_runner``, the runtime,
+Everything but the kernel is shared with the CUDA path (``worker.runner``, the runtime,
 the scheduler). What is CPU-specific here: the platform kernel (vLLM's own C++ attention
 kernel re-indexed per head, ``attention/cpu_kernel.py``) and the registry slot our
 attention backend fills while the model is built (CPU_ATTN, the only one vLLM's CPU
@@ -15,7 +15,7 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from kvcompress.engine.worker_runner import PagedKVRunnerMixin, require_v1_model_runner
+from kvcompress.engine.worker.runner import PagedKVRunnerMixin, require_v1_model_runner
 from kvcompress.paging import PageLayout
 from kvcompress.step import PlatformKernel
 from kvcompress.vllm_hooks import attention_backend_override

@@ -30,19 +30,19 @@ from kvcompress.engine.messages import (
     pass_grants,
     segment_orders,
 )
-from kvcompress.engine.worker_compaction import (
+from kvcompress.engine.worker.compaction import (
     CompactionStats,
     compact_completed_prompts,
     compress_step,
 )
-from kvcompress.engine.worker_expected import ExpectedScorer
-from kvcompress.engine.worker_moves import MoveBatch, copy_pages
-from kvcompress.engine.worker_reconstruction import (
+from kvcompress.engine.worker.expected import ExpectedScorer
+from kvcompress.engine.worker.moves import MoveBatch, copy_pages
+from kvcompress.engine.worker.reconstruction import (
     CompletedPasses,
     ReconstructionPass,
     Reconstructor,
 )
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout

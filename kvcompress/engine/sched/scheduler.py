@@ -14,7 +14,6 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import RequestStatus
 
-from kvcompress.engine.admission import AdmissionPlanner
 from kvcompress.engine.messages import (
     SEGMENT_READERS_AFTER_ARG,
     Compaction,
@@ -29,8 +28,11 @@ from kvcompress.engine.messages import (
 )
 from kvcompress.engine.metrics import STATS_FIELD, StepFigures
 from kvcompress.engine.pass_schedule import PassSchedule, StepPasses
-from kvcompress.engine.prefix_cache import PrefixCachePolicy
-from kvcompress.engine.prefix_segments import (
+from kvcompress.engine.request_settings import resolve
+from kvcompress.engine.sched.admission import AdmissionPlanner
+from kvcompress.engine.sched.kv_cache_manager import PagedKVCacheManager, virtual_kv_cache_config
+from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
+from kvcompress.engine.sched.prefix_segments import (
     SEGMENT_LOOKAHEAD,
     Candidate,
     PrefixSegments,
@@ -40,8 +42,6 @@ from kvcompress.engine.prefix_segments import (
     segment_boundary,
     segment_request,
 )
-from kvcompress.engine.request_settings import resolve
-from kvcompress.engine.scheduler_kv_cache import PagedKVCacheManager, virtual_kv_cache_config
 from kvcompress.engine.scoring_memory import ScoringGate
 from kvcompress.engine.vllm_layout import ScoringReserve, page_layout
 from kvcompress.log import get_logger
@@ -115,7 +115,7 @@ class KVCompressScheduler(Scheduler):
         self.passes = PassSchedule()
         self._parked_now: list[Any] = []  # out of self.running while vLLM schedules
         # Shared prefixes of waiting requests, each computed once by a request of its own
-        # (``engine.prefix_segments``); their readers are out of self.waiting meanwhile.
+        # (``engine.sched.prefix_segments``); their readers are out of self.waiting meanwhile.
         self.segments = PrefixSegments(boundary=segment_boundary(layout.page_size),
                                        chains=self.prompt_chains)
         # Pending segment entries (filed uncompressed) -> the schedule that first saw them:

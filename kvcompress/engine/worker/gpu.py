@@ -1,6 +1,6 @@
 """CUDA worker and model runner for kvcompress: vLLM's GPU worker with the paged-KV runner.
 
-Everything but the kernel is shared with the CPU path (``worker_runner``, the runtime,
+Everything but the kernel is shared with the CPU path (``worker.runner``, the runtime,
 the scheduler). What is CUDA-specific here:
 
 - the platform kernel: kvcompress's Triton kernels (``attention/gpu_kernel.py``);
@@ -22,7 +22,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from kvcompress.engine.engine_args import CUDA_ATTENTION_BACKEND
-from kvcompress.engine.worker_runner import PagedKVRunnerMixin, require_v1_model_runner
+from kvcompress.engine.worker.runner import PagedKVRunnerMixin, require_v1_model_runner
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
 from kvcompress.step import PlatformKernel, register_runtime

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcompress.engine.budget_spread import worst_spreads
+from kvcompress.engine.sched.budget_spread import worst_spreads
 from kvcompress.paging import PageManager, ShardedPageManager
 from kvcompress.paging.page_table import fill_of_lengths, most_of_fills, pages_for_lengths
 from kvcompress.policies.budgets import layer_budgets

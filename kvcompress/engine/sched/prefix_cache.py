@@ -8,13 +8,13 @@ and the adoption happens when vLLM allocates the request's slots: the entry's wh
 are read in place and only each row's partial last page is copied (it stays cached for
 other requests, which may read the same pages at once) when free pages take the copies and
 the growth, or a waiting branch starts with it too; else it is handed over, so that no other
-conversation's entry is evicted for an adopter's own pages (``scheduler_kv_cache``). vLLM
+conversation's entry is evicted for an adopter's own pages (``sched.kv_cache_manager``). vLLM
 then prefills only the rest of the prompt, and reports the adopted tokens as cached
 (``num_cached_tokens``, prefix-cache metrics).
 
 Who may adopt an entry: no request ends up holding more than it asked to keep, and the
 adopted part is kept as it is (the worker compresses only the new part of the prompt with
-the request's policy, ``worker_compaction``). So a compressed entry is adopted only under
+the request's policy, ``worker.compaction``). So a compressed entry is adopted only under
 the same compression settings. An exact entry (its prompt part kept every token: its rows
 are what a full cache holds) is adopted by a request whose own settings would not compress
 a prompt as long as the adopted part (``none``, or a budget above it); under the same

@@ -6,7 +6,7 @@ never to be the limit: it keeps doing the logical bookkeeping the scheduler reli
 lives in the page pool, and whether a request may run is decided here, in pages.
 
 vLLM's prefix-cache questions are answered here too, from kvcompress's own prefix cache of
-finished requests' pages (``kvcompress.engine.prefix_cache``): a lookup returns the hit's
+finished requests' pages (``kvcompress.engine.sched.prefix_cache``): a lookup returns the hit's
 tokens with no vLLM blocks; the adoption happens in ``allocate_slots``, which hands the
 inner manager those tokens as already computed ("external") so it keeps its logical blocks.
 """
@@ -23,8 +23,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvcompress.engine.admission import AdmissionPlanner
-from kvcompress.engine.prefix_cache import Match, PrefixCachePolicy
+from kvcompress.engine.sched.admission import AdmissionPlanner
+from kvcompress.engine.sched.prefix_cache import Match, PrefixCachePolicy
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
 

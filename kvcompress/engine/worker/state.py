@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from kvcompress.device_timing import StageTimer
-from kvcompress.engine.decode_plan import plan_decode_scoring
 from kvcompress.engine.scoring_memory import scores_prompt
-from kvcompress.engine.worker_moves import RowMoves
+from kvcompress.engine.worker.decode_plan import plan_decode_scoring
+from kvcompress.engine.worker.moves import RowMoves
 from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
 from kvcompress.policies.decode import DecodeEviction
@@ -275,8 +275,8 @@ class WorkerKVState:
         """Metadata for one step. ``wants_compression[i]``: request i is to be compacted
         when its prompt completes, so the queries of its last ``observation_windows[i]``
         prompt positions score the prompt, unless ``scored_after_forward[i]``: then a
-        reconstruction pass (``worker_reconstruction``) or its query profile
-        (``worker_expected``) scores it after the forward, and with hybrid scoring the
+        reconstruction pass (``worker.reconstruction``) or its query profile
+        (``worker.expected``) scores it after the forward, and with hybrid scoring the
         window too; unless ``surrogate_scored[i]``: then ``surrogate`` scores every prompt
         token of its new segment in the step that prefills it (``SurrogatePlan``)."""
         layout = self.layout

@@ -24,8 +24,8 @@ from kvcompress.calibration import REPEAT_PROMPT
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport, merge_rank_reports
 from kvcompress.engine.scoring_memory import reconstruction_chunk
 from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
-from kvcompress.engine.worker_reconstruction import ReconstructionPass
-from kvcompress.engine.worker_runtime import PagedKVRuntime
+from kvcompress.engine.worker.reconstruction import ReconstructionPass
+from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
 from kvcompress.profiles import check_profile_shape, load_profile

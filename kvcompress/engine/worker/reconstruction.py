@@ -29,7 +29,7 @@ import torch
 
 from kvcompress.engine.pass_schedule import pass_chunk
 from kvcompress.engine.scoring_memory import MAX_REPEAT_TOKENS
-from kvcompress.engine.worker_state import WorkerKVState
+from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import HeadPageTable
 from kvcompress.paging.batch_tables import PageTableCache
 from kvcompress.step import StepBatch, WindowQueries
@@ -49,7 +49,7 @@ class ReconstructionPass:
 @dataclass
 class CompletedPasses:
     """The requests whose last pass ran in a step (none of them in its batch), as
-    ``worker_compaction.compact_completed_prompts`` reads a step: each completes its prompt."""
+    ``worker.compaction.compact_completed_prompts`` reads a step: each completes its prompt."""
 
     req_ids: list[str]
     logical_after: np.ndarray  # [R] vLLM's computed tokens at the end of each prompt

@@ -25,7 +25,7 @@ with it becomes a **fork**: a segment copied off its uncompacted pages by a pseu
 of the same id form (no prefill, no vLLM request), planned from its scores, filed as a
 segment request's pages are (``KVCompressScheduler._fork``, docs/design.md).
 
-No state beyond the pending segments; the scheduler (``engine/scheduler.py``) does the queue
+No state beyond the pending segments; the scheduler (``engine/sched/scheduler.py``) does the queue
 work.
 """
 
