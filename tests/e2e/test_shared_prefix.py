@@ -11,7 +11,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.request import RequestStatus
 
-from kvcompress.engine.sched import scheduler as scheduler_module
+from kvcompress.engine.sched import sharing as sharing_module
 from kvcompress.paging.page_pool import PageState
 
 from .harness import EngineHarness, assert_default_scoring, greedy
@@ -137,7 +137,7 @@ def test_readers_queued_beyond_the_lookahead_wait_for_the_segment_too(tiny_llama
     """Only the first waiting requests are grouped (two here, 64 by default), but every
     waiting request that starts with a segment being computed waits for it: the prefix is
     computed once for all six questions, and they answer as vanilla."""
-    monkeypatch.setattr(scheduler_module, "SEGMENT_LOOKAHEAD", 2)
+    monkeypatch.setattr(sharing_module, "SEGMENT_LOOKAHEAD", 2)
     rng = random.Random(61)
     prefix = new_tokens(rng, 304)
     questions = questions_on(prefix, 6, 30, seed=62)

@@ -247,15 +247,22 @@ def test_running_requests_are_ordered_so_the_cheapest_to_recompute_is_preempted(
     from kvcompress.engine.sched.scheduler import KVCompressScheduler
 
     def request(name, prompt, computed):
-        return SimpleNamespace(name=name, num_prompt_tokens=prompt, num_computed_tokens=computed)
+        return SimpleNamespace(name=name, request_id=name, num_prompt_tokens=prompt,
+                               num_computed_tokens=computed)
 
     running = [request("old", 100, 180), request("prefill", 900, 512),
                request("young", 100, 110), request("oldest", 100, 200)]
-    scheduler = SimpleNamespace(policy=SchedulingPolicy.FCFS, running=running)
+    scheduler = SimpleNamespace(policy=SchedulingPolicy.FCFS, running=running,
+                                _resting=frozenset())
     KVCompressScheduler._order_running_by_recompute_cost(scheduler)
     # decoding first, most computed first; the prompt still in prefill last (victim first)
     assert [r.name for r in scheduler.running] == ["oldest", "old", "young", "prefill"]
-    scheduler = SimpleNamespace(policy=SchedulingPolicy.PRIORITY, running=list(running))
+    # A resting request (parked for passes, deferred) comes first: never vLLM's victim.
+    scheduler._resting = frozenset({"young"})
+    KVCompressScheduler._order_running_by_recompute_cost(scheduler)
+    assert [r.name for r in scheduler.running] == ["young", "oldest", "old", "prefill"]
+    scheduler = SimpleNamespace(policy=SchedulingPolicy.PRIORITY, running=list(running),
+                                _resting=frozenset())
     KVCompressScheduler._order_running_by_recompute_cost(scheduler)
     assert scheduler.running == running
 

@@ -51,18 +51,19 @@ from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.engine.messages import REPORT_ATTR, SEGMENT_READERS_AFTER_ARG
-from kvcompress.engine.pass_schedule import PassSchedule
 from kvcompress.engine.sched.admission import AdmissionPlanner
 from kvcompress.engine.sched.kv_cache_manager import PagedKVCacheManager
 from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
-from kvcompress.engine.sched.prefix_segments import PrefixSegments, Segment
+from kvcompress.engine.sched.prefix_segments import Segment
+from kvcompress.engine.sched.request_life import Life
 from kvcompress.engine.sched.scheduler import KVCompressScheduler
-from kvcompress.engine.worker import runtime as worker_runtime
+from kvcompress.engine.worker import page_work
 from kvcompress.engine.worker.moves import MoveBatch
 from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
 from kvcompress.paging.page_pool import Holder
 from kvcompress.settings.config import KVCompressionConfig
+from tests.engine.scheduler_stand_in import stand_in_scheduler
 
 PAGE = 4
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_size=8, page_size=PAGE, dtype_bytes=4,
@@ -151,8 +152,11 @@ class CacheLife:
         self.filed: dict[str, int] = {}  # request -> the entry it became, until followed
         self.most_readers = 0  # the most running requests that read one page at once
         self.held: dict[str, list[Request]] = {}  # segment request -> readers waiting for it
+        self.segment_ids: set[str] = set()  # every segment request made
         self.segment_compactions = 0  # with readers, in this life
         self.nested_segments = 0  # segment requests whose prefix continues a pending one
+        self.sample_groups = 0  # n > 1: requests with one prompt arriving together
+        self.sample_rng = random.Random(seed + 10_000)  # (the other arrivals' draws unchanged)
         # Rows of holders whose segment pages a shorter segment's compaction had shifted.
         self.shifted_compactions = 0
 
@@ -160,15 +164,9 @@ class CacheLife:
     def _scheduler(self, monkeypatch: pytest.MonkeyPatch) -> KVCompressScheduler:
         """kvcompress's scheduler with vLLM's base reduced to what a step does to requests."""
         driver = self
-        scheduler = object.__new__(KVCompressScheduler)
-        scheduler.__dict__.update(
+        scheduler = stand_in_scheduler(
             kv_cache_manager=self.kv, page_manager=self.pages, reuse=self.reuse,
-            log_stats=False, check_pages_every_step=True, requests=self.requests,
-            num_pages_freed_by_compression=0,
-            scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
-            passes=PassSchedule(), segments=PrefixSegments(), _schedules=0,
-            _pending_since={}, _segment_readers={}, _deferred=set(), _forks={}, _compacting={},
-            _held_since={}, _fits_asked=((), False), _evictions_planned_for=(), _views={})
+            check_pages_every_step=True, requests=self.requests)
 
         def update_from_output(self, scheduler_output, model_runner_output):
             for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -207,6 +205,8 @@ class CacheLife:
             if request in queue:
                 queue.remove(request)
         self.kv.free(request)
+        if self.scheduler.lives.state(request.request_id) is not Life.FILED:
+            self.scheduler.lives.end(request.request_id)
         del self.requests[request.request_id]
         self.finished_since.add(request.request_id)
         self.ended[request.request_id] = request
@@ -238,6 +238,17 @@ class CacheLife:
         self.waiting.append(self._request(f"r{self.next_id}", prompt, dict(overrides),
                                           self.rng.randint(1, 40)))
 
+    def arrive_samples(self, n: int) -> None:
+        """vLLM's ``n > 1``: ``n`` requests with one prompt and one setting arriving together
+        (each samples its own answer), mostly continuing a cached conversation."""
+        self.arrive(new_tokens=24)
+        first = self.waiting[-1]
+        prompt, settings = list(first.all_token_ids), first.sampling_params.extra_args
+        for _ in range(n - 1):
+            self.waiting.append(self._request(f"r{self.next_id}", list(prompt),
+                                              dict(settings), self.rng.randint(1, 40)))
+        self.sample_groups += 1
+
     def _request(self, request_id: str, prompt: list[int], extra_args: dict,
                  max_tokens: int) -> Request:
         self.next_id += 1
@@ -268,6 +279,7 @@ class CacheLife:
                          if key != SEGMENT_READERS_AFTER_ARG}
             self.nested_segments += 1
         segment_id = self.scheduler.segments.next_id()
+        self.segment_ids.add(segment_id)
         self.waiting.insert(0, self._request(
             segment_id, prefix, {**overrides, SEGMENT_READERS_AFTER_ARG: 4}, 2))
         self.scheduler.segments.pending[segment_id] = Segment(
@@ -278,7 +290,7 @@ class CacheLife:
                                     for _ in range(self.rng.randint(1, 8))],
                           dict(overrides), self.rng.randint(1, 40))
             for _ in range(readers)]
-        self.scheduler._segment_readers[segment_id] = [r.request_id for r in readers_held]
+        self.scheduler.lives.begin(segment_id, [r.request_id for r in readers_held])
 
     def release_held(self) -> None:
         """Readers whose segment request is gone (filed, aborted) wait in the queue."""
@@ -302,8 +314,8 @@ class CacheLife:
             starts = {("r", r): pending.start_in(pages._requests[r].table) for r in readers}
             starts.update({("e", e): pending.start_in(pages.entry(e).table) for e in entries})
             before[entry_id] = (pending, starts)
-        self.scheduler._schedules += 1
-        self.scheduler._compact_segments()
+        self.scheduler.sharing.schedules += 1
+        self.scheduler.sharing.compact_segments()
         for entry_id, (pending, starts) in before.items():
             if entry_id in pages.pending_ids():
                 continue
@@ -380,6 +392,9 @@ class CacheLife:
             if burst > 1 and self.rng.random() < 0.3:
                 self.arrive_sharing(burst)
                 burst = 0
+            if burst > 1 and self.sample_rng.random() < 0.25:
+                self.arrive_samples(burst)
+                burst = 0
             # Half the bursts continue one entry together: concurrent readers of it.
             together = (self.pick_continuation() if burst > 1 and self.entries
                         and self.rng.random() < 0.5 else None)
@@ -440,7 +455,7 @@ class CacheLife:
 
     # ------------------------------------------------------------ the worker
     def _patch_faults(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real_copy, real_run = worker_runtime.copy_pages, MoveBatch.run
+        real_copy, real_run = page_work.copy_pages, MoveBatch.run
         driver = self
         driver.copy_fault = False
         driver.batch_runs = False  # this step runs a batch (so its report comes now)
@@ -453,7 +468,7 @@ class CacheLife:
                 raise RuntimeError("injected device fault after the batched copy")
 
         def run(batch, pool, mover, request_ids=None):
-            segments = [r for r in batch._by_request if driver.scheduler.segments.is_segment(r)]
+            segments = [r for r in batch._by_request if r in driver.segment_ids]
             if (segments and driver.batch_runs
                     and driver.rng.random() < driver.faults.segment_moves):
                 src, dst = batch._by_request[segments[0]]
@@ -471,7 +486,7 @@ class CacheLife:
                 raise RuntimeError("injected device fault after half the moves")
             real_run(batch, pool, mover, request_ids)
 
-        monkeypatch.setattr(worker_runtime, "copy_pages", copy_pages)
+        monkeypatch.setattr(page_work, "copy_pages", copy_pages)
         monkeypatch.setattr(MoveBatch, "run", run)
 
     def _watch_retirements(self) -> None:
@@ -640,11 +655,18 @@ def test_lives_have_several_concurrent_readers_of_one_entry(monkeypatch):
     assert sum(life.segment_compactions for life in lives) >= 3
 
 
+def test_lives_send_parallel_samples_that_read_one_entry(monkeypatch):
+    """``n > 1`` (issue 51): requests with one prompt arriving together, while others
+    write, compact, end and are preempted; the lives above include them."""
+    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(3)]
+    assert sum(life.sample_groups for life in lives) >= 3
+
+
 def test_lives_nest_segments_and_compact_the_shorter_first(monkeypatch):
     """Prefixes of prefixes (issue 51): segments made while another they continue is
     pending, and compactions of the longer one after the shorter one's shifted its pages in
     the holders' rows (where pages recorded by position went wrong)."""
-    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(6)]
+    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(10)]
     assert sum(life.nested_segments for life in lives) >= 3
     assert sum(life.shifted_compactions for life in lives) >= 1
 

@@ -14,11 +14,9 @@ import torch
 from kvcompress.attention.decode_scores import score_decode_layer
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.engine.worker import compaction as worker_compaction
-from kvcompress.engine.worker.compaction import (
-    compact_completed_prompts,
-    compress_step,
-    evict_generated_tokens,
-)
+from kvcompress.engine.worker.compaction import compact_completed_prompts
+from kvcompress.engine.worker.compression import compress_step
+from kvcompress.engine.worker.decode_eviction import evict_generated_tokens
 from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 from kvcompress.policies import KeepPlan, plan_keep, plan_keep_each

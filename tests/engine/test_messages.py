@@ -48,3 +48,15 @@ def test_a_decode_eviction_after_a_prompt_compaction_carries_the_prompts_evictio
     ranks = merge_rank_reports([merged, merged])
     assert ranks.compactions["a"].prompt_evicted.tolist() == [12, 20, 12, 20]
     assert ranks.compactions["b"].prompt_evicted is None
+
+
+def test_a_segment_compaction_failed_on_another_rank_reaches_the_scheduler():
+    """A shared segment's in-place compaction failed on rank 1 only (issue 51): the merged
+    report names the segment (the scheduler drops the entries holding it) and fails its
+    reader on every rank, though rank 0 compacted the reader's prompt."""
+    rank0 = report({"r": Compaction(90, np.array([10]))})
+    rank1 = report({}, failures={
+        "kvcompress-segment-3": "compacting the shared prefix in place failed: fault",
+        "r": "compacting the shared prefix it reads failed: fault"})
+    merged = merge_rank_reports([rank0, rank1])
+    assert set(merged.failures) == {"kvcompress-segment-3", "r"} and not merged.compactions

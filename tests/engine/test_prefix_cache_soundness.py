@@ -22,16 +22,15 @@ from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport
-from kvcompress.engine.pass_schedule import PassSchedule
 from kvcompress.engine.sched.admission import AdmissionPlanner, peak_pages
 from kvcompress.engine.sched.kv_cache_manager import PagedKVCacheManager
 from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
-from kvcompress.engine.sched.prefix_segments import PrefixSegments
 from kvcompress.engine.sched.scheduler import KVCompressScheduler
-from kvcompress.engine.worker import runtime as worker_runtime
+from kvcompress.engine.worker import page_work
 from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, ShardedPageManager
 from kvcompress.settings.config import KVCompressionConfig
+from tests.engine.scheduler_stand_in import stand_in_scheduler
 
 
 class Request(SimpleNamespace):
@@ -170,7 +169,7 @@ def test_a_copy_source_is_never_another_pages_destination_in_the_same_step(monke
     assert deltas["a1"].copies[0].tolist() == sources.tolist()
     assert not set(sources.tolist()) & set(deltas["x"].appends[0][1].tolist())
 
-    real_copy = worker_runtime.copy_pages
+    real_copy = page_work.copy_pages
     calls = []
 
     def copy_then_fail_the_batch(pool, src, dst):
@@ -179,7 +178,7 @@ def test_a_copy_source_is_never_another_pages_destination_in_the_same_step(monke
         if len(calls) == 1:
             raise RuntimeError("device fault")
 
-    monkeypatch.setattr(worker_runtime, "copy_pages", copy_then_fail_the_batch)
+    monkeypatch.setattr(page_work, "copy_pages", copy_then_fail_the_batch)
     runtime.begin_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(),
                                        kvcompress_page_deltas=[deltas]))
     table = runtime.state.requests["a1"].table
@@ -218,15 +217,9 @@ def test_a_request_whose_compaction_failed_is_not_filed_when_it_finishes_in_that
     done = request("a", range(100, 141), prompt_len=36, computed=40,
                    status=RequestStatus.RUNNING)
     assert manager.pages.allocate("a", 40)
-    scheduler = object.__new__(KVCompressScheduler)
-    scheduler.__dict__.update(
+    scheduler = stand_in_scheduler(
         kv_cache_manager=manager, page_manager=manager.pages, reuse=manager.reuse,
-        log_stats=False, check_pages_every_step=False, requests={"a": done},
-        scoring_gate=SimpleNamespace(prune=lambda requests, held=(): None),
-        passes=PassSchedule(), segments=PrefixSegments(), _deferred=set(), _forks={},
-        _compacting={}, _held_since={}, _fits_asked=((), False), _evictions_planned_for=(),
-        _views={},
-        _segment_readers={})
+        requests={"a": done})
 
     def vllm_update(self, scheduler_output, model_runner_output):
         # vLLM: "a" hit its stop condition in this step, so it is finished and freed.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -140,35 +142,26 @@ def test_only_query_agnostic_scores_or_a_prompt_kept_whole_make_a_segment():
     assert may_segment(KVCompressionConfig.from_mapping({"kv_compression": "none"}), 2000)
 
 
-def test_held_requests_go_back_where_they_were_behind_those_queued_meanwhile():
-    """The scheduler takes held readers out of vLLM's FCFS queue while it schedules and puts
-    them back in their places; requests vLLM put in meanwhile (preempted) go first."""
-    from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+def test_held_requests_are_skipped_by_vllms_waiting_loop_in_their_places():
+    """A request held for a shared prefix stays in vLLM's waiting queue: vLLM's loop asks
+    the scheduler whether it may be scheduled (the seam vLLM offers for requests waiting
+    on something, as for a grammar) and keeps its place; the others are vLLM's to decide."""
+    from vllm.v1.request import RequestStatus
 
+    from kvcompress.engine.sched.request_life import Life, RequestLives
     from kvcompress.engine.sched.scheduler import KVCompressScheduler
 
-    class Waiting:  # hashable by identity, as vLLM's requests
-        def __init__(self, request_id: str) -> None:
-            self.request_id = request_id
-
-    request = Waiting
-
-    a, r1, b, r2, c, preempted = (request(name) for name in
-                                  ("a", "r1", "b", "r2", "c", "preempted"))
+    lives = RequestLives()
+    lives.hold_exactly(["held"], schedule=1)
     scheduler = object.__new__(KVCompressScheduler)
-    scheduler.__dict__.update(policy=SchedulingPolicy.FCFS,
-                              waiting=create_request_queue(SchedulingPolicy.FCFS))
-    for item in (a, r1, b, r2, c):
-        scheduler.waiting.add_request(item)
-    positions = {item.request_id: index for index, item in enumerate(scheduler.waiting)}
-    scheduler.waiting.remove_requests([r1, r2])
-    # vLLM admits a, preempts a running request (prepended) and leaves b and c waiting.
-    scheduler.waiting.pop_request()
-    scheduler.waiting.prepend_request(preempted)
-    KVCompressScheduler._unhold(scheduler, [r1, r2], positions)
-    assert [item.request_id for item in scheduler.waiting] == [
-        "preempted", "r1", "b", "r2", "c"]
-
+    scheduler.lives = lives
+    waiting = SimpleNamespace(request_id="waiting", status=RequestStatus.WAITING)
+    held = SimpleNamespace(request_id="held", status=RequestStatus.WAITING)
+    skip = scheduler._handle_blocked_waiting_request
+    assert not skip(held)
+    assert skip(waiting)  # (vLLM's own answer for a plain waiting request)
+    lives.hold_exactly([], schedule=2)  # a hold lasts one schedule
+    assert lives.state("held") is Life.FREE and skip(held)
 
 
 def test_a_segment_request_asks_two_tokens_and_says_where_its_readers_place_it():
@@ -199,7 +192,7 @@ def test_a_segment_is_made_once_for_its_readers_and_replanning_waits_for_somethi
     assert [(len(segment.tokens), readers) for segment, readers in made] == [
         (304, ["a0", "x"])]
     (segment, readers), = made
-    segments.serve(readers, len(segment.tokens))  # (its request ended, all computed)
+    segments.lives.serve(readers, len(segment.tokens))  # (its request ended, all computed)
     segments.prune(lambda request_id: request_id in ("a0", "x", "a2"))  # the segment is gone
     assert segments.plan([a0, x], version=2) == [], "the same segment again"
     # With a newcomer that shares a longer prefix with a0: a longer segment is made.

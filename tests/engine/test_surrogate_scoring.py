@@ -13,7 +13,7 @@ import torch
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.engine.worker.compaction import compress_step
+from kvcompress.engine.worker.compression import compress_step
 from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 from kvcompress.settings.config import KVCompressionConfig

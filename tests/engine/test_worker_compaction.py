@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompress.engine.worker.compaction import (
-    CompactionStats,
-    _generated_keys,
-    compact_completed_prompts,
-    evict_generated_tokens,
-)
+from kvcompress.engine.worker.compaction import CompactionStats, compact_completed_prompts
+from kvcompress.engine.worker.decode_eviction import _generated_keys, evict_generated_tokens
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, PageFormat
 from kvcompress.policies import plan_keep
 from kvcompress.settings.config import KVCompressionConfig

@@ -16,7 +16,8 @@ import torch
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
-from kvcompress.engine.worker.compaction import compact_completed_prompts, compress_step
+from kvcompress.engine.worker.compaction import compact_completed_prompts
+from kvcompress.engine.worker.compression import compress_step
 from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.kernels import has_triton
 from kvcompress.paging import PageLayout, PageManager

@@ -13,6 +13,7 @@ import torch
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
 from kvcompress.attention.layer import attend_layer
 from kvcompress.engine.messages import merge_rank_reports
+from kvcompress.engine.worker import page_work
 from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
 from kvcompress.settings.config import KVCompressionConfig
@@ -117,16 +118,15 @@ def adopting_runtime(monkeypatch=None, failing_page: int | None = None):
     deltas = {"short": adoption(*ADOPTERS["short"], first_page=0, source_first_page=40),
               "long": adoption(*ADOPTERS["long"], first_page=20, source_first_page=50)}
     if failing_page is not None:
-        from kvcompress.engine.worker import runtime as worker_runtime
 
-        real_copy = worker_runtime.copy_pages
+        real_copy = page_work.copy_pages
 
         def copy_pages(pool, src, dst):
             if failing_page in dst.tolist():
                 raise RuntimeError("device fault")
             real_copy(pool, src, dst)
 
-        monkeypatch.setattr(worker_runtime, "copy_pages", copy_pages)
+        monkeypatch.setattr(page_work, "copy_pages", copy_pages)
     before = runtime.pool.clone()
     runtime.begin_step(SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(),
                                        kvcompress_page_deltas=[deltas]))

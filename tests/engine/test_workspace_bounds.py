@@ -47,7 +47,7 @@ PROMPT = 32 * 1024
 
 @dataclass
 class ScoredRequest:
-    """What planning reads of a request (``worker_state.RequestKV``)."""
+    """What planning reads of a request (``worker.request_kv.RequestKV``)."""
 
     prompt_len: int
     window_scores: torch.Tensor | None

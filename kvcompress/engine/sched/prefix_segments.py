@@ -12,10 +12,10 @@ scored (query-agnostic scores only, see ``may_segment``) and compacted at the po
 for that many tokens, sinks included, and it ends as soon as its prompt is compacted (the
 scheduler finishes it; its outputs never leave the engine), which retires its pages into a
 prefix-cache entry cut exactly at the prefix's end. Meanwhile the requests whose prompts
-start with a segment being made are **held**: taken out of vLLM's waiting queue while it
-schedules (so the requests behind them are not blocked) and put back after
-(``held_requests``). Once the segment request is gone (filed, aborted, failed) nobody is held
-any more: the requests adopt the entry by sharing (every one reads its whole pages in place,
+start with a segment being made are **held**: skipped by vLLM's waiting loop while it
+schedules, in their places (so the requests behind them are not blocked; ``request_life``).
+Once the segment request is gone (filed, aborted, failed) nobody is held any more: the
+requests adopt the entry by sharing (every one reads its whole pages in place,
 ``paging/prefix_cache.py``), prefill only their own part, compress it as an adopter's new
 part, and report the prefix as cached.
 
@@ -23,10 +23,11 @@ A burst's first request often reaches an idle engine alone and completes its pro
 the others arrive. Its compaction then waits a step, and what the waiting requests share
 with it becomes a **fork**: a segment copied off its uncompacted pages by a pseudo-request
 of the same id form (no prefill, no vLLM request), planned from its scores, filed as a
-segment request's pages are (``KVCompressScheduler._fork``, docs/design.md).
+segment request's pages are (``PrefixSharing._fork``, docs/design.md).
 
-No state beyond the pending segments; the scheduler (``engine/sched/scheduler.py``) does the queue
-work.
+State: the pending segments; each request's sharing state is its record in
+``request_life`` (segment requests are known as made, what was made for a reader); the
+queue work is ``sharing``'s.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvcompress.engine.messages import SEGMENT_READERS_AFTER_ARG
+from kvcompress.engine.sched.request_life import RequestLives
 from kvcompress.paging.prefix_index import (
     BLOCK_TOKENS,
     PromptChains,
@@ -191,34 +193,21 @@ class PrefixSegments:
     made: int = 0
     tokens: int = 0
     forks: int = 0
-    # Requests a segment or fork was made for that failed: they compress their own copies
-    # from now on (one made for them again could fail again, and hold them forever).
-    unshared: set[str] = field(default_factory=set)
-    # Each request a segment was computed for (its request ended having computed it all) or
-    # a fork made for -> its length: another is made for it only if longer by
-    # ``min_tokens`` (as for a cached hit), so a segment its readers could not adopt
-    # (evicted first, filed without a plan) is not made again for them every step. One cut
-    # short (aborted) may be made again.
-    served: dict[str, int] = field(default_factory=dict)
+    # Each request's sharing state: segment requests as made, the length of what was made
+    # for each reader (``choose``: another only if longer by ``min_tokens``, as for a cached
+    # hit, so a segment its readers could not adopt is not made again every step).
+    lives: RequestLives = field(default_factory=RequestLives)
     # Tokens two waiting requests share, by (first, other) id (``_shared_of``).
     _pairs: dict[tuple[str, str], int] = field(default_factory=dict)
     # The candidates of the last plan and the cache state it saw (``plan``).
     _planned: set[str] = field(default_factory=set)
     _planned_at: Hashable = None
-    # The segment requests this grouping made, while they live: known by id as made, never by
-    # how an id looks (a client's own id may start like ours).
-    _segment_ids: set[str] = field(default_factory=set)
 
     def prune(self, live: Callable[[str], bool]) -> None:
         """Forget segments whose request finished, was aborted or failed: their readers are
         held no longer."""
         for request_id in [rid for rid in self.pending if not live(rid)]:
             del self.pending[request_id]
-        self.unshared = {request_id for request_id in self.unshared if live(request_id)}
-        self.served = {request_id: length for request_id, length in self.served.items()
-                       if live(request_id)}
-        self._segment_ids = {request_id for request_id in self._segment_ids
-                             if request_id in self.pending or live(request_id)}
 
     def prompt_of(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
         """The request's prompt as int64 tokens (converted once)."""
@@ -229,8 +218,8 @@ class PrefixSegments:
         return self.chains.get(request_id, len(token_ids), lambda: token_ids)
 
     def is_segment(self, request_id: str) -> bool:
-        """Whether the request is one this grouping made (a segment request or a fork)."""
-        return request_id in self._segment_ids
+        """Whether the request is a segment request or fork of ours (``RequestLives``)."""
+        return self.lives.is_segment(request_id)
 
     def holding(self, tokens: np.ndarray | TokenChain, prompt_len: int,
                 settings: Hashable) -> bool:
@@ -254,8 +243,9 @@ class PrefixSegments:
         """``choose_segment`` under this grouping's minimum and boundary, each request's
         earlier segment counting as a cached hit (``served``)."""
         for candidate in (first, *others):
-            if candidate.request_id in self.served:
-                candidate.cached = max(candidate.cached or 0, self.served[candidate.request_id])
+            served = self.lives.served(candidate.request_id)
+            if served:
+                candidate.cached = max(candidate.cached or 0, served)
         return choose_segment(first, others, self.min_tokens, self.boundary, self._shared_of)
 
     def _shared_of(self, first: Candidate, other: Candidate) -> int:
@@ -269,15 +259,9 @@ class PrefixSegments:
             shared = self._pairs[key] = first.shared_with(other)
         return shared
 
-    def serve(self, readers: Sequence[str], length: int) -> None:
-        """A segment or fork of ``length`` tokens was made for ``readers``."""
-        self.served.update(dict.fromkeys(readers, length))
-
     def next_id(self) -> str:
-        """A new segment request's id, known as one from now on (``is_segment``)."""
-        request_id = f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]
-        self._segment_ids.add(request_id)
-        return request_id
+        """A new segment request's id (known as one once ``lives.begin`` records it)."""
+        return f"{SEGMENT_ID_PREFIX}{next(self._ids)}"  # type: ignore[call-overload]
 
     def plan(self, candidates: Sequence[Candidate],
              cached_of: Callable[[str], int] = lambda request_id: 0,
@@ -322,6 +306,7 @@ class PrefixSegments:
                 if not length:
                     continue
                 segment = Segment(self.next_id(), first.tokens[:length].copy(), first.settings)
+                self.lives.begin(segment.request_id, readers)
                 self.pending[segment.request_id] = segment
                 self.made += 1
                 self.tokens += length

@@ -20,7 +20,7 @@ from kvcompress.attention.expected_scores import (
     mean_rotation,
     rotated_profile,
 )
-from kvcompress.engine.worker.state import RequestKV
+from kvcompress.engine.worker.request_kv import RequestKV
 from kvcompress.paging import PageLayout
 from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies.plan import workspace_scores

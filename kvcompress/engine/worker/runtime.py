@@ -30,13 +30,10 @@ from kvcompress.engine.messages import (
     pass_grants,
     segment_orders,
 )
-from kvcompress.engine.worker.compaction import (
-    CompactionStats,
-    compact_completed_prompts,
-    compress_step,
-)
+from kvcompress.engine.worker.compaction import CompactionStats, compact_completed_prompts
+from kvcompress.engine.worker.compression import compress_step
 from kvcompress.engine.worker.expected import ExpectedScorer
-from kvcompress.engine.worker.moves import MoveBatch, copy_pages
+from kvcompress.engine.worker.page_work import copy_adopted_pages, run_segment_plans
 from kvcompress.engine.worker.reconstruction import (
     CompletedPasses,
     ReconstructionPass,
@@ -172,12 +169,13 @@ class PagedKVRuntime:
             self.reconstructor.forget(scheduler_output.preempted_req_ids or ())
         self._pass_grants = pass_grants(scheduler_output)
         deltas = page_deltas(scheduler_output, self.rank)
-        readers_failed = self._run_segment_plans(segment_orders(scheduler_output, self.rank),
-                                                 deltas)
+        readers_failed = run_segment_plans(
+            self.state, self.pool, self.kernel, segment_orders(scheduler_output, self.rank),
+            deltas, self._segment_failures)
         self.state.apply_deltas(deltas)
         self.state.adoption_failures.update(readers_failed)  # (a fresh table clears them)
         self._start_forks()
-        self._copy_adopted_pages()
+        copy_adopted_pages(self.state, self.pool)
 
     def _start_forks(self) -> None:
         """Set up this step's forks (``WorkerKVState.fork``) before the page copies run: a
@@ -195,64 +193,6 @@ class PagedKVRuntime:
                 logger.exception("kvcompress: forking %s off %s failed", fork.segment_id,
                                  source_id)
                 self.state.requests.pop(fork.segment_id)
-
-    def _run_segment_plans(self, orders: dict[str, Any],
-                           deltas: dict[str, Any]) -> dict[str, str]:
-        """Compact the segments the scheduler ordered compacted (their plans were kept when
-        their requests ended) in place, before anything reads them; forget the others. If
-        the moves fail, the requests reading them (those whose tables drop pages in this
-        step, and those that adopt any page the moves wrote) fail, the scheduler drops the
-        entries holding them; the engine goes on. Returns the failed readers, why."""
-        readers_failed: dict[str, str] = {}
-        for request_id, drops in orders.items():
-            if drops is None:
-                self.state.parked.pop(request_id, None)
-                continue
-            parked = self.state.take_parked(request_id, drops)
-            moves = MoveBatch(self.layout.page_size)
-            moves.add(request_id, parked.pages, parked.moves)
-            try:
-                moves.run(self.pool, self.kernel)
-            except Exception as error:
-                raise_if_fatal(error, self.pool.device, "compacting a shared segment")
-                logger.exception("kvcompress: compacting segment %s failed", request_id)
-                # The scheduler drops the entries that hold it (their rows shrank already).
-                self._segment_failures[request_id] = (
-                    f"compacting the shared prefix in place failed: {error!r}")
-                written = np.unique(moves.destination_pages(request_id))
-                for reader, delta in deltas.items():
-                    if delta.removals or _adopts_any(delta, written):
-                        readers_failed[reader] = (
-                            f"compacting the shared prefix it reads failed: {error!r}")
-        return readers_failed
-
-    def _copy_adopted_pages(self) -> None:
-        """Every adoption's page copies in one index copy on the pool; if that fails (and
-        may be retried: ``raise_if_fatal``), each request's alone, and those that fail again
-        fail their request (reported with the step, ``WorkerKVState.adoption_failures``).
-        Re-running a copy is harmless: its sources are a cached entry's partial pages, which
-        no copy of the step writes (the scheduler pins them until the step's deltas are
-        taken). The entry's whole pages are read in place, not copied."""
-        copies = self.state.take_copies()
-        if not copies:
-            return
-        try:
-            copy_pages(self.pool, np.concatenate([src for src, _ in copies.values()]),
-                       np.concatenate([dst for _, dst in copies.values()]))
-            return
-        except Exception as error:
-            raise_if_fatal(error, self.pool.device, "copying adopted pages")
-            logger.exception("kvcompress: copying adopted pages failed; retrying request by "
-                             "request")
-        for request_id, (src, dst) in copies.items():
-            try:
-                copy_pages(self.pool, src, dst)
-            except Exception as error:
-                raise_if_fatal(error, self.pool.device, "copying adopted pages")
-                logger.exception("kvcompress: copying the adopted pages of request %s failed",
-                                 request_id)
-                self.state.adoption_failures[request_id] = (
-                    f"copying the adopted pages failed: {error!r}")
 
     def build_attention_metadata(self, common: Any) -> PagedAttentionMetadata:
         if self._metadata is not None:
@@ -499,13 +439,3 @@ class PagedKVRuntime:
         self.stats.seconds += self.compaction_timer.take(wait=True)
         return self.stats
 
-
-def _adopts_any(delta: Any, pages: np.ndarray) -> bool:
-    """Whether a fresh table's adopted pages (read in place or copied) include any of
-    ``pages``."""
-    if not delta.fresh or delta.adopted_lengths is None:
-        return False
-    adopted = [ids for _, ids in delta.appends]
-    if delta.copies is not None:
-        adopted.append(np.asarray(delta.copies[0]))
-    return any(np.isin(ids, pages).any() for ids in adopted)
