@@ -19,7 +19,16 @@ exactly the entry's slots. Compaction is the policy's choice: the shadow accepts
 result that keeps a subset of what the rows held, the generated part in order.
 
 Faults model a device error reported after the device wrote: a batched page copy that wrote
-and then raised, and a request's token moves that wrote half of them and then raised.
+and then raised, a request's token moves that wrote half of them and then raised, a shared
+segment's in-place compaction that wrote half and raised; and a failure in choosing what a
+prompt or a generated part keeps.
+
+Issue 51's compositions: prefixes of prefixes (a segment made while the one it continues is
+pending), ``n > 1`` samples (one prompt, arriving together), per-request settings (some
+requests keep everything), a burst whose first request reaches an idle engine alone (its
+compaction deferred a step, the rest of the burst reading a fork of its pages), preemption
+in prefill and in decode, aborts; the scheduler's own holds (``PrefixSharing``) decide who
+waits, and each request's sharing state is checked every step (``RequestLives.check``).
 
 Bursts of arrivals often continue one entry together, so that several running requests read
 its pages at once (a shared system prompt) while others write, compact, end, are preempted
@@ -50,16 +59,24 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvcompress.attention.gpu_kernel import TritonPagedKernel
-from kvcompress.engine.messages import REPORT_ATTR, SEGMENT_READERS_AFTER_ARG
+from kvcompress.engine.messages import (
+    REPORT_ATTR,
+    SEGMENT_READERS_AFTER_ARG,
+    DeferredCompactions,
+    Fork,
+    attach_deferred_compactions,
+)
 from kvcompress.engine.sched.admission import AdmissionPlanner
 from kvcompress.engine.sched.kv_cache_manager import PagedKVCacheManager
 from kvcompress.engine.sched.prefix_cache import PrefixCachePolicy
 from kvcompress.engine.sched.prefix_segments import Segment
 from kvcompress.engine.sched.request_life import Life
 from kvcompress.engine.sched.scheduler import KVCompressScheduler
-from kvcompress.engine.worker import page_work
+from kvcompress.engine.worker import compaction as worker_compaction
+from kvcompress.engine.worker import decode_eviction, page_work
 from kvcompress.engine.worker.moves import MoveBatch
 from kvcompress.engine.worker.runtime import PagedKVRuntime
+from kvcompress.faults import InjectedFault
 from kvcompress.paging import PageLayout, ShardedPageManager
 from kvcompress.paging.page_pool import Holder
 from kvcompress.settings.config import KVCompressionConfig
@@ -111,12 +128,14 @@ class Faults:
     copy_batch: float = 0.0  # a step's batched page copy writes, then raises
     moves: float = 0.0  # a request's token moves write half, then raise (batch and retry)
     segment_moves: float = 0.0  # a segment's in-place compaction writes half, then raises
+    plan: float = 0.0  # choosing what a prompt or a generated part keeps raises
     armed_moves: set[str] = field(default_factory=set)
 
 
 class CacheLife:
     def __init__(self, seed: int, faults: Faults, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rng = random.Random(seed)
+        self.seed = seed
         self.faults = faults
         self.step_number = 0
         pages = ShardedPageManager(LAYOUT)
@@ -157,6 +176,14 @@ class CacheLife:
         self.nested_segments = 0  # segment requests whose prefix continues a pending one
         self.sample_groups = 0  # n > 1: requests with one prompt arriving together
         self.sample_rng = random.Random(seed + 10_000)  # (the other arrivals' draws unchanged)
+        # A burst whose first request reaches an idle engine alone: its prefix and how many
+        # follow it while its compaction is deferred (a fork of its pages).
+        self.fork_rng = random.Random(seed + 20_000)
+        self.lone: dict[str, tuple[list[int], int]] = {}
+        self.quiet = False
+        self.forks_made: dict[str, tuple[str, int]] = {}  # fork -> (its source, its tokens)
+        self.forks_filed = 0
+        self.filed_forks: dict[int, tuple[Slots, list[int], dict]] = {}  # until checked
         # Rows of holders whose segment pages a shorter segment's compaction had shifted.
         self.shifted_compactions = 0
 
@@ -166,7 +193,11 @@ class CacheLife:
         driver = self
         scheduler = stand_in_scheduler(
             kv_cache_manager=self.kv, page_manager=self.pages, reuse=self.reuse,
-            check_pages_every_step=True, requests=self.requests)
+            check_pages_every_step=True, requests=self.requests, waiting=self.waiting,
+            running=self.running, compression_config=ENGINE)
+        # Segment requests are the model's own (``arrive_sharing``: vLLM's requests cannot
+        # be made here); holds and forks are the scheduler's (``PrefixSharing``).
+        scheduler.segments.plan = lambda *args, **kwargs: []
 
         def update_from_output(self, scheduler_output, model_runner_output):
             for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -220,6 +251,7 @@ class CacheLife:
         self.waiting.insert(0, request)
         self.preempted.add(request.request_id)
         self.shadow.pop(request.request_id, None)
+        self.scheduler.lives.preempted(request.request_id)
 
     def arrive(self, new_tokens: int, continued: tuple[int, int] | None = None) -> None:
         """A new request: mostly a later turn of a cached conversation (its tokens, or a
@@ -249,12 +281,34 @@ class CacheLife:
                                               dict(settings), self.rng.randint(1, 40)))
         self.sample_groups += 1
 
+    def arrive_alone(self) -> None:
+        """A burst's first request reaching an idle engine alone (its prefix long enough to
+        share); the rest follow once its prompt completed (``send_burst``)."""
+        rng = self.fork_rng
+        prefix = [rng.randrange(VOCAB) for _ in range(rng.randint(80, 120))]
+        own = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 10))]
+        self.waiting.append(self._request(f"r{self.next_id}", prefix + own, {},
+                                          rng.randint(3, 30)))
+        self.lone[self.waiting[-1].request_id] = (prefix, rng.randint(2, 4))
+
+    def send_burst(self, deferred: list[str]) -> None:
+        """The rest of a burst arrives while its first request's compaction is deferred:
+        their prompts start with its prefix."""
+        rng = self.fork_rng
+        for request_id in deferred:
+            prefix, count = self.lone.pop(request_id, ([], 0))
+            for _ in range(count):
+                own = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 10))]
+                self.waiting.append(self._request(f"r{self.next_id}", prefix + own, {},
+                                                  rng.randint(1, 30)))
+
     def _request(self, request_id: str, prompt: list[int], extra_args: dict,
                  max_tokens: int) -> Request:
         self.next_id += 1
         params = SimpleNamespace(extra_args=extra_args, max_tokens=max_tokens)
         request = self.requests[request_id] = Request(
-            request_id=request_id, all_token_ids=prompt, num_tokens=len(prompt),
+            request_id=request_id, all_token_ids=prompt, prompt_token_ids=list(prompt),
+            num_tokens=len(prompt),
             num_prompt_tokens=len(prompt), num_output_tokens=0, num_computed_tokens=0,
             max_tokens=params.max_tokens, status=RequestStatus.WAITING, sampling_params=params,
             lora_request=None, has_encoder_inputs=False, prompt_embeds=None, cache_salt=None,
@@ -350,9 +404,14 @@ class CacheLife:
         waiting ones (adopting what the lookup offers) unless something was preempted.
         Returns the tokens scheduled per request and the adoptions (entry, hit)."""
         budget, scheduled, adoptions = CHUNK, {}, {}
+        resting, lives = self.scheduler._resting, self.scheduler.lives
+        self.running.sort(key=lambda r: r.request_id not in resting)  # (stable) first
         index = 0
         while index < len(self.running) and budget:
             request = self.running[index]
+            if request.request_id in resting:  # deferred: no tokens in this step
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 self.preempt(self.running[-1])
@@ -362,15 +421,19 @@ class CacheLife:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
                 index += 1
-        while (self.waiting and budget and not self.preempted
+        index = 0
+        while (index < len(self.waiting) and budget and not self.preempted
                and len(self.running) < MAX_RUNNING):
-            request = self.waiting[0]
+            request = self.waiting[index]
+            if lives.state(request.request_id) is Life.HELD:  # skipped in its place
+                index += 1
+                continue
             _, hit, _ = self.kv.get_computed_blocks(request)
             match = self.kv._matches.get(request.request_id)
             num_new = min(request.num_tokens - hit, budget)
             if self.kv.allocate_slots(request, num_new, num_new_computed_tokens=hit) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             request.num_computed_tokens = hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -384,7 +447,15 @@ class CacheLife:
     def step(self) -> None:
         self.step_number += 1
         self.release_held()
-        if (len(self.waiting) < 6 and self.pages.pending_ids()
+        if not self.quiet and self.fork_rng.random() < 0.04:
+            self.quiet = True  # no arrivals until the engine is idle: then one alone
+        if self.lone:
+            pass  # the burst's first request is alone until its prompt completes
+        elif self.quiet:
+            if not (self.running or self.waiting or self.held):
+                self.arrive_alone()
+                self.quiet = False
+        elif (len(self.waiting) < 6 and self.pages.pending_ids()
                 and self.rng.random() < 0.3):  # a continuation while a segment is pending
             self.arrive_sharing(self.rng.randint(2, 4))
         elif len(self.waiting) < 3:  # now and then several turns at once
@@ -408,8 +479,33 @@ class CacheLife:
         decoding = [r for r in self.running if r.num_computed_tokens > r.num_prompt_tokens]
         if decoding and self.rng.random() < 0.1:  # as for a request of higher priority
             self.preempt(self.rng.choice(decoding))
+        scheduler, lives = self.scheduler, self.scheduler.lives
+        self.lone = {r: burst for r, burst in self.lone.items() if r in self.requests}
+        ready = sorted(lives.in_state(Life.DEFERRED))
+        self.send_burst(ready)
+        scheduler._resting = frozenset(ready)
         self.compact_segments()
+        lives.hold_exactly(scheduler.sharing.share_prefixes(ready), scheduler.sharing.schedules)
+        for source_id, fork in scheduler.sharing.forks.items():
+            self.forks_made[fork.request_id] = (source_id, len(fork.tokens))
+            self.segment_ids.add(fork.request_id)
         scheduled, adoptions = self.schedule()
+        scheduler._resting = frozenset()
+        for request_id in ready:
+            if lives.state(request_id) is Life.DEFERRED:  # (not preempted meanwhile)
+                lives.move(request_id, Life.FREE)
+        # (vLLM's schedule() counts the scheduled tokens as computed before this is asked.)
+        for request_id, num_new in scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_new
+        defer = scheduler.sharing.defer_lone_prompt(
+            SimpleNamespace(num_scheduled_tokens=scheduled))
+        for request_id, num_new in scheduled.items():
+            self.requests[request_id].num_computed_tokens -= num_new
+        deferred = DeferredCompactions(
+            defer,
+            {request_id: (None if (fork := scheduler.sharing.forks.get(request_id)) is None
+                          else Fork(fork.request_id, len(fork.tokens)))
+             for request_id in ready})
         expected_adoptions = {
             request_id: self._adopted_slots(request_id, entry_id, hit)
             for request_id, (entry_id, hit) in adoptions.items()}
@@ -420,15 +516,28 @@ class CacheLife:
                                  num_scheduled_tokens=scheduled,
                                  kvcompress_page_deltas=self.pages.take_deltas(),
                                  kvcompress_segment_orders=self.pages.take_segment_orders())
+        attach_deferred_compactions(output, deferred)
         self.finished_since = set()
         self.batch_runs = bool(scheduled)
-        if not scheduled:
-            self.runtime.begin_step(output)
-            self._check_entries()
-            return
-        # Worker: deltas and page copies, the batch, the forward's writes, compaction.
-        self.copy_fault = self.rng.random() < self.faults.copy_batch
+        # Worker: deltas and page copies, the batch, the forward's writes, compaction (our
+        # runner begins and ends every step, with a forward or without).
+        self.copy_fault = bool(scheduled) and self.rng.random() < self.faults.copy_batch
         self.runtime.begin_step(output)
+        if scheduled:
+            self._run_forward(scheduled, expected_adoptions)
+        report = self.runtime.end_step()
+        # Scheduler: the report, sampling, finishing (and filing) requests.
+        self.scheduler.update_from_output(output, SimpleNamespace(**{REPORT_ATTR: report}))
+        self._file_new_forks()
+        self._follow_compactions(report, scheduled)
+        self._file_new_entries()
+        self._forget_evicted_entries()
+        self._check_requests()
+        self._check_entries()
+
+    def _run_forward(self, scheduled: dict[str, int], expected_adoptions: dict[str, Slots],
+                     ) -> None:
+        """The batch: every adoption received its entry's slots, then the forward writes."""
         for request_id, slots in expected_adoptions.items():
             if request_id in self.runtime.state.adoption_failures:
                 continue
@@ -444,14 +553,6 @@ class CacheLife:
         self._forward(metadata.step, scheduled, computed_before)
         self.faults.armed_moves = {rid for rid in scheduled
                                    if self.rng.random() < self.faults.moves}
-        report = self.runtime.end_step()
-        # Scheduler: the report, sampling, finishing (and filing) requests.
-        self.scheduler.update_from_output(output, SimpleNamespace(**{REPORT_ATTR: report}))
-        self._follow_compactions(report, scheduled)
-        self._file_new_entries()
-        self._forget_evicted_entries()
-        self._check_requests()
-        self._check_entries()
 
     # ------------------------------------------------------------ the worker
     def _patch_faults(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -486,6 +587,16 @@ class CacheLife:
                 raise RuntimeError("injected device fault after half the moves")
             real_run(batch, pool, mover, request_ids)
 
+        fault_rng = random.Random(self.seed + 30_000)  # (the lives' other draws unchanged)
+
+        def plan_fault(stage, prompt_lens):
+            if stage == "plan" and fault_rng.random() < driver.faults.plan:
+                driver.plan_faults += 1
+                raise InjectedFault("injected fault in planning what is kept")
+
+        driver.plan_faults = 0
+        monkeypatch.setattr(worker_compaction, "maybe_fail", plan_fault)
+        monkeypatch.setattr(decode_eviction, "maybe_fail", plan_fault)
         monkeypatch.setattr(page_work, "copy_pages", copy_pages)
         monkeypatch.setattr(MoveBatch, "run", run)
 
@@ -501,6 +612,23 @@ class CacheLife:
             return kept
 
         self.reuse.retire = retire
+        real_file_segment = self.reuse.file_segment
+
+        def file_segment(segment_id, tokens, settings) -> bool:
+            """A fork filed: its pages are copies of its source's first slots, which the
+            source held uncompacted when they were copied (its compaction was deferred)."""
+            before = set(self.pages.entry_ids())
+            kept = real_file_segment(segment_id, tokens, settings)
+            source_id, length = self.forks_made.pop(segment_id)
+            if kept:
+                (entry_id,) = set(self.pages.entry_ids()) - before
+                source = self.requests[source_id]
+                slots = [row[:length] for row in self.shadow[source_id]]
+                self.filed_forks[entry_id] = (slots, source.all_token_ids[:length],
+                                              dict(source.sampling_params.extra_args))
+            return kept
+
+        self.reuse.file_segment = file_segment
 
     def _prepare_runner(self, scheduled: dict[str, int], computed: dict[str, int]) -> None:
         requests = [self.requests[rid] for rid in scheduled]
@@ -557,7 +685,7 @@ class CacheLife:
     def _follow_compactions(self, report, scheduled: dict[str, int]) -> None:
         """Accept a compaction's result when it kept a subset of what the rows held, the
         generated part in order; nothing else may have changed."""
-        for request_id in scheduled:
+        for request_id in [*scheduled, *(r for r in report.compactions if r not in scheduled)]:
             if request_id in report.failures or request_id not in self.shadow:
                 continue
             worker = self.runtime.state.requests.get(request_id)
@@ -608,6 +736,17 @@ class CacheLife:
                             f"exact, its rows are not ({cut=})")
         self.filed, self.ended = {}, {}
 
+    def _file_new_forks(self) -> None:
+        """A fork's entry holds exactly its source's first slots, uncompressed (pending)."""
+        for entry_id, (slots, tokens, settings) in self.filed_forks.items():
+            entry = self.pages.shards[0].entry(entry_id)
+            assert self.read(entry.table, (entry.logical_len - entry.evicted).tolist()) == (
+                slots), f"step {self.step_number}: fork entry {entry_id} holds other slots"
+            self.entries[entry_id] = slots
+            self.conversations[entry_id] = (tokens, settings)
+            self.forks_filed += 1
+        self.filed_forks = {}
+
     def _forget_evicted_entries(self) -> None:
         live = set(self.pages.entry_ids())
         for entry_id in [e for e in self.entries if e not in live]:
@@ -655,6 +794,14 @@ def test_lives_have_several_concurrent_readers_of_one_entry(monkeypatch):
     assert sum(life.segment_compactions for life in lives) >= 3
 
 
+def test_lives_fork_a_lone_prompt_for_the_burst_behind_it(monkeypatch):
+    """A burst's first request alone on an idle engine (issue 51): its compaction deferred
+    a step, the rest of the burst arriving meanwhile reads a fork of its pages, filed
+    pending and compacted in place like a segment request's, every slot followed."""
+    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(3)]
+    assert sum(life.forks_filed for life in lives) >= 2
+
+
 def test_lives_send_parallel_samples_that_read_one_entry(monkeypatch):
     """``n > 1`` (issue 51): requests with one prompt arriving together, while others
     write, compact, end and are preempted; the lives above include them."""
@@ -689,6 +836,19 @@ def test_cache_life_with_segment_compaction_faults(seed, monkeypatch):
     entries' slots are checked every step, and would differ)."""
     life = run_life(seed, Faults(segment_moves=0.5), monkeypatch, steps=150)
     assert all(entry_id in life.pages.entry_ids() for entry_id in life.entries)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_cache_life_with_planning_faults(seed, monkeypatch):
+    """Choosing what a prompt (a segment request's, a fork's, a reader's) or a generated
+    part keeps fails now and then: that request ends with an error, a failed segment's or
+    fork's readers compress their own copies, and everything else goes on."""
+    run_life(seed, Faults(plan=0.1), monkeypatch, steps=150)
+
+
+def test_planning_faults_happen(monkeypatch):
+    lives = [run_life(seed, Faults(plan=0.1), monkeypatch, steps=150) for seed in range(3)]
+    assert sum(life.plan_faults for life in lives) >= 5
 
 
 def test_segment_compaction_faults_happen(monkeypatch):

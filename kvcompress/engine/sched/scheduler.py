@@ -177,7 +177,8 @@ class KVCompressScheduler(Scheduler):
             self.max_num_scheduled_tokens = self._full_token_budget
             self._resting = frozenset()
         for request_id in ready:
-            self.lives.move(request_id, Life.FREE)
+            if self.lives.state(request_id) is Life.DEFERRED:  # (not preempted meanwhile)
+                self.lives.move(request_id, Life.FREE)
         self.figures.window_freed_pages += self.kv_cache_manager.window_freed_pages - freed_before
         attach_deferred_compactions(scheduler_output, DeferredCompactions(
             sharing.defer_lone_prompt(scheduler_output),
@@ -356,7 +357,8 @@ class KVCompressScheduler(Scheduler):
         assert len(index) == len(entry_ids) and all(e in index for e in entry_ids), (
             f"cached entries {entry_ids} and the {len(index)} indexed ones differ")
         for rank, manager in enumerate(self.page_manager.shards):
-            leaked = manager.request_ids() - set(self.requests)
+            forks = {fork.request_id for fork in self.sharing.forks.values()}  # (in flight)
+            leaked = manager.request_ids() - set(self.requests) - forks
             assert not leaked, f"pages held by requests the scheduler forgot: {sorted(leaked)}"
             for request_id in manager.request_ids():
                 needed = int(pages_for_lengths(manager.physical_lengths(request_id),
