@@ -232,6 +232,15 @@ CHANGES: tuple[Change, ...] = (
            ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
            results=("shared_prefix", "shared_context_segments.json", "serve_prefix",
                     "throughput_system_prompt.json", "throughput_defaults.json")),
+    Change("831c138", "2026-12-07T06:48:35+00:00",
+           "issue 51: a request held for a shared prefix is skipped by vLLM's waiting loop in "
+           "its place (was: taken out of the queue and put back), and parked or deferred "
+           "requests stay in running with no tokens (was: taken out of it); the same holds "
+           "and grants, but the queue's order after a step with holds and preemptions differs",
+           ("shared_prefix", "shared_context", "serve_prefix", "throughput"),
+           results=("shared_prefix", "shared_context_segments.json", "serve_prefix",
+                    "throughput_system_prompt.json", "throughput_defaults.json",
+                    "shared_context_later_turns.json")),
 )
 
 

@@ -359,20 +359,27 @@ class CacheLife:
         kept, its pages' moves then the dropped pages; read back after the worker ran it."""
         pages = self.pages.shards[0]
         before = {}
-        for entry_id in pages.pending_ids():
+        real_compact = self.pages.compact_segment
+
+        def compact_segment(entry_id: int) -> int:
+            # Each holder's rows hold the segment's pages where they hold them just before
+            # it is compacted (a shorter segment compacted first, in this schedule or an
+            # earlier one, shifted them): the plan's positions shift with them.
             pending = pages.cache.pending(entry_id)
-            readers = pages.segment_readers(entry_id)
-            entries = pages.cache.entries_holding(pending)
-            # Each holder's rows hold the segment's pages where they hold them (a shorter
-            # segment compacted first shifted them): the plan's positions shift with them.
-            starts = {("r", r): pending.start_in(pages._requests[r].table) for r in readers}
-            starts.update({("e", e): pending.start_in(pages.entry(e).table) for e in entries})
+            starts = {("r", r): pending.start_in(pages._requests[r].table)
+                      for r in pages.segment_readers(entry_id)}
+            starts.update({("e", e): pending.start_in(pages.entry(e).table)
+                           for e in pages.cache.entries_holding(pending)})
             before[entry_id] = (pending, starts)
-        self.scheduler.sharing.schedules += 1
-        self.scheduler.sharing.compact_segments()
-        for entry_id, (pending, starts) in before.items():
-            if entry_id in pages.pending_ids():
-                continue
+            return real_compact(entry_id)
+
+        self.pages.compact_segment = compact_segment
+        try:
+            self.scheduler.sharing.schedules += 1
+            self.scheduler.sharing.compact_segments()
+        finally:
+            del self.pages.compact_segment
+        for pending, starts in before.values():  # (in the order compacted)
             parked = self.runtime.state.parked[pending.request_id]
             planned_at = planned_start(parked.pages, pending)
             moves = parked.moves
