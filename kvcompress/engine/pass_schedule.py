@@ -36,13 +36,11 @@ from typing import Any
 
 @dataclass
 class StepPasses:
-    """One step's share: the chunks granted (request id -> how many of its next ones), their
-    cost in budget tokens (``chunk_cost``), and the requests parked in this step (their
-    decode not scheduled)."""
+    """One step's share: the chunks granted (request id -> how many of its next ones) and
+    their cost in budget tokens (``chunk_cost``)."""
 
     grants: dict[str, int]
     tokens: int
-    parked: frozenset[str]
 
 
 # Prompt keys whose scoring costs one pass token as much as a prefill token's forward.
@@ -95,8 +93,7 @@ class PassSchedule:
         """This step's chunks within ``budget`` tokens, in arrival order (a request's chunk
         that does not fit stops the grant: later requests do not overtake it), at least one
         chunk when any waits. A request whose last chunk is granted stays parked in this
-        step and is released from the next."""
-        parked = self.parked()
+        step and is released from the next (the scheduler reads ``parked`` before)."""
         grants: dict[str, int] = {}
         spent = 0
         for request_id, chunks in list(self.pending.items()):
@@ -110,4 +107,4 @@ class PassSchedule:
                 break
             del self.pending[request_id]
         self.tokens_granted += spent
-        return StepPasses(grants, spent, parked)
+        return StepPasses(grants, spent)

@@ -12,7 +12,6 @@ from kvcompress.engine.sched.prefix_segments import PrefixSegments
 from kvcompress.engine.sched.request_life import RequestLives
 from kvcompress.engine.sched.scheduler import KVCompressScheduler
 from kvcompress.engine.sched.sharing import PrefixSharing
-from kvcompress.paging.prefix_index import PromptChains
 from kvcompress.settings.flags import DEFAULT_SHARING_WAIT
 
 
@@ -28,5 +27,5 @@ def stand_in_scheduler(**state: Any) -> KVCompressScheduler:
         passes=PassSchedule(), lives=lives, segments=segments, _resting=frozenset())
     scheduler.__dict__.update(state)
     scheduler.sharing = PrefixSharing(scheduler, scheduler.page_manager, scheduler.reuse,
-                                      segments, PromptChains(), DEFAULT_SHARING_WAIT)
+                                      segments, DEFAULT_SHARING_WAIT)
     return scheduler

@@ -30,13 +30,13 @@ def test_chunks_are_granted_in_arrival_order_within_the_budget():
     live = {"a": FakeRequest(), "b": FakeRequest()}
     schedule = PassSchedule()
     schedule.add({"a": [300, 300, 100], "b": [200]}, live)
+    assert schedule.parked() == {"a", "b"}
     first = schedule.grant(650)
     assert first.grants == {"a": 2} and first.tokens == 600
-    assert first.parked == {"a", "b"}
     # b's chunk would fit the 50 tokens left only after a's: it does not overtake a.
+    assert schedule.parked() == {"a", "b"}  # (their last chunks run in the next step)
     second = schedule.grant(300)
     assert second.grants == {"a": 1, "b": 1} and second.tokens == 300
-    assert second.parked == {"a", "b"}  # their last chunks run in this step
     assert not schedule.parked()  # released from the next one
     assert schedule.tokens_granted == 900
 

@@ -106,7 +106,7 @@ class KVCompressScheduler(Scheduler):
         self.segments = PrefixSegments(boundary=segment_boundary(layout.page_size),
                                        chains=self.prompt_chains, lives=self.lives)
         self.sharing = PrefixSharing(self, self.page_manager, self.reuse, self.segments,
-                                     self.prompt_chains, self.compression_config.sharing_wait)
+                                     self.compression_config.sharing_wait)
         self.kv_cache_manager = PagedKVCacheManager(  # type: ignore[assignment]
             self.kv_cache_manager, self.page_manager, self.scheduler_config.watermark,
             self.admission, self.scheduler_config.max_num_batched_tokens, self.reuse,
@@ -195,12 +195,12 @@ class KVCompressScheduler(Scheduler):
         request (the resting ones, parked and deferred, get none:
         ``_reserve_prefill_lookahead``)."""
         if not self.passes.pending:
-            return StepPasses({}, 0, self._resting)
+            return StepPasses({}, 0)
         decoding = sum(1 for r in self.running if r.request_id not in self._resting
                        and r.num_computed_tokens >= r.num_prompt_tokens)
         passes = self.passes.grant(self._full_token_budget - decoding)
         self.max_num_scheduled_tokens = max(decoding, self._full_token_budget - passes.tokens)
-        return StepPasses(passes.grants, passes.tokens, self._resting)
+        return passes
 
     def _holding_scores(self) -> frozenset[str]:
         """Requests past their prefill whose prompt scores live on: parked for

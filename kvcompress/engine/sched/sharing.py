@@ -58,13 +58,14 @@ class PrefixSharing:
 
     def __init__(self, scheduler: Any, page_manager: ShardedPageManager,
                  reuse: PrefixCachePolicy, segments: PrefixSegments,
-                 prompt_chains: PromptChains, sharing_wait: int) -> None:
+                 sharing_wait: int) -> None:
         self.scheduler = scheduler
         self.page_manager = page_manager
         self.reuse = reuse
         self.segments = segments
         self.lives: RequestLives = segments.lives
-        self.prompt_chains = prompt_chains
+        # Shared with the prefix cache's lookups (``PrefixCachePolicy.chains``).
+        self.prompt_chains: PromptChains = segments.chains
         self.sharing_wait = sharing_wait
         self.schedules = 0
         # Pending segment entries (filed uncompressed) -> the schedule that first saw them:
