@@ -1,16 +1,18 @@
 """Profile a model once, for the scorings that need no extra pass:
 
-    python -m kvcompress.profile_model [MODEL_DIR] [--out PATH] [--documents N] [--if-missing]
+    python -m kvcompress.profile_model [MODEL] [--out PATH] [--documents N] [--if-missing]
 
 runs the model (Hugging Face transformers, on CPU or the first GPU) over built-in
-calibration text and writes ``MODEL_DIR/kvcompress_profile.pt`` (``kvcompress.profiles``,
-for ``--kv-scoring expected``) and ``MODEL_DIR/kvcompress_surrogate.pt``
-(``kvcompress.surrogates``, for ``--kv-scoring surrogate`` and ``auto``; fitted by
-``kvcompress.surrogate_fit``). For the profile, only queries that look back at a context
-are measured: the questions and answers that follow a document, and a reconstruction of
-the document ("repeat the previous context"), i.e. the queries later turns will send. The
-documents are
-synthetic (records, notes, logs, prose with names, numbers and codes), generated from a
+calibration text and writes its query profile (``kvcompress.profiles``, for ``--kv-scoring
+expected``) and its score surrogate (``kvcompress.surrogates``, for ``--kv-scoring
+surrogate`` and ``auto``; fitted by ``kvcompress.surrogate_fit``). MODEL is a local folder
+or a hub id in the local Hugging Face cache; the files go beside a folder
+(``kvcompress_profile.pt``, ``kvcompress_surrogate.pt``), or for a hub id into the user's
+kvcompress cache, where the server finds them (``kvcompress.model_store``). For the
+profile, only queries that look back at a context are measured: the questions and answers
+that follow a document, and a reconstruction of the document ("repeat the previous
+context"), i.e. the queries later turns will send. The documents are synthetic (records,
+notes, logs, prose with names, numbers and codes), generated from a
 seed, and differ from every benchmark's documents.
 """
 
@@ -24,14 +26,14 @@ from pathlib import Path
 
 import torch
 
+from kvcompress import model_store
 from kvcompress.calibration import REPEAT_INSTRUCTION, calibration_document, chat_text
 from kvcompress.profiles import (
     QueryProfile,
-    default_profile_path,
     load_profile,
     model_fingerprint,
 )
-from kvcompress.surrogates import default_surrogate_path, load_surrogate
+from kvcompress.surrogates import load_surrogate
 
 
 @dataclass
@@ -136,11 +138,13 @@ def _attention_modules(model) -> list:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcompress.profile_model",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", nargs="?",
-                        help="a local Hugging Face model folder (default: the embedded model)")
-    parser.add_argument("--out", help="where to write the profile (default: beside the model)")
+    parser.add_argument("model", nargs="?",
+                        help="a local Hugging Face model folder, or a hub id in the local "
+                             "Hugging Face cache (default: the embedded model)")
+    parser.add_argument("--out", help="where to write the profile (default: beside a folder, "
+                                      "the user's kvcompress cache for a hub id)")
     parser.add_argument("--surrogate-out",
-                        help="where to write the score surrogate (default: beside the model)")
+                        help="where to write the score surrogate (default: as --out)")
     parser.add_argument("--documents", type=int, default=12,
                         help="calibration documents (each gives a Q&A and a reconstruction)")
     parser.add_argument("--surrogate-documents", type=int, default=32,
@@ -157,11 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--documents: allowed: an integer >= 1")
     if args.surrogate_documents < 0 or args.held_out < 0:
         parser.error("--surrogate-documents / --held-out: allowed: an integer >= 0")
-    if args.model_dir is None:
+    if args.model is None:
         from kvcompress.models import embedded_model_dir
 
-        args.model_dir = str(embedded_model_dir())
-    out = Path(args.out) if args.out else default_profile_path(args.model_dir)
+        args.model = str(embedded_model_dir())
+    folder = model_store.model_folder(args.model)
+    if folder is None:
+        parser.error(f"MODEL: {args.model} is neither a model folder nor a hub id in the local "
+                     "Hugging Face cache (HF_HUB_CACHE); download it first")
+    args.model_dir = str(folder)
+    out = (Path(args.out) if args.out
+           else model_store.default_out("profile", args.model, folder))
+    out.parent.mkdir(parents=True, exist_ok=True)
     if not (args.if_missing and _valid(out, args.model_dir, load_profile, "query profile")):
         profile = profile_model(args.model_dir, args.documents, args.seed, args.device)
         profile.save(out)
@@ -176,7 +187,8 @@ def _make_surrogate(args: argparse.Namespace) -> None:
     from kvcompress.surrogate_fit import make_surrogate
 
     out = (Path(args.surrogate_out) if args.surrogate_out
-           else default_surrogate_path(args.model_dir))
+           else model_store.default_out("surrogate", args.model, Path(args.model_dir)))
+    out.parent.mkdir(parents=True, exist_ok=True)
     if args.if_missing and _valid(out, args.model_dir, load_surrogate, "score surrogate"):
         return
     surrogate = make_surrogate(args.model_dir, documents=args.surrogate_documents,

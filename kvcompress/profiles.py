@@ -113,15 +113,12 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def default_profile_path(model: str | Path) -> Path:
-    return Path(model) / PROFILE_FILE
-
 
 def load_profile(path: str | Path, model_dir: str | Path | None = None) -> QueryProfile:
     """The profile at ``path``; with ``model_dir``, checked to be that model's. Every
     error names ``--kv-profile`` and how to make a profile."""
     path = Path(path)
-    how = "make one with: python -m kvcompress.profile_model MODEL_DIR"
+    how = "make one with: python -m kvcompress.profile_model MODEL"
     if not path.is_file():
         raise ProfileError(f"--kv-profile: no query profile at {path}; {how}")
     try:

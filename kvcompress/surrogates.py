@@ -123,11 +123,8 @@ class ScoreSurrogate:
         }, path)
 
 
-def default_surrogate_path(model: str | Path) -> Path:
-    return Path(model) / SURROGATE_FILE
 
-
-_HOW = "make one with: python -m kvcompress.profile_model MODEL_DIR"
+_HOW = "make one with: python -m kvcompress.profile_model MODEL"
 
 
 def load_surrogate(path: str | Path, model_dir: str | Path | None = None) -> ScoreSurrogate:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ import pytest
 # page manager directly. Page invariants are checked after every engine step.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("KVCOMPRESS_CHECK_PAGES", "1")
+# Surrogates and profiles the tests make by hub id go to a cache of the test run's own, never
+# the user's (kvcompress.model_store), and none of the user's is found by the tests.
+os.environ["KVCOMPRESS_CACHE"] = tempfile.mkdtemp(prefix="kvcompress-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -158,3 +158,48 @@ def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, ti
                 kv_surrogate=str(fitted_llama / SURROGATE_FILE))
     with pytest.raises(SurrogateError, match="another model"):  # auto does not guess either
         started(tiny_llama_kv4, kv_surrogate=str(fitted_llama / SURROGATE_FILE))
+
+
+def test_a_model_named_by_its_hub_id_uses_the_surrogate_its_command_made(tiny_llama, tmp_path,
+                                                                         monkeypatch):
+    """Issue 52: ``profile_model <hub id>`` finds the model in the local Hugging Face cache
+    (no network), writes its surrogate into the user's kvcompress cache under the model's
+    fingerprint (not into the hub cache), and an engine started with that hub id resolves
+    auto to it; with no surrogate the error names the places looked at and the command."""
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvcompress import model_store
+    from kvcompress.engine.engine_args import prepare_engine_args
+    from kvcompress.profile_model import main as profile_main
+    from kvcompress.profiles import model_fingerprint
+
+    hub, cache = tmp_path / "hub", tmp_path / "cache"
+    repo = hub / "models--tiny-org--tiny-llama"
+    shutil.copytree(tiny_llama, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(model_store.CACHE_ENV, str(cache))
+    snapshot = model_store.model_folder("tiny-org/tiny-llama")
+    assert snapshot == repo / "snapshots" / "0123abc"
+
+    def started(**settings) -> dict:
+        engine_args = EngineArgs(model="tiny-org/tiny-llama", additional_config={
+            "kv_compression": "pyramidkv", **settings})
+        prepare_engine_args(engine_args)
+        return engine_args.additional_config
+
+    assert started()["kv_scoring"] == "window"  # none made yet: logged, the window
+    with pytest.raises(SurrogateError, match=r"looked at .*cache.*; make one with: python -m "
+                                             r"kvcompress.profile_model tiny-org/tiny-llama"):
+        started(kv_scoring="surrogate")
+    assert profile_main(["tiny-org/tiny-llama", "--documents", "1", "--surrogate-documents",
+                         "4", "--held-out", "1", "--device", "cpu"]) == 0
+    made = cache / "surrogates" / f"{model_fingerprint(snapshot)}.pt"
+    assert made.is_file() and (cache / "profiles").is_dir()
+    assert not (snapshot / SURROGATE_FILE).exists()  # the hub's snapshot is left as it was
+    resolved = started()
+    assert (resolved["kv_scoring"], resolved["kv_surrogate"]) == ("surrogate", str(made))

@@ -257,13 +257,15 @@ _SCORING_SPECS: tuple[FlagSpec, ...] = (
     FlagSpec(
         "kv_profile", "--kv-profile", "profile", str,
         "With --kv-scoring expected: the model's query profile, made once by "
-        "'python -m kvcompress.profile_model MODEL_DIR'. Default: kvcompress_profile.pt in "
-        "the model folder. The engine refuses a profile made for another model.",
+        "'python -m kvcompress.profile_model MODEL' (a folder or a hub id). Default: the "
+        "user's kvcompress cache (KVCOMPRESS_CACHE), then kvcompress_profile.pt in the model "
+        "folder. The engine refuses a profile made for another model.",
     ),
     FlagSpec(
         "kv_surrogate", "--kv-surrogate", "surrogate", str,
         "With --kv-scoring surrogate or hybrid-surrogate (or auto): the model's score "
-        "surrogate, made once by 'python -m kvcompress.profile_model MODEL_DIR'. Default: "
+        "surrogate, made once by 'python -m kvcompress.profile_model MODEL' (a folder or a hub "
+        "id). Default: the user's kvcompress cache (KVCOMPRESS_CACHE), then "
         "kvcompress_surrogate.pt in the model folder. The engine refuses a surrogate made "
         "for another model.",
     ),

@@ -5,8 +5,10 @@ score surrogate where finished caches are reused and the model has a valid one, 
 observation window. Before that it stands for window (``scoring_in_force``); a request's
 ``kv_scoring: auto`` asks for the engine's choice (``KVCompressionConfig.with_request_overrides``).
 ``--kv-budget-sharing auto`` follows the scoring in force (``budget_sharing_in_force``).
-The surrogate's and the query profile's paths default to beside the model, and each is
-loaded at start so that a missing file, or one made for another model, stops the start.
+The surrogate's and the query profile's paths default to the user's cache or beside the
+model (``model_store``: a model named by its hub id is found in the local hub cache), and
+each is loaded at start so that a missing file, or one made for another model, stops the
+start.
 
 Not here: the budget a method without an amount keeps (``DEFAULT_BUDGET``, filled in by
 ``KVCompressionConfig.from_mapping``), the page size left open (the platform's:
@@ -20,12 +22,14 @@ properties can use them (this module sits below ``settings.config``).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Protocol, TypeVar
 
+from kvcompress import model_store
 from kvcompress.log import get_logger
-from kvcompress.profiles import default_profile_path, load_profile
+from kvcompress.profiles import ProfileError, load_profile
 from kvcompress.settings.flags import QUERY_AGNOSTIC_SCORINGS
-from kvcompress.surrogates import SurrogateError, default_surrogate_path, load_surrogate
+from kvcompress.surrogates import SurrogateError, load_surrogate
 
 logger = get_logger(__name__)
 
@@ -102,16 +106,35 @@ def resolve_auto_scoring(config: Settings, model: str) -> Settings:
 
 
 def _resolve_surrogate(config: Settings, model: str) -> Settings:
-    """--kv-scoring surrogate: the surrogate's path (default: beside the model), loaded once
-    here so that a missing surrogate or one made for another model stops the start."""
-    path = config.surrogate or str(default_surrogate_path(model))
-    load_surrogate(path, model)
-    return dataclasses.replace(config, surrogate=path)
+    """--kv-scoring surrogate: the surrogate's path (``model_store``: the flag's, the user's
+    cache, beside the model), loaded once here so that a missing surrogate or one made for
+    another model stops the start."""
+    path = _find("surrogate", config.surrogate, model, SurrogateError, "--kv-surrogate")
+    load_surrogate(path, model_store.model_folder(model))
+    return dataclasses.replace(config, surrogate=str(path))
 
 
 def _resolve_profile(config: Settings, model: str) -> Settings:
-    """--kv-scoring expected: the query profile's path (default: beside the model), loaded
-    once here so that a missing profile or one made for another model stops the start."""
-    path = config.profile or str(default_profile_path(model))
-    load_profile(path, model)
-    return dataclasses.replace(config, profile=path)
+    """--kv-scoring expected: the query profile's path, found as the surrogate's."""
+    path = _find("profile", config.profile, model, ProfileError, "--kv-profile")
+    load_profile(path, model_store.model_folder(model))
+    return dataclasses.replace(config, profile=str(path))
+
+
+def _find(kind: str, given: str | None, model: str, error: type[ValueError],
+          flag: str) -> Path:
+    """The file the flag names, else the first of ``model_store.candidates`` that exists;
+    the error says where it looked and the command that makes one."""
+    if given:
+        return Path(given)
+    folder = model_store.model_folder(model)
+    if folder is None:
+        raise error(f"{flag}: {model} is neither a model folder nor in the local Hugging "
+                    "Face cache, so its " + kind + " cannot be looked for; name the file")
+    looked = model_store.candidates(kind, folder)
+    for path in looked:
+        if path.is_file():
+            return path
+    raise error(f"{flag}: no {'score surrogate' if kind == 'surrogate' else 'query profile'} "
+                f"for {model} (looked at {', '.join(map(str, looked))}); make one with: "
+                f"{model_store.make_command(model)}")

@@ -201,15 +201,16 @@ def _model_with_surrogate(folder, surrogate: bool = True) -> str:
 
     import torch
 
+    from kvcompress.model_store import beside_path
     from kvcompress.profiles import model_fingerprint
-    from kvcompress.surrogates import ScoreSurrogate, default_surrogate_path
+    from kvcompress.surrogates import ScoreSurrogate
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     if surrogate:
         ScoreSurrogate(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4),
                        torch.zeros(1, 1), model_fingerprint(folder), 1).save(
-            default_surrogate_path(folder))
+            beside_path("surrogate", folder))
     return str(folder)
 
 
