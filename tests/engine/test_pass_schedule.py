@@ -34,7 +34,7 @@ def test_chunks_are_granted_in_arrival_order_within_the_budget():
     first = schedule.grant(650)
     assert first.grants == {"a": 2} and first.tokens == 600
     # b's chunk would fit the 50 tokens left only after a's: it does not overtake a.
-    assert schedule.parked() == {"a", "b"}  # (their last chunks run in the next step)
+    assert schedule.parked() == {"a", "b"}  # (still parked: their last chunks come next)
     second = schedule.grant(300)
     assert second.grants == {"a": 1, "b": 1} and second.tokens == 300
     assert not schedule.parked()  # released from the next one
