@@ -132,7 +132,8 @@ def test_position_features():
     torch.testing.assert_close(places[:, 3], torch.log1p(torch.tensor([9.0, 8, 6, 5, 0])))
 
 
-def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, tiny_llama_kv4):
+def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, tiny_llama_kv4,
+                                                                 caplog):
     """Before any engine process: auto is the surrogate with the model's surrogate and
     reuse on, else the window; an explicit surrogate scoring refuses a missing one or
     another model's."""
@@ -146,8 +147,12 @@ def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, ti
         prepare_engine_args(engine_args)
         return engine_args.additional_config
 
-    resolved = started(fitted_llama)
+    from kvcompress.settings import resolution
+
+    with caplog.at_level("INFO", logger=resolution.logger.name):
+        resolved = started(fitted_llama)
     assert resolved["kv_scoring"] == "surrogate"
+    assert "held out: rank_correlation" in caplog.text  # what it predicts, said at start
     assert resolved["kv_surrogate"] == str(fitted_llama / SURROGATE_FILE)
     assert started(fitted_llama, kv_reuse="off")["kv_scoring"] == "window"
     assert started(tiny_llama_kv4)["kv_scoring"] == "window"  # no surrogate: logged

@@ -110,7 +110,11 @@ def _resolve_surrogate(config: Settings, model: str) -> Settings:
     cache, beside the model), loaded once here so that a missing surrogate or one made for
     another model stops the start."""
     path = _find("surrogate", config.surrogate, model, SurrogateError, "--kv-surrogate")
-    load_surrogate(path, model_store.model_folder(model))
+    surrogate = load_surrogate(path, model_store.model_folder(model))
+    # What it predicts is said at every start: a poor fit would quietly weaken later turns.
+    figures = ", ".join(f"{key} {value:.2f}" for key, value in surrogate.quality.items())
+    logger.info("kvcompress: score surrogate %s, fitted on %d prompt tokens; held out: %s",
+                path, surrogate.num_tokens, figures or "not recorded")
     return dataclasses.replace(config, surrogate=str(path))
 
 
