@@ -109,8 +109,9 @@ def _resolve_surrogate(config: Settings, model: str) -> Settings:
     """--kv-scoring surrogate: the surrogate's path (``model_store``: the flag's, the user's
     cache, beside the model), loaded once here so that a missing surrogate or one made for
     another model stops the start."""
-    path = _find("surrogate", config.surrogate, model, SurrogateError, "--kv-surrogate")
-    surrogate = load_surrogate(path, model_store.model_folder(model))
+    path, folder = _find("surrogate", config.surrogate, model, SurrogateError,
+                         "--kv-surrogate")
+    surrogate = load_surrogate(path, folder)
     # What it predicts is said at every start: a poor fit would quietly weaken later turns.
     figures = ", ".join(f"{key} {value:.2f}" for key, value in surrogate.quality.items())
     logger.info("kvcompress: score surrogate %s, fitted on %d prompt tokens; held out: %s",
@@ -120,25 +121,26 @@ def _resolve_surrogate(config: Settings, model: str) -> Settings:
 
 def _resolve_profile(config: Settings, model: str) -> Settings:
     """--kv-scoring expected: the query profile's path, found as the surrogate's."""
-    path = _find("profile", config.profile, model, ProfileError, "--kv-profile")
-    load_profile(path, model_store.model_folder(model))
+    path, folder = _find("profile", config.profile, model, ProfileError, "--kv-profile")
+    load_profile(path, folder)
     return dataclasses.replace(config, profile=str(path))
 
 
 def _find(kind: str, given: str | None, model: str, error: type[ValueError],
-          flag: str) -> Path:
-    """The file the flag names, else the first of ``model_store.candidates`` that exists;
-    the error says where it looked and the command that makes one."""
-    if given:
-        return Path(given)
+          flag: str) -> tuple[Path, Path | None]:
+    """The file the flag names, else the first of ``model_store.candidates`` that exists,
+    with the model's folder (None: not found, so not checked against it); the error says
+    where it looked and the command that makes one."""
     folder = model_store.model_folder(model)
+    if given:
+        return Path(given), folder
     if folder is None:
         raise error(f"{flag}: {model} is neither a model folder nor in the local Hugging "
                     "Face cache, so its " + kind + " cannot be looked for; name the file")
     looked = model_store.candidates(kind, folder)
     for path in looked:
         if path.is_file():
-            return path
+            return path, folder
     raise error(f"{flag}: no {'score surrogate' if kind == 'surrogate' else 'query profile'} "
                 f"for {model} (looked at {', '.join(map(str, looked))}); make one with: "
                 f"{model_store.make_command(model)}")

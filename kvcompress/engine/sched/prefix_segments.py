@@ -209,10 +209,6 @@ class PrefixSegments:
         for request_id in [rid for rid in self.pending if not live(rid)]:
             del self.pending[request_id]
 
-    def prompt_of(self, request_id: str, token_ids: Sequence[int]) -> np.ndarray:
-        """The request's prompt as int64 tokens (converted once)."""
-        return self.chain_of(request_id, token_ids).tokens
-
     def chain_of(self, request_id: str, token_ids: Sequence[int]) -> TokenChain:
         """The request's prompt with its block hashes (made once)."""
         return self.chains.get(request_id, len(token_ids), lambda: token_ids)

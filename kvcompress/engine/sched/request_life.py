@@ -128,13 +128,6 @@ class RequestLives:
         life = self._lives.get(request_id)
         return None if life is None else life.held_since
 
-    def started(self, request_id: str) -> None:
-        """The request left the waiting queue: a later wait (after a preemption) is bounded
-        afresh."""
-        life = self._lives.get(request_id)
-        if life is not None:
-            life.held_since = None
-
     def own_copy(self, request_ids: Iterable[str]) -> None:
         """These requests compress their own copies from now on: waited enough, or a segment
         made for them failed (made again, it could fail again and hold them forever)."""
@@ -159,10 +152,13 @@ class RequestLives:
         return () if life is None else life.readers
 
     def preempted(self, request_id: str) -> None:
-        """A running request was preempted: it is deferred no more."""
+        """A running request was preempted: it is deferred no more, and a wait for a shared
+        prefix in the queue again is bounded afresh."""
         if self.state(request_id) is Life.DEFERRED:
             self.move(request_id, Life.FREE)
-        self.started(request_id)
+        life = self._lives.get(request_id)
+        if life is not None:
+            life.held_since = None
 
     def end(self, request_id: str) -> None:
         """The request is gone (finished, aborted, failed; a fork filed or freed)."""

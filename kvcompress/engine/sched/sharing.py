@@ -160,12 +160,10 @@ class PrefixSharing:
             for request in itertools.islice(waiting, SEGMENT_LOOKAHEAD, None):
                 if (request.request_id not in seen
                         and segments.may_hold(request.request_id, request.prompt_token_ids)
-                        and may_share(request)
-                        and segments.holding(
-                            segments.prompt_of(request.request_id, request.prompt_token_ids),
-                            request.num_prompt_tokens,
-                            resolve(scheduler.compression_config, request.sampling_params))):
-                    held.append(request)
+                        and may_share(request)):
+                    view = self._sharing_view(request)  # (made by may_share)
+                    if segments.holding(view.chain, request.num_prompt_tokens, view.settings):
+                        held.append(request)
         return [request.request_id for request in held]
 
     def _queue_segment(self, segment: Segment, readers: list[str]) -> None:
