@@ -46,7 +46,7 @@ from kvcompress.paging.batch_tables import BatchPageTables
 from kvcompress.paging.page_format import PageFormat
 
 if TYPE_CHECKING:
-    from kvcompress.surrogates import ScoreSurrogate
+    from kvcompress.profile_model.surrogates import ScoreSurrogate
 
 
 @dataclass

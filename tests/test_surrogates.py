@@ -4,13 +4,20 @@ against a reconstruction-pass teacher on a tiny model, the file format, the refu
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvcompress.surrogate_fit import PromptSample, fit_surrogate, held_out_quality, predicted
-from kvcompress.surrogates import (
+from kvcompress.profile_model.surrogate_fit import (
+    PromptSample,
+    fit_surrogate,
+    held_out_quality,
+    predicted,
+)
+from kvcompress.profile_model.surrogates import (
+    MIN_SCORE,
     NUM_POSITION_FEATURES,
     SURROGATE_FILE,
     ScoreSurrogate,
@@ -30,7 +37,7 @@ def fitted_llama(surrogate_tiny_llama) -> Path:
 def test_the_command_writes_a_surrogate_beside_the_model(fitted_llama):
     """Shapes follow the model (4 layers, 2 KV heads of 32); the fit moved the weights; the
     held-out figures are recorded; the fingerprint is the model's."""
-    from kvcompress.profiles import model_fingerprint
+    from kvcompress.profile_model.profiles import model_fingerprint
 
     surrogate = load_surrogate(fitted_llama / SURROGATE_FILE, fitted_llama)
     assert (surrogate.num_layers, surrogate.num_kv_heads, surrogate.head_dim) == (4, 2, 32)
@@ -67,27 +74,99 @@ def test_the_fit_recovers_a_linear_teacher():
     torch.testing.assert_close(fitted.key_weights, truth.key_weights, atol=1e-3, rtol=1e-3)
 
 
-def test_the_teacher_is_the_reconstruction_pass(tiny_llama):
+@pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma2",
+                                        "tiny_gemma3", "tiny_gpt_oss", "tiny_mistral_sliding"])
+def test_the_teacher_is_the_reconstruction_pass(model_name, request):
     """The teacher's score of a prompt key is the largest probability the pass's queries
-    (repeat instruction + the prompt) pay it, over query heads of its KV head: checked
-    against attention recomputed by hand from the model's own cached K/V."""
+    (repeat instruction + the prompt, chunk by chunk, each at the positions right after the
+    prompt) pay it, over query heads of its KV head: checked against transformers' own eager
+    attention over the prompt followed by one chunk, for every architecture the tests build
+    (biases, q/k norms, soft-capped logits, sliding windows of 32 shorter than the prompt,
+    attention sinks). The keys it records are the ones the model caches."""
     from transformers import AutoModelForCausalLM
 
-    from kvcompress.surrogate_fit import sample_prompt
+    from kvcompress.profile_model import teacher
+    from kvcompress.profile_model.surrogate_fit import sample_prompt
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+    folder = request.getfixturevalue(model_name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation=teacher.register()).eval()
+    eager = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    prompt, repeat = list(range(100, 160)), [7, 8, 9]
+    config = model.config
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    group = config.num_attention_heads // kv_heads
+    prompt, repeat = list(range(100, 170)), [7, 8, 9]
     sample = sample_prompt(model, prompt, repeat, chunk=25)  # three chunks
-    assert sample.log_scores.shape == (4, 2, 60) and sample.keys.shape == (4, 60, 2, 32)
+    assert sample.log_scores.shape == (layers, kv_heads, 70)
+    best = torch.full((layers, kv_heads, 70), float("-inf"))
     with torch.inference_mode():
-        full = model(torch.tensor([prompt + repeat + prompt[25:50]]), output_attentions=True)
-    # Chunk 2's pass (instruction + chunk) alone, as one forward: its queries'
-    # probabilities over the prompt bound the teacher from below, and equal it where that
-    # pass pays a key most.
-    probabilities = full.attentions[2][0, :, 60:, :60].reshape(2, 2, -1, 60).amax(dim=(1, 2))
-    assert (sample.log_scores[2].exp() >= probabilities - 1e-5).all()
-    assert ((sample.log_scores[2].exp() - probabilities).abs() < 1e-5).any()
+        for start in range(0, 70, 25):
+            # The chunk right after the prompt: its positions and what it attends to are
+            # the pass's, the model's own masks (windows included) laying them out.
+            tokens = prompt + repeat + prompt[start : start + 25]
+            output = eager(torch.tensor([tokens]), output_attentions=True,
+                           **_causal_masks(model_name, len(tokens)))
+            for layer, probabilities in enumerate(output.attentions):  # [1, Hq, T, T]
+                paid = probabilities[0, :, 70:, :70].reshape(kv_heads, group, -1, 70)
+                best[layer] = torch.maximum(best[layer], paid.amax(dim=(1, 2)).log())
+        cache = eager(torch.tensor([prompt]), use_cache=True,
+                      **_causal_masks(model_name, len(prompt))).past_key_values
+    torch.testing.assert_close(sample.log_scores, best.clamp_min(math.log(MIN_SCORE)),
+                               atol=1e-4, rtol=1e-4)
+    for layer, cached in enumerate(cache.layers):
+        if cached.keys.shape[2] == 70:  # a sliding layer's cache keeps only its window
+            for recorded, kept in ((sample.keys, cached.keys), (sample.values, cached.values)):
+                torch.testing.assert_close(recorded[layer], kept[0].transpose(0, 1),
+                                           atol=1e-4, rtol=1e-4)
+
+
+def _causal_masks(model_name: str, length: int) -> dict:
+    """gpt-oss's forward builds a sliding-window mask even where no layer has a window, and
+    fails without one in its config: given its masks, it builds none."""
+    if model_name != "tiny_gpt_oss":
+        return {}
+    causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    return {"attention_mask": {"full_attention": causal, "sliding_attention": causal}}
+
+
+def test_a_fit_under_the_floor_is_refused_with_its_figures(tiny_llama, tmp_path, capsys):
+    """--min-overlap: a surrogate whose held-out top-quarter overlap is under the floor on
+    any kind is not written; the command says so with every kind's figures and fails."""
+    from kvcompress.profile_model.command import main as profile_main
+
+    out = tmp_path / "surrogate.pt"
+    assert profile_main([tiny_llama, "--out", str(tmp_path / "profile.pt"), "--surrogate-out",
+                         str(out), "--documents", "1", "--surrogate-prompts", "1",
+                         "--held-out", "1", "--min-overlap", "1", "--device", "cpu"]) == 1
+    assert not out.exists()
+    error = capsys.readouterr().err
+    assert "under the floor 1.00" in error and "--min-overlap" in error
+    assert all(f"{kind}: rank correlation" in error
+               for kind in ("synthetic", "prose", "code", "chat"))
+
+
+def test_calibration_prompts_of_every_kind_hold_out_other_files(embedded_model):
+    """Each kind gives chat prompts through the model's template; the natural kinds draw
+    held-out prompts from standard-library files the fitting prompts never use."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from kvcompress.profile_model.calibration import KINDS, calibration_prompt
+    from kvcompress.profile_model.corpus import source_files
+
+    fitting, held = source_files(held_out=False), source_files(held_out=True)
+    assert len(fitting) > 20 and len(held) > 5
+    assert not {file.name for file in fitting} & {file.name for file in held}
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)
+    for kind in KINDS:
+        prompts = [calibration_prompt(tokenizer, kind, random.Random(number), held_out=False)
+                   for number in range(3)]
+        assert all(prompt.startswith("<|im_start|>") for prompt in prompts)
+        assert len(set(prompts)) == 3
+    chat = calibration_prompt(tokenizer, "chat", random.Random(0), held_out=True)
+    assert chat.count("<|im_start|>assistant") >= 2  # a transcript, then the open turn
 
 
 def test_another_models_surrogate_is_refused(fitted_llama, tiny_llama_kv4):
@@ -152,7 +231,7 @@ def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, ti
     with caplog.at_level("INFO", logger=resolution.logger.name):
         resolved = started(fitted_llama)
     assert resolved["kv_scoring"] == "surrogate"
-    assert "held out: rank_correlation" in caplog.text  # what it predicts, said at start
+    assert "held out: synthetic: rank correlation" in caplog.text  # said at every start
     assert resolved["kv_surrogate"] == str(fitted_llama / SURROGATE_FILE)
     assert started(fitted_llama, kv_reuse="off")["kv_scoring"] == "window"
     assert started(tiny_llama_kv4)["kv_scoring"] == "window"  # no surrogate: logged
@@ -165,31 +244,21 @@ def test_the_engine_resolves_auto_and_refuses_a_wrong_surrogate(fitted_llama, ti
         started(tiny_llama_kv4, kv_surrogate=str(fitted_llama / SURROGATE_FILE))
 
 
-def test_a_model_named_by_its_hub_id_uses_the_surrogate_its_command_made(tiny_llama, tmp_path,
-                                                                         monkeypatch):
+def test_a_model_named_by_its_hub_id_uses_the_surrogate_its_command_made(local_hub):
     """Issue 52: ``profile_model <hub id>`` finds the model in the local Hugging Face cache
     (no network), writes its surrogate into the user's kvcompress cache under the model's
     fingerprint (not into the hub cache), and an engine started with that hub id resolves
     auto to it; with no surrogate the error names the places looked at and the command."""
-    import shutil
-
     from vllm.engine.arg_utils import EngineArgs
 
-    from kvcompress import model_store
     from kvcompress.engine.engine_args import prepare_engine_args
-    from kvcompress.profile_model import main as profile_main
-    from kvcompress.profiles import model_fingerprint
+    from kvcompress.profile_model import store as model_store
+    from kvcompress.profile_model.command import main as profile_main
+    from kvcompress.profile_model.profiles import model_fingerprint
 
-    hub, cache = tmp_path / "hub", tmp_path / "cache"
-    repo = hub / "models--tiny-org--tiny-llama"
-    shutil.copytree(tiny_llama, repo / "snapshots" / "0123abc")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123abc")
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv(model_store.CACHE_ENV, str(cache))
+    _, repo_snapshot, cache = local_hub
     snapshot = model_store.model_folder("tiny-org/tiny-llama")
-    assert snapshot == repo / "snapshots" / "0123abc"
+    assert snapshot == repo_snapshot
 
     def started(**settings) -> dict:
         engine_args = EngineArgs(model="tiny-org/tiny-llama", additional_config={

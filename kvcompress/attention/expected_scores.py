@@ -1,5 +1,5 @@
 """Expected-attention scores: how much attention the queries to come are expected to pay
-each cached key, from a model's query profile (``kvcompress.profiles``). No extra pass and
+each cached key, from a model's query profile (``profile_model.profiles``). No extra pass and
 no question: a prompt's keys are scored from the keys alone when the prompt completes.
 
 A future query of query head ``h`` at position ``t`` is modelled as ``R_t q`` with ``q``

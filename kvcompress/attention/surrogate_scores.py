@@ -1,7 +1,7 @@
 """Surrogate scores (``--kv-scoring surrogate``), written where the layer writes its K/V.
 
 Every prompt token a surrogate-scored request prefills in a step, in any chunk, gets its
-predicted reconstruction score (``kvcompress.surrogates``) from the key and value the layer
+predicted reconstruction score (``profile_model.surrogates``) from the key and value the layer
 has just written, in the same forward: no extra pass, no scratch pages, no device-to-host
 transfer. The score (the exp of the predicted log score, in the same units as a
 reconstruction pass's: the largest attention probability the key is expected to get) goes
@@ -14,8 +14,8 @@ import math
 
 import torch
 
+from kvcompress.profile_model.surrogates import MIN_SCORE
 from kvcompress.step import StepBatch, SurrogateTokens
-from kvcompress.surrogates import MIN_SCORE
 
 # Predicted log scores are clamped before their exp: a surrogate that extrapolates badly (a
 # key far outside what it was fitted on) must give a large finite score, never inf or NaN,

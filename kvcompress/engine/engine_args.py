@@ -20,6 +20,9 @@ GPU_WORKER_CLS = "kvcompress.engine.worker.gpu.KVCompressGPUWorker"
 CUDA_ATTENTION_BACKEND = "CUSTOM"
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _DEFAULT_WORKER_CLS = "auto"
+# additional_config key (not a setting: no kv_ prefix) holding the scoring the user asked for,
+# e.g. auto, where kv_scoring holds what it resolved to.
+REQUESTED_SCORING_KEY = "kvcompress_requested_scoring"
 
 
 def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
@@ -38,9 +41,12 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         # vLLM's own switch for reusing cached prefixes also switches off ours (unless
         # --kv-reuse says otherwise; a second call finds the setting made by the first).
         config = dataclasses.replace(config, reuse="off")
+    requested = (engine_args.additional_config or {}).get(REQUESTED_SCORING_KEY, config.scoring)
     config = resolve_at_start(config, engine_args.model)  # auto scoring; the files it loads
-    # Workers and the scheduler re-read the fully resolved settings, defaults included.
-    engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping()}
+    # Workers and the scheduler re-read the fully resolved settings, defaults included; the
+    # scoring asked for stays beside them for /metrics (engine/metrics.py).
+    engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping(),
+                                     REQUESTED_SCORING_KEY: requested}
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
     # its own cache of finished requests' pages (--kv-reuse) and answers vLLM's lookups.
     engine_args.enable_prefix_caching = False

@@ -13,7 +13,10 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kvcompress.engine.engine_args import REQUESTED_SCORING_KEY
 from kvcompress.engine.messages import Compaction, WorkerReport
+from kvcompress.profile_model.surrogates import SurrogateError, load_surrogate
+from kvcompress.settings.flags import SURROGATE_SCORINGS
 
 STATS_FIELD = "kvcompress_stats"  # the SchedulerStats field (vllm_hooks.extend_scheduler_stats)
 KEPT_FRACTION_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -126,6 +129,17 @@ class _Metrics:
             "kvcompress:prefix_fork_tokens",
             "Prompt tokens of prefixes that waiting requests share with a request that ran "
             "alone, copied off its pages (a fork: computed once, within its prompt)", labels)
+        self.scoring = Gauge(
+            "kvcompress:scoring_info",
+            "1 for the scoring prompts are compressed by: requested (a flag, auto by default) "
+            "and what it resolved to at start (auto: the score surrogate, else the window)",
+            labels + ["requested", "scoring"], multiprocess_mode="mostrecent")
+        self.surrogate_held_out = Gauge(
+            "kvcompress:surrogate_held_out",
+            "The loaded score surrogate's held-out figures, per kind of calibration text "
+            "(all: every kind): rank correlation with the reconstruction pass, and the share "
+            "of the pass's top quarter the surrogate's top quarter keeps",
+            labels + ["kind", "figure"], multiprocess_mode="mostrecent")
         self.whole_segment_reads = Counter(
             "kvcompress:prefix_segment_whole_reads",
             "Requests that read a shared prefix before its compaction: they prefilled their "
@@ -149,6 +163,26 @@ class KVCompressStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.metrics = prometheus_metrics()
         self.engine = str(engine_index)
+        settings = getattr(vllm_config, "additional_config", None) or {}
+        if settings.get("kv_compression", "none") != "none":
+            self._record_scoring(settings)
+
+    def _record_scoring(self, settings: dict[str, Any]) -> None:
+        """What ``--kv-scoring`` resolved to at start, and the surrogate's figures."""
+        scoring = str(settings.get("kv_scoring", ""))
+        requested = str(settings.get(REQUESTED_SCORING_KEY, scoring))
+        self.metrics.scoring.labels(self.engine, requested, scoring).set(1)
+        if not settings.get("kv_surrogate") or scoring not in SURROGATE_SCORINGS:
+            return
+        try:
+            quality = load_surrogate(settings["kv_surrogate"]).quality
+        except SurrogateError:
+            return  # the start already checked it; nothing to show if it went since
+        for key, value in quality.items():
+            kind, _, figure = key.rpartition(".")
+            if figure in ("rank_correlation", "overlap_4x"):
+                self.metrics.surrogate_held_out.labels(self.engine, kind or "all",
+                                                       figure).set(value)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0) -> None:

@@ -25,11 +25,11 @@ import dataclasses
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from kvcompress import model_store
 from kvcompress.log import get_logger
-from kvcompress.profiles import ProfileError, load_profile
+from kvcompress.profile_model import store as model_store
+from kvcompress.profile_model.profiles import ProfileError, load_profile
+from kvcompress.profile_model.surrogates import SurrogateError, load_surrogate, quality_line
 from kvcompress.settings.flags import QUERY_AGNOSTIC_SCORINGS
-from kvcompress.surrogates import SurrogateError, load_surrogate
 
 logger = get_logger(__name__)
 
@@ -113,7 +113,7 @@ def _resolve_surrogate(config: Settings, model: str) -> Settings:
                          "--kv-surrogate")
     surrogate = load_surrogate(path, folder)
     # What it predicts is said at every start: a poor fit would quietly weaken later turns.
-    figures = ", ".join(f"{key} {value:.2f}" for key, value in surrogate.quality.items())
+    figures = quality_line(surrogate.quality)
     logger.info("kvcompress: score surrogate %s, fitted on %d prompt tokens; held out: %s",
                 path, surrogate.num_tokens, figures or "not recorded")
     return dataclasses.replace(config, surrogate=str(path))

@@ -201,9 +201,9 @@ def _model_with_surrogate(folder, surrogate: bool = True) -> str:
 
     import torch
 
-    from kvcompress.model_store import beside_path
-    from kvcompress.profiles import model_fingerprint
-    from kvcompress.surrogates import ScoreSurrogate
+    from kvcompress.profile_model.profiles import model_fingerprint
+    from kvcompress.profile_model.store import beside_path
+    from kvcompress.profile_model.surrogates import ScoreSurrogate
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))

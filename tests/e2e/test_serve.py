@@ -65,6 +65,16 @@ def test_kv_usage_metric_shows_the_saving(server):
     assert kv_usage(base) == 0.0  # both finished: every page is free again
 
 
+def test_metrics_say_which_scoring_auto_chose(server):
+    """The default scoring (auto) resolved at start to the embedded model's surrogate (set-up
+    made it), and its held-out figures are there for a dashboard."""
+    base, _, _ = server
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    assert metric(text, "kvcompress:scoring_info", requested="auto", scoring="surrogate") == 1
+    assert 0.5 < metric(text, "kvcompress:surrogate_held_out", kind="all",
+                        figure="overlap_4x") <= 1
+
+
 def test_compression_shows_in_metrics(server):
     base, model, _ = server
     before = requests.get(f"{base}/metrics", timeout=10).text

@@ -13,7 +13,7 @@ from kvcompress.engine.worker.expected import ExpectedScorer
 from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
-from kvcompress.profiles import QueryProfile
+from kvcompress.profile_model.profiles import QueryProfile
 
 LAYERS, HEADS, GROUP, DIM, PAGE = 3, 2, 2, 16, 8
 

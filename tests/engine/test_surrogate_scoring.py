@@ -16,9 +16,13 @@ from kvcompress.attention.layer import attend_layer
 from kvcompress.engine.worker.compression import compress_step
 from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageManager, PageTableDelta
+from kvcompress.profile_model.surrogates import (
+    NUM_POSITION_FEATURES,
+    ScoreSurrogate,
+    position_features,
+)
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata
-from kvcompress.surrogates import NUM_POSITION_FEATURES, ScoreSurrogate, position_features
 
 LAYERS, HEADS, GROUP, DIM, PAGE = 3, 2, 2, 16, 8
 SCALE = DIM**-0.5

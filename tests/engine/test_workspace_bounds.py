@@ -36,7 +36,7 @@ from kvcompress.engine.worker.reconstruction import Reconstructor
 from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.paging import PageLayout, PageTableDelta
 from kvcompress.paging.page_format import CPU_PAGE_FORMAT
-from kvcompress.profiles import QueryProfile
+from kvcompress.profile_model.profiles import QueryProfile
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import StepBatch
 from tests.memory_peak import LiveBytes

@@ -25,7 +25,7 @@ from kvcompress.paging import PageLayout
 from kvcompress.paging.page_format import PageFormat
 from kvcompress.policies.plan import workspace_scores
 from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
-from kvcompress.profiles import QueryProfile
+from kvcompress.profile_model.profiles import QueryProfile
 
 
 class ExpectedScorer:

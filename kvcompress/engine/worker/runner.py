@@ -20,7 +20,6 @@ from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
-from kvcompress.calibration import REPEAT_PROMPT
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport, merge_rank_reports
 from kvcompress.engine.scoring_memory import reconstruction_chunk
 from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
@@ -28,10 +27,11 @@ from kvcompress.engine.worker.reconstruction import ReconstructionPass
 from kvcompress.engine.worker.runtime import PagedKVRuntime
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
-from kvcompress.profiles import check_profile_shape, load_profile
+from kvcompress.profile_model.calibration import REPEAT_PROMPT
+from kvcompress.profile_model.profiles import check_profile_shape, load_profile
+from kvcompress.profile_model.surrogates import check_surrogate_shape, load_surrogate
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, register_runtime
-from kvcompress.surrogates import check_surrogate_shape, load_surrogate
 
 logger = get_logger(__name__)
 

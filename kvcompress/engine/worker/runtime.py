@@ -43,10 +43,10 @@ from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
-from kvcompress.profiles import QueryProfile
+from kvcompress.profile_model.profiles import QueryProfile
+from kvcompress.profile_model.surrogates import ScoreSurrogate
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import PagedAttentionMetadata, PlatformKernel, StepBatch
-from kvcompress.surrogates import ScoreSurrogate
 
 logger = get_logger(__name__)
 

@@ -29,6 +29,7 @@ from kvcompress.paging import HeadPageTable, PageLayout, PageTableDelta
 from kvcompress.paging.batch_tables import CLASS_SPREAD, MIN_CLASS_PAGES, PageTableCache
 from kvcompress.policies.decode import DecodeEviction
 from kvcompress.policies.settings import DEFAULT_GROUP_REDUCE
+from kvcompress.profile_model.surrogates import ScoreSurrogate, position_features
 from kvcompress.settings.config import KVCompressionConfig
 from kvcompress.step import (
     DecodeQueries,
@@ -37,7 +38,6 @@ from kvcompress.step import (
     SurrogateTokens,
     WindowQueries,
 )
-from kvcompress.surrogates import ScoreSurrogate, position_features
 
 
 class WorkerKVState:

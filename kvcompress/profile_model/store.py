@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvcompress.profiles import PROFILE_FILE, model_fingerprint
-from kvcompress.surrogates import SURROGATE_FILE
+from kvcompress.profile_model.profiles import PROFILE_FILE, model_fingerprint
+from kvcompress.profile_model.surrogates import SURROGATE_FILE
 
 CACHE_ENV = "KVCOMPRESS_CACHE"
 # What the cache keeps, by kind: its folder in the cache and its file name beside a model.

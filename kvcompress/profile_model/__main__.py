@@ -1,0 +1,5 @@
+import sys
+
+from kvcompress.profile_model.command import main
+
+sys.exit(main())
