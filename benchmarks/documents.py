@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.extension import exact_extension
-from benchmarks.quality.tasks import fill_haystack, spread_depths, unique_names
+from benchmarks.natural_text import sentence_source
+from benchmarks.quality.tasks import fill_haystack, filler_sentence, spread_depths, unique_names
 from benchmarks.quality.words import CITIES, PROFESSIONS
 
 HEADER = "Read the following document carefully. I will ask you questions about it."
@@ -53,10 +54,15 @@ class Document:
         return f"{HEADER}\n\n{self.text}\n\nQuestion: {question.text}"
 
 
-def make_documents(num: int, doc_tokens: int, seed: int,
-                   count: Callable[[str], int]) -> list[Document]:
+FILLERS = ("synthetic", "natural")
+
+
+def make_documents(num: int, doc_tokens: int, seed: int, count: Callable[[str], int],
+                   filler: str = "synthetic") -> list[Document]:
     """Seeded documents, each with its own RNG: four facts at spread depths, asked in a
-    shuffled order, then the people task."""
+    shuffled order, then the people task. ``filler``: the generated sentences of the
+    quality tasks' haystacks, or ``natural`` prose (``natural_text``: installed packages'
+    descriptions, consecutive sentences from a random place)."""
     documents = []
     for index in range(num):
         rng = random.Random(f"{seed}/shared-context/{index}")
@@ -78,8 +84,9 @@ def make_documents(num: int, doc_tokens: int, seed: int,
                       f"The {thing} in the hallway is painted", (color,))),
         ]
         rng.shuffle(facts)
+        source = sentence_source(rng) if filler == "natural" else filler_sentence
         sentences = fill_haystack(rng, doc_tokens, count, [fact for fact, _ in facts],
-                                  spread_depths(rng, len(facts)))
+                                  spread_depths(rng, len(facts)), source)
         people = Question("people", "Which two people does the document mention? Give their "
                           "full names.", "The two people are", (first, second), "all")
         documents.append(Document(index, " ".join(sentences),

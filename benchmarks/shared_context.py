@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.documents import Document, Prompts, make_documents, score_answer
+from benchmarks.documents import FILLERS, Document, Prompts, make_documents, score_answer
 from benchmarks.jobs import (
     Reporter,
     make_workdir,
@@ -252,6 +252,12 @@ def config_row(spec: CompressionSpec, outcome: Any, modes: Sequence[str],
     return row
 
 
+def later_turns_of_full(row: Mapping[str, Any], mode: str = "chat") -> float | None:
+    """Turns 2+: the mean of each turn's accuracy over the full cache's."""
+    later = [t for t in row["turns"][mode] if t["turn"] > 1 and t.get("of_full")]
+    return (sum(t["of_full"] for t in later) / len(later)) if later else None
+
+
 def render(rows: Sequence[Mapping[str, Any]], mode: str, turns: int) -> str:
     def cell(turn: Mapping[str, Any]) -> str:
         interval = turn.get("interval") or [0, 0]
@@ -265,8 +271,7 @@ def render(rows: Sequence[Mapping[str, Any]], mode: str, turns: int) -> str:
                                 "kept": row.get("measured_kept_fraction")}
         for turn in row["turns"][mode]:
             line[f"t{turn['turn']}"] = cell(turn)
-        later = [t for t in row["turns"][mode] if t["turn"] > 1 and t.get("of_full")]
-        line["later/full"] = (sum(t["of_full"] for t in later) / len(later)) if later else None
+        line["later/full"] = later_turns_of_full(row, mode)
         if mode == "chat":
             line["tok/s x"] = row.get("tok_s_ratio")
             line["ttft x"] = row.get("ttft_ratio")
@@ -293,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--conversations", type=int, default=20)
     workload.add_argument("--doc-tokens", type=int, default=750)
+    workload.add_argument("--filler", choices=FILLERS, default="synthetic",
+                          help="the documents' text around the facts: generated sentences, "
+                               "or natural prose (installed packages' descriptions)")
     workload.add_argument("--answer-tokens", type=int, default=12)
     workload.add_argument("--modes", default="chat,independent")
     workload.add_argument("--seed", type=int, default=0)
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     count = token_counter(tokenizer)
 
-    documents = make_documents(args.conversations, args.doc_tokens, args.seed, count)
+    documents = make_documents(args.conversations, args.doc_tokens, args.seed, count,
+                               args.filler)
     turns = len(documents[0].questions)
     prompts = Prompts(tokenizer)
     # A conversation at its end: every question and answer after the document.
@@ -363,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**vars(settings), "kv_cache_capacity_tokens": kv_tokens,
                      "threads": threads},
         "workload": {"conversations": args.conversations, "doc_tokens": args.doc_tokens,
+                     "filler": args.filler,
                      "turns": turns, "kinds": [q.kind for q in documents[0].questions],
                      "modes": modes, "answer_tokens": args.answer_tokens, "seed": args.seed},
     }

@@ -121,6 +121,21 @@ def test_the_teacher_is_the_reconstruction_pass(model_name, request):
                                            atol=1e-4, rtol=1e-4)
 
 
+def test_a_model_whose_attention_bypasses_the_interface_is_refused(tiny_llama):
+    """A model that runs its attention without transformers' attention interface (here:
+    loaded with eager attention) leaves the teacher nothing to read: a clear error, not a
+    fit on missing layers."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcompress.profile_model.surrogate_fit import sample_prompt
+    from kvcompress.profile_model.teacher import TeacherUnsupported
+
+    eager = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with pytest.raises(TeacherUnsupported, match="ran 0 of its 4 attention layers"):
+        sample_prompt(eager, list(range(100, 140)), [7, 8], chunk=16)
+
+
 def _causal_masks(model_name: str, length: int) -> dict:
     """gpt-oss's forward builds a sliding-window mask even where no layer has a window, and
     fails without one in its config: given its masks, it builds none."""

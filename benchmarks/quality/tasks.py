@@ -63,13 +63,14 @@ def filler_sentence(rng: random.Random) -> str:
 
 
 def fill_haystack(rng: random.Random, budget: int, count: TokenCounter,
-                  needles: Sequence[str], depths: Sequence[float]) -> list[str]:
-    """Filler sentences totalling about ``budget`` tokens with ``needles`` at relative
-    ``depths`` (0 = start, 1 = end), in the order given."""
+                  needles: Sequence[str], depths: Sequence[float],
+                  filler: Callable[[random.Random], str] = filler_sentence) -> list[str]:
+    """Sentences from ``filler`` totalling about ``budget`` tokens with ``needles`` at
+    relative ``depths`` (0 = start, 1 = end), in the order given."""
     sentences: list[str] = []
     used = sum(count(" " + needle) for needle in needles)
     while True:
-        sentence = filler_sentence(rng)
+        sentence = filler(rng)
         cost = count(" " + sentence)
         if used + cost > budget:
             break

@@ -241,6 +241,16 @@ CHANGES: tuple[Change, ...] = (
            results=("shared_prefix", "shared_context_segments.json", "serve_prefix",
                     "throughput_system_prompt.json", "throughput_defaults.json",
                     "shared_context_later_turns.json")),
+    Change("0beef87", "2026-12-07T10:30:18+00:00",
+           "issue 52: the embedded model's score surrogate (what `auto` scores with, reuse on) "
+           "is refitted with squared terms on four kinds of text (synthetic, prose, code, "
+           "chat) by a one-forward teacher: what `surrogate` and `auto` keep differs; speed "
+           "does not move (4D + 5 multiply-adds per token and head instead of 2D + 5)",
+           ("shared_context", "quality_budget_sharing"),
+           measured_by=("shared_context_natural.json", "shared_context_later_turns.json"),
+           results=("shared_context_surrogate.json", "shared_context_segments.json",
+                    "shared_context_later_turns.json", "shared_context_natural.json",
+                    "quality_surrogate.json", "quality_threshold.json")),
 )
 
 

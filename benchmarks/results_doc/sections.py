@@ -29,6 +29,7 @@ from benchmarks.studies import (
     hybrid_memory,
     scheduler_cost,
     step_overhead,
+    surrogate_fit,
 )
 
 Report = Mapping[str, Any]
@@ -114,6 +115,10 @@ def _scheduler_cost(report: Report) -> str:
     return scheduler_cost.render(report["results"])
 
 
+def _surrogate_fit(report: Report) -> str:
+    return surrogate_fit.render(report["results"])
+
+
 def _decode_fidelity(report: Report) -> str:
     return with_prefix_caching(decode_fidelity.fidelity_table(report["configs"]),
                                report.get("settings") or {})
@@ -190,6 +195,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("step_overhead", "Host work per step", ("step_overhead.json",), _step_overhead),
     Section("scheduler_cost", "The scheduler with a long waiting queue",
             ("scheduler_cost.json",), _scheduler_cost),
+    Section("surrogate_fit", "Surrogate fit", ("surrogate_fit.json",), _surrogate_fit),
     Section("long_generation", "Long generations",
             ("throughput_long_generation.json", "throughput_long_generation_intel_amx.json",
              "throughput_long_generation_window.json",
@@ -234,7 +240,8 @@ SECTIONS: tuple[Section, ...] = (
                                                         "shared_context_sharing.json",
                                                         "shared_context_surrogate.json",
                                                         "shared_context_segments.json",
-                                                        "shared_context_later_turns.json"),
+                                                        "shared_context_later_turns.json",
+                                                        "shared_context_natural.json"),
             _shared_context),
     Section("streaming_latency", "Streaming latency while long prompts arrive",
             ("streaming_latency.json", "streaming_latency_inline_passes.json"),
@@ -305,6 +312,12 @@ def _multi_turn(report: Report) -> str:
     return f"**{reuse:.2f}x** the output tok/s of vanilla with its prefix cache"
 
 
+def _later_turns(report: Report) -> str:
+    row = _config(report, "pyramidkv:r=0.75+scoring=auto+reuse=on")
+    return (f"**{shared_context.later_turns_of_full(row):.2f}x** the full cache's accuracy on "
+            f"turns 2-5, {row['tok_s_ratio']:.2f}x vanilla's tok/s")
+
+
 def _served(report: Report) -> str:
     """A serve_prefix result: its last side against vanilla."""
     run = report["runs"][-1]
@@ -350,6 +363,10 @@ HEADLINES: tuple[Headline, ...] = (
              "serve_prefix/serve_prefix_chats_readme_command.json", _served),
     Headline("Multi-turn chat (10 conversations x 5 turns, KV memory for 3), PyramidKV 4x "
              "with `--kv-reuse on`", "multi_turn", "multi_turn.json", _multi_turn),
+    Headline("Later turns of chats about natural-text documents (60 conversations x 5 turns, "
+             "each turn reusing the last one's compressed cache), PyramidKV 4x with every "
+             "default (`auto` scoring: the score surrogate)", "shared_context",
+             "shared_context_natural.json", _later_turns),
     Headline("Gemma 3 270M (sliding-window layers), one request decoding, PyramidKV at 128",
              "hybrid_memory", "hybrid_memory_gemma3.json", _hybrid_memory),
 )

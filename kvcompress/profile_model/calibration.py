@@ -84,6 +84,14 @@ def chat_text(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     return "\n".join(message["content"] for message in messages)
 
 
+def available_kinds() -> tuple[str, ...]:
+    """The kinds this machine can make: the natural ones need the standard library's source
+    (a Python install without its .py files has only the synthetic kind)."""
+    if source_files(held_out=False) and source_files(held_out=True):
+        return KINDS
+    return ("synthetic",)
+
+
 def calibration_prompt(tokenizer, kind: str, rng: random.Random, held_out: bool) -> str:
     """One chat prompt of ``kind`` (see KINDS), drawn with ``rng``."""
     if kind == "synthetic":

@@ -28,6 +28,7 @@ from kvcompress.profile_model.surrogates import (
     load_surrogate,
     quality_line,
 )
+from kvcompress.profile_model.teacher import TeacherUnsupported
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +109,7 @@ def _make_surrogate(args: argparse.Namespace) -> int:
         surrogate = make_surrogate(args.model_dir, prompts=args.surrogate_prompts,
                                    held_out=args.held_out, seed=args.seed + 1,
                                    device=args.device, min_overlap=args.min_overlap)
-    except SurrogateRefused as refusal:
+    except (SurrogateRefused, TeacherUnsupported) as refusal:
         print(f"kvcompress: no score surrogate written: {refusal}", file=sys.stderr)
         return 1
     surrogate.save(out)

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from kvcompress.profile_model import teacher
-from kvcompress.profile_model.calibration import KINDS, REPEAT_PROMPT, calibration_prompt
+from kvcompress.profile_model.calibration import (
+    KINDS,
+    REPEAT_PROMPT,
+    available_kinds,
+    calibration_prompt,
+)
 from kvcompress.profile_model.profiles import model_fingerprint
 from kvcompress.profile_model.surrogates import (
     MIN_SCORE,
@@ -233,7 +238,11 @@ def teacher_samples(model_dir: str, prompts: int, held_out: int, seed: int,
 
     fitting: list[PromptSample] = []
     held: dict[str, list[PromptSample]] = {}
-    for kind in KINDS:
+    kinds = available_kinds()
+    if kinds != KINDS:
+        log("kvcompress: the standard library's source is not installed: the surrogate is "
+            "calibrated on synthetic documents only")
+    for kind in kinds:
         fitting += run(kind, prompts, False)
         if held_out:
             held[kind] = run(kind, held_out, True)

@@ -66,6 +66,10 @@ class TeacherRecord:
     windows: dict[int, int | None] = field(default_factory=dict)
 
 
+class TeacherUnsupported(ValueError):
+    """A model whose attention does not go through transformers' attention interface."""
+
+
 _active: list[tuple[TeacherLayout, TeacherRecord]] = []
 
 
@@ -205,6 +209,11 @@ def teacher_forward(model, prompt_ids: Sequence[int], repeat_ids: Sequence[int],
     device = model.device
     with recording(layout) as record, torch.inference_mode():
         # The base model only: the teacher needs no logits (a vocabulary-wide product).
-        model.model(input_ids=torch.tensor([tokens], device=device),
-                    position_ids=layout.positions[None].to(device), use_cache=False)
+        model.get_decoder()(input_ids=torch.tensor([tokens], device=device),
+                            position_ids=layout.positions[None].to(device), use_cache=False)
+    if len(record.best) != model.config.num_hidden_layers:
+        raise TeacherUnsupported(
+            f"{type(model).__name__} ran {len(record.best)} of its "
+            f"{model.config.num_hidden_layers} attention layers through transformers' "
+            "attention interface; the teacher needs all of them")
     return record

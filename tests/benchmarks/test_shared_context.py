@@ -35,6 +35,26 @@ def test_documents_hide_four_facts_of_different_kinds_then_the_people_task(count
     assert len({d.text for d in documents}) == 3
 
 
+def test_natural_filler_hides_the_facts_in_prose_from_the_installed_packages(count_words):
+    """``--filler natural``: the same four facts and task, the text around them consecutive
+    sentences of the installed packages' descriptions (none of the generated filler's)."""
+    from benchmarks.natural_text import natural_sentences
+    from benchmarks.quality.words import OBJECTS
+
+    corpus = set(natural_sentences())
+    assert len(corpus) > 200
+    documents = make_documents(2, 400, seed=1, count=count_words, filler="natural")
+    assert documents == make_documents(2, 400, seed=1, count=count_words, filler="natural")
+    for document in documents:
+        kinds = [question.kind for question in document.questions]
+        assert sorted(kinds[:4]) == ["city", "code", "color", "job"]
+        for question in document.questions[:4]:
+            assert question.references[0] in document.text
+        prose = [sentence for sentence in corpus if sentence in document.text]
+        assert sum(count_words(sentence) for sentence in prose) > 300
+        assert not any(thing in document.text for thing in OBJECTS)  # no generated filler
+
+
 def test_score_answer_needs_the_reference_and_gives_partial_credit(count_words):
     (document,) = make_documents(1, 200, seed=2, count=count_words)
     question = document.questions[0]
