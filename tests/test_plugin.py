@@ -89,6 +89,12 @@ def test_unsupported_combinations_are_refused_by_name(embedded_model):
                              additional_config={"kv_compression": "snapkv"})
     with pytest.raises(NotImplementedError, match=r"--pipeline-parallel-size 2 \(only 1"):
         engine_args.create_engine_config()
+    # vLLM makes its offloading connector from --kv-offloading-size inside the engine config,
+    # after the connectors check: refused by name before that.
+    engine_args = EngineArgs(model=embedded_model, kv_offloading_size=1.0,
+                             additional_config={"kv_compression": "snapkv"})
+    with pytest.raises(NotImplementedError, match=r"--kv-offloading-size 1.0"):
+        engine_args.create_engine_config()
 
 
 def test_version_guard_names_the_supported_release():

@@ -83,6 +83,11 @@ def _refuse_unsupported(engine_args: Any) -> None:
     problems += _kv_cache_dtype_problems(engine_args)
     if engine_args.kv_transfer_config:
         problems.append("KV connectors (--kv-transfer-config)")
+    if getattr(engine_args, "kv_offloading_size", None):
+        # vLLM turns it into its offloading connector inside the engine config, after this
+        # check; that connector copies vLLM's blocks, which per-head pages are not.
+        problems.append(f"KV offloading (--kv-offloading-size {engine_args.kv_offloading_size}: "
+                        "vLLM's offloading connector moves whole blocks, not per-head pages)")
     if engine_args.scheduler_cls not in (None, SCHEDULER_CLS) and not _is_default_scheduler(
         engine_args.scheduler_cls
     ):
