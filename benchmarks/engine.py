@@ -57,6 +57,7 @@ def engine_args(settings: EngineSettings, spec: CompressionSpec, *, stat_loggers
         disable_log_stats=not stat_loggers,
         logits_processors=list(logits_processors) or None,
         enable_logging_iteration_details=iteration_details,
+        kv_offloading_size=settings.kv_offloading_gib,
         additional_config=spec.additional_config(settings.compression_options),
     )
 

@@ -313,6 +313,8 @@ class EngineSettings:
     # vLLM's default, what a server runs: it also carries kvcompress's multi-turn reuse (and
     # with it ``--kv-scoring auto``'s reconstruction pass). Off only where a run says so.
     enable_prefix_caching: bool = True
+    # vLLM's --kv-offloading-size (GiB): kvcompress's own offload tier with compression on.
+    kv_offloading_gib: float | None = None
 
 
 def default_model_dir() -> str:

@@ -109,6 +109,12 @@ def extend_scheduler_stats() -> None:
     setattr(SchedulerStats, name, None)
 
 
+OFFLOADING_HELP = (" With --kv-compression set: the size of kvcompress's own offload tier "
+                   "(host memory, backend native; the ranks' total), which keeps the "
+                   "compressed caches the page pool evicts, packed per conversation, and "
+                   "loads them back for the next turn.")
+
+
 def add_compression_flags(parser: Any) -> None:
     """One argument group per group of the flag table (``vllm serve --help=kvcompress``,
     ``--help=kvcompress-tuning``)."""
@@ -116,6 +122,9 @@ def add_compression_flags(parser: Any) -> None:
 
     if any(spec.flag in parser._option_string_actions for spec in FLAG_SPECS):
         return  # AsyncEngineArgs and EngineArgs may both pass through here.
+    offloading = parser._option_string_actions.get("--kv-offloading-size")
+    if offloading is not None:  # vLLM's own flag: what it does with compression on
+        offloading.help = (offloading.help or "") + OFFLOADING_HELP
     for flag_group in FLAG_GROUPS:
         group = parser.add_argument_group(title=flag_group.title,
                                           description=flag_group.description)

@@ -57,6 +57,7 @@ tests=(
   tests/attention/test_decode_scores.py
   tests/engine/test_worker_pipeline.py
   tests/engine/test_worker_moves.py
+  tests/engine/test_worker_offload.py
   tests/engine/test_worker_compaction.py
   tests/engine/test_reconstruction.py
   tests/engine/test_expected_scoring.py

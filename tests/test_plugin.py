@@ -8,6 +8,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from kvcompress.engine.engine_args import OFFLOAD_BYTES_KEY
 from kvcompress.plugin import register
 from kvcompress.settings.config import KVCompressionConfigError
 from kvcompress.settings.flags import FLAG_SPECS
@@ -89,12 +90,28 @@ def test_unsupported_combinations_are_refused_by_name(embedded_model):
                              additional_config={"kv_compression": "snapkv"})
     with pytest.raises(NotImplementedError, match=r"--pipeline-parallel-size 2 \(only 1"):
         engine_args.create_engine_config()
-    # vLLM makes its offloading connector from --kv-offloading-size inside the engine config,
-    # after the connectors check: refused by name before that.
+    # LMCache's offloading stores whole vLLM blocks: refused by name.
     engine_args = EngineArgs(model=embedded_model, kv_offloading_size=1.0,
+                             kv_offloading_backend="lmcache",
                              additional_config={"kv_compression": "snapkv"})
-    with pytest.raises(NotImplementedError, match=r"--kv-offloading-size 1.0"):
+    with pytest.raises(NotImplementedError, match=r"--kv-offloading-backend lmcache"):
         engine_args.create_engine_config()
+
+
+def test_offloading_size_becomes_kvcompress_s_own_tier(embedded_model):
+    """--kv-offloading-size with compression on sizes kvcompress's tier: vLLM makes no
+    offloading connector of its own (it would move whole blocks); a bad size is refused by
+    name before the engine starts."""
+    engine_args = EngineArgs(model=embedded_model, kv_offloading_size=0.5,
+                             additional_config={"kv_compression": "snapkv"})
+    config = engine_args.create_engine_config()
+    assert config.kv_transfer_config is None
+    assert config.additional_config[OFFLOAD_BYTES_KEY] == 1 << 29
+    for size in (0, -1.0):
+        engine_args = EngineArgs(model=embedded_model, kv_offloading_size=size,
+                                 additional_config={"kv_compression": "snapkv"})
+        with pytest.raises(ValueError, match=r"--kv-offloading-size must be a number of GiB > 0"):
+            engine_args.create_engine_config()
 
 
 def test_version_guard_names_the_supported_release():

@@ -61,7 +61,7 @@ from benchmarks.jobs import make_workdir, run_jobs, worker_env, worker_main, wri
 from benchmarks.multi_turn.configs import DEFAULT_CONFIGS, check_settings, parse_configs
 from benchmarks.multi_turn.driver import ARRIVALS
 from benchmarks.multi_turn.report import plot, plot_title, render, render_recall
-from benchmarks.multi_turn.summary import add_ratios, add_recall, config_row
+from benchmarks.multi_turn.summary import add_ratios, add_recall, add_tier_figures, config_row
 from benchmarks.multi_turn.worker import run_job
 from benchmarks.multi_turn.workload import (
     PROMPT_BUILDS,
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(WORKER_MODULE, __doc__)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated: vanilla (prefix caching on), vanilla-noprefix, "
-                             "METHOD:BUDGET or METHOD:r=RATIO with +reuse=on|off")
+                             "METHOD:BUDGET or METHOD:r=RATIO with +reuse=on|off and "
+                             "+offload=GIB (kvcompress's offload tier, --kv-offloading-size)")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--recall", action="store_true",
                           help="pass-key recall across turns; defaults: " + ", ".join(
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = [config_row(config, results[config.label]) for config in configs]
     add_ratios(rows)
+    add_tier_figures(rows, per_token)
     if args.recall:
         add_recall(rows, conversations)
     report = save_report(header, rows, started, args.output_json)

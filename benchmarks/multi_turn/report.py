@@ -13,20 +13,27 @@ def render(rows: Sequence[Mapping[str, Any]]) -> str:
     summary = []
     for row in rows:
         van, own = row.get("vs_vanilla") or {}, row.get("vs_no_reuse") or {}
+        tierless, tier = row.get("vs_no_tier") or {}, row.get("tier") or {}
         summary.append({
             **row,
             "out_van": van.get("output_tok_s"), "out_own": own.get("output_tok_s"),
             "ttft_van": van.get("ttft_mean"), "ttft_own": own.get("ttft_mean"),
+            "later_van": van.get("ttft_later_turns"),
+            "later_tier": tierless.get("ttft_later_turns"),
             "last_van": van.get("ttft_last_turn"), "last_own": own.get("ttft_last_turn"),
             "cached_pct": 100 * row["cached_share"] if row.get("ok") else None,
+            "tier_mb": (None if not tier else tier["bytes_per_conversation"] / 1e6),
+            "tier_share": tier.get("share_of_uncompressed"),
         })
     table = format_table(summary, [
         ("label", "config"), ("output_tok_s", "out tok/s"), ("out_van", "x van"),
         ("out_own", "x no-reuse"), ("ttft_mean", "TTFT s"), ("ttft_van", "x van"),
-        ("ttft_own", "x no-reuse"), ("ttft_last_turn", "TTFT last"), ("last_van", "x van"),
+        ("ttft_own", "x no-reuse"), ("ttft_later_turns", "TTFT later"), ("later_van", "x van"),
+        ("later_tier", "x no-tier"), ("ttft_last_turn", "TTFT last"), ("last_van", "x van"),
         ("last_own", "x no-reuse"), ("prompt_tokens", "prompt tok"),
         ("cached_tokens", "cached tok"), ("cached_pct", "cached %"),
         ("preemptions", "preempt"), ("peak_running", "peak run"), ("elapsed_s", "time s"),
+        ("tier_mb", "tier MB/conv"), ("tier_share", "x uncompressed"),
     ])
     turns = []
     for row in rows:
@@ -48,6 +55,37 @@ def render(rows: Sequence[Mapping[str, Any]]) -> str:
     ], digits=2)
     return (f"{table}\n\nper turn (means over conversations; ctx match: common token prefix "
             f"with the previous prompt + answer):\n{per_turn_table}")
+
+
+def render_tier(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The offload tier's part: later turns' TTFT against vanilla and the same configuration
+    without the tier, output tok/s against vanilla, and what went to and from the tier per
+    conversation against the conversation's whole context uncompressed."""
+    table = []
+    for row in rows:
+        tier = row.get("tier")
+        if not tier:
+            continue
+        van, tierless = row.get("vs_vanilla") or {}, row.get("vs_no_tier") or {}
+        table.append({
+            "label": row["label"], "later_van": van.get("ttft_later_turns"),
+            "later_tier": tierless.get("ttft_later_turns"), "out_van": van.get("output_tok_s"),
+            "written_mb": tier["bytes_per_conversation"] / 1e6,
+            "uncompressed_mb": tier["uncompressed_bytes_per_conversation"] / 1e6,
+            "share": tier["share_of_uncompressed"],
+            "loaded_mb": tier["loaded_bytes_per_conversation"] / 1e6,
+            "saved": tier.get("saved_entries"), "loaded": tier.get("loaded_entries"),
+            "dropped": tier.get("dropped_entries"),
+            "held_mb": tier.get("held_bytes", 0) / 1e6,
+        })
+    return format_table(table, [
+        ("label", "config"), ("later_van", "TTFT later x van"),
+        ("later_tier", "x no-tier"), ("out_van", "out tok/s x van"),
+        ("written_mb", "MB written/conv"), ("uncompressed_mb", "MB uncompressed/conv"),
+        ("share", "written / uncompressed"), ("loaded_mb", "MB loaded/conv"),
+        ("saved", "entries saved"), ("loaded", "loaded"), ("dropped", "dropped"),
+        ("held_mb", "MB held at end"),
+    ], digits=3)
 
 
 def render_recall(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -10,8 +10,8 @@ from typing import Any
 from benchmarks.multi_turn.configs import RunConfig
 from benchmarks.multi_turn.workload import Conversation
 
-RATIO_KEYS = ("output_tok_s", "ttft_mean", "ttft_last_turn", "prefill_mean",
-              "computed_prompt_tokens", "elapsed_s")
+RATIO_KEYS = ("output_tok_s", "ttft_mean", "ttft_later_turns", "ttft_last_turn",
+              "prefill_mean", "computed_prompt_tokens", "elapsed_s")
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -71,6 +71,8 @@ def summarize(records: Sequence[Mapping[str, Any]], elapsed: float) -> dict[str,
         "total_tok_s": (prompt + output) / elapsed if elapsed > 0 else 0.0,
         "ttft_mean": _mean([r["ttft_s"] for r in records]),
         "ttft_last_turn": turns[-1]["ttft_mean"] if turns else None,
+        "ttft_later_turns": _mean([r["ttft_s"] for r in records
+                                   if turns and r["turn"] > turns[0]["turn"]]),
         "queue_mean": _mean([r["queue_s"] for r in records]),
         "prefill_mean": _mean([r["prefill_s"] for r in records]),
         "context_match_share": sum(r["context_match"] for r in records) / context
@@ -109,6 +111,32 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             twin = next((r for r in rows if r.get("reuse") == "off"
                          and r["base_label"] == row["base_label"]), None)
         row["vs_no_reuse"] = ratios(row, twin)
+        tierless = None
+        if row.get("offload_gib"):
+            tierless = next((r for r in rows if r["label"] == row["tierless_label"]), None)
+        row["vs_no_tier"] = ratios(row, tierless)
+
+
+def add_tier_figures(rows: list[dict[str, Any]], kv_bytes_per_token: int) -> None:
+    """Per configuration with a tier: bytes written to it per conversation, and their share
+    of what the conversation's whole context takes uncompressed (what vanilla's blocks
+    would hold of it: its longest prompt and answer, at ``kv_bytes_per_token``)."""
+    for row in rows:
+        offload = row.get("offload")
+        if not row.get("ok") or not offload:
+            continue
+        longest: dict[int, int] = {}
+        for record in row["records"]:
+            context = record["prompt_tokens"] + record["output_tokens"]
+            longest[record["conversation"]] = max(longest.get(record["conversation"], 0),
+                                                  context)
+        written = offload.get("saved_bytes", 0) / len(longest)
+        uncompressed = kv_bytes_per_token * sum(longest.values()) / len(longest)
+        row["tier"] = {"bytes_per_conversation": written,
+                       "uncompressed_bytes_per_conversation": uncompressed,
+                       "share_of_uncompressed": written / uncompressed,
+                       "loaded_bytes_per_conversation": offload.get("loaded_bytes", 0)
+                       / len(longest), **offload}
 
 
 def recall_scores(records: Sequence[Mapping[str, Any]],
@@ -150,7 +178,8 @@ def config_row(config: RunConfig, outcome: Any) -> dict[str, Any]:
     row: dict[str, Any] = {
         "label": config.label, "base_label": config.base_label, "method": spec.method,
         "budget": spec.budget, "ratio": spec.ratio, "reuse": config.reuse,
-        "prefix_caching": config.prefix_caching, "ok": outcome.error is None,
+        "prefix_caching": config.prefix_caching, "offload_gib": config.offload_gib,
+        "tierless_label": config.tierless_label, "ok": outcome.error is None,
         "error": outcome.error, "job_seconds": outcome.seconds,
     }
     if outcome.result is not None:

@@ -89,7 +89,8 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
     prefix = {"requests": 0, "queries": 0, "hits": 0}
     # vanilla-noprefix is the one configuration with vLLM's prefix caching off
     engine = build_engine(dataclasses.replace(settings,
-                                              enable_prefix_caching=config.prefix_caching),
+                                              enable_prefix_caching=config.prefix_caching,
+                                              kv_offloading_gib=config.offload_gib),
                           config.spec,
                           stat_loggers=[StepStatsRecorder.factory(sink),
                                         prefix_cache_logger(prefix)])
@@ -99,6 +100,7 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         sink.samples.clear()
         sink.preemptions = sink.generated_tokens = sink.prompt_tokens = 0
         sink.preempted_tokens = None
+        sink.offload.clear()
         prefix.update(requests=0, queries=0, hits=0)
         last = [0.0]
 
@@ -127,5 +129,6 @@ def run_job(job: dict[str, Any], reporter: Reporter) -> dict[str, Any]:
         "peak_running": max((s.running for s in sink.samples), default=0),
         "mean_running": sum(s.running for s in busy) / len(busy) if busy else 0.0,
         "peak_kv_usage": max((s.kv_cache_usage for s in sink.samples), default=0.0),
+        "offload": dict(sink.offload) or None,
     }
 

@@ -147,6 +147,11 @@ def _multi_turn(report: Report) -> str:
     return multi_turn_report.render(report["configs"])
 
 
+def _offload_tier(report: Report) -> str:
+    return (multi_turn_report.render_tier(report["configs"]) + "\n\n"
+            + multi_turn_report.render(report["configs"]))
+
+
 def _multi_turn_recall(report: Report) -> str:
     return (multi_turn_report.render_recall(report["configs"]) + "\n\n"
             + multi_turn_report.render(report["configs"]))
@@ -230,6 +235,7 @@ SECTIONS: tuple[Section, ...] = (
             _hybrid_memory),
     Section("multi_turn", "Multi-turn reuse", ("multi_turn.json", "multi_turn_uncompressed.json"),
             _multi_turn),
+    Section("offload_tier", "Offload tier", ("offload_tier.json",), _offload_tier),
     Section("multi_turn_recall", "Multi-turn recall",
             ("multi_turn_recall.json", "multi_turn_recall_budgets.json"), _multi_turn_recall),
     Section("shared_context", "Scoring across turns", ("shared_context.json",

@@ -23,6 +23,11 @@ _DEFAULT_WORKER_CLS = "auto"
 # additional_config key (not a setting: no kv_ prefix) holding the scoring the user asked for,
 # e.g. auto, where kv_scoring holds what it resolved to.
 REQUESTED_SCORING_KEY = "kvcompress_requested_scoring"
+# additional_config key: the offload tier's bytes (all ranks), from --kv-offloading-size,
+# which kvcompress takes over from vLLM's offloading connector.
+OFFLOAD_BYTES_KEY = "kvcompress_offload_bytes"
+# --kv-offloading-backend values the tier serves (vLLM's default); lmcache is refused.
+_OFFLOAD_BACKENDS = ("native",)
 
 
 def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
@@ -42,11 +47,14 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         # --kv-reuse says otherwise; a second call finds the setting made by the first).
         config = dataclasses.replace(config, reuse="off")
     requested = (engine_args.additional_config or {}).get(REQUESTED_SCORING_KEY, config.scoring)
+    offload_bytes = _take_offloading_size(engine_args)
     config = resolve_at_start(config, engine_args.model)  # auto scoring; the files it loads
     # Workers and the scheduler re-read the fully resolved settings, defaults included; the
     # scoring asked for stays beside them for /metrics (engine/metrics.py).
     engine_args.additional_config = {**(engine_args.additional_config or {}), **config.to_mapping(),
                                      REQUESTED_SCORING_KEY: requested}
+    if offload_bytes:
+        engine_args.additional_config[OFFLOAD_BYTES_KEY] = offload_bytes
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
     # its own cache of finished requests' pages (--kv-reuse) and answers vLLM's lookups.
     engine_args.enable_prefix_caching = False
@@ -83,11 +91,12 @@ def _refuse_unsupported(engine_args: Any) -> None:
     problems += _kv_cache_dtype_problems(engine_args)
     if engine_args.kv_transfer_config:
         problems.append("KV connectors (--kv-transfer-config)")
-    if getattr(engine_args, "kv_offloading_size", None):
-        # vLLM turns it into its offloading connector inside the engine config, after this
-        # check; that connector copies vLLM's blocks, which per-head pages are not.
-        problems.append(f"KV offloading (--kv-offloading-size {engine_args.kv_offloading_size}: "
-                        "vLLM's offloading connector moves whole blocks, not per-head pages)")
+    backend = getattr(engine_args, "kv_offloading_backend", "native") or "native"
+    if getattr(engine_args, "kv_offloading_size", None) and backend not in _OFFLOAD_BACKENDS:
+        # The size then configures LMCache's connector, which stores whole vLLM blocks.
+        problems.append(f"--kv-offloading-backend {backend} (allowed with compression: "
+                        f"{', '.join(_OFFLOAD_BACKENDS)}; LMCache stores whole vLLM blocks, "
+                        "not per-head pages)")
     if engine_args.scheduler_cls not in (None, SCHEDULER_CLS) and not _is_default_scheduler(
         engine_args.scheduler_cls
     ):
@@ -99,6 +108,19 @@ def _refuse_unsupported(engine_args: Any) -> None:
             "--kv-compression cannot be combined with " + "; ".join(problems)
             + " yet; use --kv-compression none for these setups"
         )
+
+
+def _take_offloading_size(engine_args: Any) -> int:
+    """--kv-offloading-size (GiB, every rank's together) as the bytes of kvcompress's own
+    offload tier (``paging.offload_tier``); vLLM then makes no offloading connector of its
+    own (one that moves whole blocks, not per-head pages). 0: no tier."""
+    size = getattr(engine_args, "kv_offloading_size", None)
+    if size is None:
+        return 0
+    if not isinstance(size, (int, float)) or not size > 0 or size != size:
+        raise ValueError(f"--kv-offloading-size must be a number of GiB > 0, got {size!r}")
+    engine_args.kv_offloading_size = None
+    return int(size * (1 << 30))
 
 
 def _kv_cache_dtype_problems(engine_args: Any) -> list[str]:

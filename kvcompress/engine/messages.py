@@ -26,6 +26,7 @@ PAGE_DELTAS_ATTR = "kvcompress_page_deltas"
 PASS_GRANTS_ATTR = "kvcompress_pass_grants"
 SEGMENT_ORDERS_ATTR = "kvcompress_segment_orders"
 DEFERRED_ATTR = "kvcompress_deferred_compactions"
+TIER_ORDERS_ATTR = "kvcompress_tier_orders"
 REPORT_ATTR = "kvcompress_report"
 # The reason a rank gives for a request it failed because another rank did (ranks agree
 # on failures before the steps' collectives); merged reports keep the other rank's.
@@ -100,14 +101,27 @@ class WorkerReport:
     # each pass chunk, in order): the scheduler grants them step by step
     # (``engine.pass_schedule``) and the prompt is compacted after the last.
     passes_pending: dict[str, list[int]] = field(default_factory=dict)
+    # The offload tier (``engine.worker.offload``): restored entries whose load failed (the
+    # scheduler drops them; their readers of this step failed with them), and (rank,
+    # chunk) whose save failed (the scheduler drops the offloaded entries using them).
+    lost_entries: list[int] = field(default_factory=list)
+    lost_chunks: list[tuple[int, int]] = field(default_factory=list)
+    # Requests whose adopted cache failed to load from the tier (they ran this step with an
+    # empty context): the scheduler drops the step's output and preempts them, so that they
+    # prefill again.
+    reload: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.compactions or self.failures or self.score_seconds
-                    or self.compaction_seconds or self.passes_pending)
+                    or self.compaction_seconds or self.passes_pending or self.lost_entries
+                    or self.lost_chunks or self.reload)
 
     def merge(self, later: WorkerReport) -> None:
         merge_compactions(self.compactions, later.compactions)
         self.failures.update(later.failures)
+        self.lost_entries += later.lost_entries
+        self.lost_chunks += later.lost_chunks
+        self.reload += later.reload
         self.passes_pending.update(later.passes_pending)
         self.score_seconds += later.score_seconds
         self.compaction_seconds += later.compaction_seconds
@@ -143,9 +157,14 @@ def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
         compaction_seconds=max(report.compaction_seconds for report in reports),
         # Every rank chunks the same prompt alike; rank 0's chunks are the ones granted.
         passes_pending=dict(reports[0].passes_pending),
+        lost_entries=sorted({entry_id for report in reports for entry_id in report.lost_entries}),
+        lost_chunks=sorted({lost for report in reports for lost in report.lost_chunks}),
+        reload=sorted({request_id for report in reports for request_id in report.reload}),
     )
+    for request_id in merged.reload:  # (a rank whose load worked went on: moot, it reloads)
+        merged.failures.pop(request_id, None)
     for request_id, first in reports[0].compactions.items():
-        if request_id in merged.failures:
+        if request_id in merged.failures or request_id in merged.reload:
             continue
         parts = [report.compactions.get(request_id) for report in reports]
         if any(part is None or (part.logical_len, part.kind) != (first.logical_len, first.kind)
@@ -162,7 +181,8 @@ def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
             else np.concatenate(prompt_evicted),  # type: ignore[arg-type]
         )
     for report in reports[1:]:
-        for request_id in report.compactions.keys() - reports[0].compactions.keys():
+        for request_id in (report.compactions.keys() - reports[0].compactions.keys()
+                           - set(merged.reload)):
             merged.failures.setdefault(request_id, "tensor-parallel ranks disagree on a "
                                                    f"compaction of {request_id}")
     return merged
@@ -204,6 +224,17 @@ def attach_deferred_compactions(scheduler_output: Any, orders: DeferredCompactio
 
 def deferred_compactions(scheduler_output: Any) -> DeferredCompactions:
     return getattr(scheduler_output, DEFERRED_ATTR, None) or DeferredCompactions()
+
+
+def attach_tier_orders(scheduler_output: Any, orders_by_rank: list[list[Any]]) -> None:
+    """Per rank: the offload tier's saves, loads and drops (``paging.TierOrder``), in order."""
+    if any(orders_by_rank):
+        setattr(scheduler_output, TIER_ORDERS_ATTR, orders_by_rank)
+
+
+def tier_orders(scheduler_output: Any, rank: int = 0) -> list[Any]:
+    orders_by_rank = getattr(scheduler_output, TIER_ORDERS_ATTR, None)
+    return orders_by_rank[rank] if orders_by_rank else []
 
 
 def pass_grants(scheduler_output: Any) -> dict[str, int]:

@@ -73,6 +73,20 @@ class StepFigures:
         return figures
 
 
+class TierFigures:
+    """The offload tier's figures since the last take, from its totals since the start
+    (``ShardedPageManager.tier_totals``); what it holds now as it is."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, totals: dict[str, int]) -> dict[str, int]:
+        figures = {name: value - self._last.get(name, 0) for name, value in totals.items()}
+        figures["held_bytes"] = totals.get("held_bytes", 0)
+        self._last = dict(totals)
+        return figures
+
+
 class _Metrics:
     """The Prometheus metrics, created once per process (engines are a label)."""
 
@@ -140,6 +154,19 @@ class _Metrics:
             "(all: every kind): rank correlation with the reconstruction pass, and the share "
             "of the pass's top quarter the surrogate's top quarter keeps",
             labels + ["kind", "figure"], multiprocess_mode="mostrecent")
+        self.offload_bytes = Counter(
+            "kvcompress:offload_bytes",
+            "Bytes of compressed caches moved to the offload tier (saved: written, evicted "
+            "from the page pool; known: offloaded but held by the tier already, not written "
+            "again) and back (loaded, for a later turn), --kv-offloading-size",
+            labels + ["direction"])
+        self.offload_entries = Counter(
+            "kvcompress:offload_entries",
+            "Cached caches saved to the offload tier, loaded back, dropped from it (the least "
+            "recently saved, to make room) or refused (larger than it)", labels + ["event"])
+        self.offload_held = Gauge(
+            "kvcompress:offload_bytes_held", "Bytes the offload tier holds now", labels,
+            multiprocess_mode="mostrecent")
         self.whole_segment_reads = Counter(
             "kvcompress:prefix_segment_whole_reads",
             "Requests that read a shared prefix before its compaction: they prefilled their "
@@ -211,6 +238,13 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.segment_tokens.labels(engine).inc(figures.get("segment_tokens", 0))
         metrics.fork_tokens.labels(engine).inc(figures.get("fork_tokens", 0))
         metrics.whole_segment_reads.labels(engine).inc(figures.get("whole_segment_reads", 0))
+        tier = figures.get("offload")
+        if tier:
+            for direction in ("saved", "known", "loaded"):
+                metrics.offload_bytes.labels(engine, direction).inc(tier[f"{direction}_bytes"])
+            for event in ("saved", "loaded", "dropped", "refused"):
+                metrics.offload_entries.labels(engine, event).inc(tier[f"{event}_entries"])
+            metrics.offload_held.labels(engine).set(tier["held_bytes"])
 
     def log_engine_initialized(self) -> None:
         pass

@@ -39,6 +39,9 @@ class EngineStats:
     # compaction (kvcompress only; rank 0's, as its scheduler stats carry them).
     score_seconds: float = 0.0
     compaction_seconds: float = 0.0
+    # The offload tier (kvcompress with --kv-offloading-size): bytes saved and loaded,
+    # entries saved, loaded and dropped, summed over steps; bytes held at the last step.
+    offload: dict[str, int] = field(default_factory=dict)
 
 
 class StepStatsRecorder(StatLoggerBase):
@@ -70,6 +73,10 @@ class StepStatsRecorder(StatLoggerBase):
                 self.stats.window_freed_pages += figures.get("window_freed_pages", 0)
                 self.stats.score_seconds += sum(figures.get("score_seconds", ()))
                 self.stats.compaction_seconds += sum(figures.get("compaction_seconds", ()))
+                for name, value in (figures.get("offload") or {}).items():
+                    held = name == "held_bytes"
+                    self.stats.offload[name] = value + (0 if held else
+                                                        self.stats.offload.get(name, 0))
         if iteration_stats is not None:
             self.stats.preemptions += iteration_stats.num_preempted_reqs
             self.stats.generated_tokens += iteration_stats.num_generation_tokens

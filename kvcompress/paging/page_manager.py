@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
+from kvcompress.paging.offload_tier import OffloadTier, TierOrder
 from kvcompress.paging.page_fill import PageFill
 from kvcompress.paging.page_pool import Holder, PagePool
 from kvcompress.paging.prefix_cache import CacheEntry, PrefixCache
@@ -27,17 +28,24 @@ from kvcompress.paging.request_tables import PageTableDelta, RequestTables
 
 
 class PageManager:
-    def __init__(self, layout: PageLayout) -> None:
+    def __init__(self, layout: PageLayout, tier_pages: int = 0) -> None:
+        """``tier_pages``: pages of the offload tier (0: none, evicted entries are dropped)."""
         self.layout = layout
         self.pool = PagePool(layout.total_pages)
         self.tables = RequestTables(layout, self.pool)
-        self.cache = PrefixCache(layout, self.pool)
+        self.tier = OffloadTier(tier_pages, self._tier_copies) if tier_pages > 0 else None
+        self.cache = PrefixCache(layout, self.pool, self.tier)
         self.pool.reclaim = self.cache.evict_for
         # Pending segments compacted in this schedule: segment request id -> pages dropped
         # per row (the worker runs the plan it kept under that id).
         self._compacted: dict[str, np.ndarray] = {}
         # The tables' requests by id (``RequestPages``): the same dict, for the reads below.
         self._requests = self.tables.states
+
+    def _tier_copies(self) -> np.ndarray:
+        """The tier pages this pool's pages hold copies of (the tier keeps them)."""
+        copies = self.pool.tier_copy
+        return copies[copies >= 0]
 
     # ----------------------------------------------------------------- figures
     @property
@@ -188,8 +196,39 @@ class PageManager:
         return True
 
     def drop_entry(self, entry_id: int) -> int:
-        """Drop an entry; return how many of its pages became free."""
+        """Drop an entry (resident or offloaded); return how many of its pages became free."""
         return self.cache.drop_entry(entry_id)
+
+    # ------------------------------------------------------------ offload tier
+    def known_entry(self, entry_id: int) -> CacheEntry | None:
+        """``PrefixCache.known``: the entry, resident or offloaded."""
+        return self.cache.known(entry_id)
+
+    def is_offloaded(self, entry_id: int) -> bool:
+        return self.cache.is_offloaded(entry_id)
+
+    def offloaded_ids(self) -> list[int]:
+        return self.cache.offloaded_ids()
+
+    def can_restore(self, entry_id: int, hit: int, logical_len: int, reserve: int = 0) -> bool:
+        """Whether restoring the offloaded entry and an adopter's growth from its first
+        ``hit`` tokens to ``logical_len`` fit, leaving ``reserve`` pages available."""
+        cost = self.cache.restore_cost(entry_id, hit, logical_len)
+        return cost is not None and cost + reserve <= self.num_available
+
+    def restore(self, entry_id: int) -> bool:
+        return self.cache.restore(entry_id)
+
+    def offload(self, entry_id: int) -> bool:
+        return self.cache.offload(entry_id)
+
+    def forget_tier_chunk(self, chunk: int) -> list[int]:
+        """``PrefixCache.forget_tier_chunk``: the offloaded entries lost with it."""
+        return self.cache.forget_tier_chunk(chunk)
+
+    def take_tier_orders(self) -> list[TierOrder]:
+        """For the worker: the tier's saves, loads and drops since the last call, in order."""
+        return self.cache.take_tier_orders()
 
     # -------------------------------------------------------- pending segments
     def pending_ids(self) -> list[int]:

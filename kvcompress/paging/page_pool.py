@@ -57,6 +57,10 @@ class PagePool:
         self._states[PageState.FREE] = total_pages
         # Called with the pages a pop wants when fewer are free; it evicts what it can spare.
         self.reclaim: Callable[[int], None] | None = None
+        # Per page, the offload-tier page whose K/V it holds (-1: none), set by the prefix
+        # cache when it saves or loads the page (``offload_tier``): true while the page is
+        # only read, so cleared when it is freed or owned (its owner writes it).
+        self.tier_copy = np.full(total_pages, -1, dtype=np.int64)
 
     # ----------------------------------------------------------------- figures
     @property
@@ -103,6 +107,7 @@ class PagePool:
         page_ids = self._stack[start : self._num_free].copy()
         self._num_free = start
         self._refs[Holder.OWNER, page_ids] = 1
+        self.tier_copy[page_ids] = -1
         self._states[PageState.FREE] -= count
         self._states[PageState.OWNED] += count
         return page_ids
@@ -140,6 +145,7 @@ class PagePool:
                 self._refs[holder, pages] -= delta
             raise RuntimeError("a page released by a holder that did not hold it")
         after = self._state_of(pages)
+        self.tier_copy[pages[(after == PageState.FREE) | (after == PageState.OWNED)]] = -1
         self._states += (np.bincount(after, minlength=len(PageState))
                          - np.bincount(before, minlength=len(PageState)))
         freed = pages[(after == PageState.FREE) & (before != PageState.FREE)]
@@ -182,6 +188,11 @@ class PagePool:
         assert np.array_equal(np.sort(free), np.flatnonzero(counts == 0)), (
             f"free {self._num_free} + held {int((counts > 0).sum())} != total {total}, "
             "or a held page is on the free stack")
-        states = np.bincount(self._state_of(np.arange(total)), minlength=len(PageState))
+        states_of = self._state_of(np.arange(total))
+        states = np.bincount(states_of, minlength=len(PageState))
         assert np.array_equal(states, self._states), (
             f"pages per state counted {self._states.tolist()}, are {states.tolist()}")
+        written = (self.tier_copy >= 0) & np.isin(states_of, (PageState.FREE, PageState.OWNED))
+        assert not written.any(), (
+            f"free or owned pages {np.flatnonzero(written)[:8].tolist()} said to hold a tier "
+            "page's K/V")

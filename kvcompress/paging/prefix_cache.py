@@ -19,7 +19,9 @@ way, so here the unit is a whole finished request. The words, used the same ever
   page itself.
 - **evict**: entries are dropped, least recently used first, only when the free stack falls
   short (``evict_for``, the pool's ``reclaim``); a page goes back to the free stack only
-  when no running request (reader) and no other entry holds it.
+  when no running request (reader) and no other entry holds it. With an offload tier an
+  evicted entry is **offloaded** instead (``offload_tier``): its pages are freed all the
+  same, their K/V saved first, and it is **restored** onto fresh pages for an adopter.
 - **pin**: the source of a copy of this schedule is held (``Holder.PIN``) until the deltas
   are taken: the worker copies after the schedule, and a page freed meanwhile could be
   another adopter's copy destination.
@@ -38,11 +40,12 @@ is the engine's rule (``kvcompress.engine.sched.prefix_cache``); this module onl
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvcompress.paging.layout import PageLayout
+from kvcompress.paging.offload_tier import OffloadTier, TierOrder
 from kvcompress.paging.page_pool import Holder, PagePool, PageState
 from kvcompress.paging.page_table import HeadPageTable, pages_for_lengths
 from kvcompress.paging.request_tables import PageTableDelta, RequestPages, release_request
@@ -158,9 +161,15 @@ class _Cut:
 
 
 class PrefixCache:
-    def __init__(self, layout: PageLayout, pool: PagePool) -> None:
+    def __init__(self, layout: PageLayout, pool: PagePool,
+                 tier: OffloadTier | None = None) -> None:
         self.layout = layout
         self.pool = pool
+        self.tier = tier  # where evicted entries go (None: they are dropped)
+        # The worker's tier work since the owner last asked (take_tier_orders), in order.
+        self._tier_orders: list[TierOrder] = []
+        # Entries offloaded since the owner last asked (take_offloaded).
+        self._offloaded: list[int] = []
         # Entries by id, least recently used first.
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
         # Entries evicted for pages since the owner last asked (take_evicted_entries).
@@ -196,6 +205,21 @@ class PrefixCache:
     def entry_ids(self) -> list[int]:
         """Entries, least recently used first."""
         return list(self._entries)
+
+    def known(self, entry_id: int) -> CacheEntry | None:
+        """The entry, resident or offloaded (then its table is empty: ask what it holds, not
+        where)."""
+        entry = self._entries.get(entry_id)
+        if entry is None and self.tier is not None:
+            offloaded = self.tier.get(entry_id)
+            entry = None if offloaded is None else offloaded.entry
+        return entry
+
+    def is_offloaded(self, entry_id: int) -> bool:
+        return self.tier is not None and entry_id in self.tier
+
+    def offloaded_ids(self) -> list[int]:
+        return [] if self.tier is None else self.tier.entry_ids()
 
     # ------------------------------------------------------------------ retire
     def retire(self, entry_id: int, state: RequestPages, logical_len: int,
@@ -419,12 +443,95 @@ class PrefixCache:
     def drop_entry(self, entry_id: int) -> int:
         """Drop an entry; return how many of its pages became free (those no running
         request or other entry holds)."""
+        if self.tier is not None and entry_id in self.tier:
+            self.version += 1
+            self._tier_orders += [TierOrder("free", chunk)
+                                  for chunk in self.tier.drop(entry_id)]
         entry = self._entries.pop(entry_id, None)
         if entry is None:
             return 0
         self.version += 1
         self._forget_pending(entry_id)
         return self.pool.release(entry.table.all_pages(), Holder.ENTRY)
+
+    # ---------------------------------------------------------------- offload
+    def offload(self, entry_id: int) -> bool:
+        """Move a resident entry to the tier: its pages are released (free unless a
+        running request or another entry holds them), the worker saves those the tier does
+        not hold yet first. False, nothing changed, without a tier, for an entry whose rows
+        a pending compaction will still change (sealed), or one whose pages do not fit in
+        the tier. Entries the tier drops to make room are gone (``take_evicted_entries``)."""
+        entry = self._entries.get(entry_id)
+        if self.tier is None or entry is None or entry.sealed or entry_id in self._pending:
+            return False
+        pages = entry.table.all_pages()
+        result = self.tier.store(entry_id, entry, self.pool.tier_copy[pages])
+        self._tier_orders += [TierOrder("free", chunk) for chunk in result.freed]
+        self._evicted += result.dropped
+        if not result.stored:
+            return False
+        self.version += 1
+        del self._entries[entry_id]
+        if result.chunk >= 0:
+            self._tier_orders.append(TierOrder("save", result.chunk, pages[result.new]))
+        self._offloaded.append(entry_id)
+        # Pages others still read or keep hold what the tier does (until written or freed).
+        self.pool.tier_copy[pages] = self.tier.get(entry_id).tier_pages  # type: ignore[union-attr]
+        self.pool.release(pages, Holder.ENTRY)
+        return True
+
+    def restore_cost(self, entry_id: int, hit: int, logical_len: int) -> int | None:
+        """Pages restoring the offloaded entry and then growing an adopter of its first
+        ``hit`` tokens to ``logical_len`` take (None: not offloaded, or no cut there)."""
+        offloaded = None if self.tier is None else self.tier.get(entry_id)
+        lengths = None if offloaded is None else offloaded.entry.lengths_at(hit)
+        if lengths is None:
+            return None
+        page_size = self.layout.page_size
+        growth = (pages_for_lengths(lengths + max(0, logical_len - hit), page_size).sum()
+                  - pages_for_lengths(lengths, page_size).sum())
+        return offloaded.num_pages + int(growth)
+
+    def restore(self, entry_id: int) -> bool:
+        """Bring an offloaded entry back onto fresh pages (evicting, or offloading, others
+        for them), most recently used, the worker loading them before anything reads
+        them. False, nothing changed, when it is not offloaded or its pages do not fit."""
+        tier = self.tier
+        offloaded = None if tier is None else tier.get(entry_id)
+        if offloaded is None or offloaded.num_pages > (self.pool.num_free
+                                                       + self.pool.num_evictable):
+            return False
+        self.version += 1
+        pages = self.pool.pop(offloaded.num_pages)  # (it stays in the tier meanwhile)
+        tier.take(entry_id)  # type: ignore[union-attr]  # (set: offloaded is not None)
+        self.pool.transfer(pages, Holder.OWNER, Holder.ENTRY)
+        self.pool.tier_copy[pages] = offloaded.tier_pages  # (so they live on)
+        table = HeadPageTable(self.layout.num_rows, self.layout.page_size)
+        table.append(offloaded.row_pages, pages)
+        self._entries[entry_id] = replace(offloaded.entry, table=table)
+        self._tier_orders.append(TierOrder("load", entry_id, pages, offloaded.tier_pages))
+        return True
+
+    def forget_tier_chunk(self, chunk: int) -> list[int]:
+        """The worker lost a chunk (its save failed): the offloaded entries using it are
+        dropped (returned: the caller drops them on every rank), and no pool page is a copy
+        of it any more."""
+        if self.tier is None:
+            return []
+        size = self.tier.chunk_size(chunk)
+        users = self.tier.forget_chunk(chunk)
+        copies = self.pool.tier_copy
+        copies[(copies >= chunk) & (copies < chunk + size)] = -1
+        self.version += 1
+        return users
+
+    def take_tier_orders(self) -> list[TierOrder]:
+        orders, self._tier_orders = self._tier_orders, []
+        return orders
+
+    def take_offloaded(self) -> list[int]:
+        offloaded, self._offloaded = self._offloaded, []
+        return offloaded
 
     def plan_evictions(self, next_use: dict[int, int]) -> None:
         """``next_use``: entry -> how soon a waiting request adopts it (0: the next one to
@@ -450,7 +557,7 @@ class PrefixCache:
             if entry_id == self._adopting:
                 continue
             pages = self._entries[entry_id].table.all_pages()
-            if self.pool.count_in_state(pages, PageState.CACHED):
+            if self.pool.count_in_state(pages, PageState.CACHED) and not self.offload(entry_id):
                 self.drop_entry(entry_id)
                 self._evicted.append(entry_id)
 
@@ -466,4 +573,8 @@ class PrefixCache:
             assert entry is not None and entry.sealed and pending.start_in(
                 entry.table) is not None, (
                 f"pending segment {pending.request_id} is not its entry {entry_id}'s")
+        if self.tier is not None:
+            self.tier.check()
+            both = set(self._entries) & set(self.tier.entry_ids())
+            assert not both, f"entries {sorted(both)} are both resident and offloaded"
         return [entry.table.all_pages() for entry in self._entries.values()], list(self._pins)

@@ -29,11 +29,12 @@ from kvcompress.paging.request_tables import PageTableDelta
 
 
 class ShardedPageManager:
-    def __init__(self, layout: PageLayout, num_shards: int = 1) -> None:
+    def __init__(self, layout: PageLayout, num_shards: int = 1, tier_pages: int = 0) -> None:
+        """``tier_pages``: each rank's offload tier, in pages (0: none)."""
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
         self.layout = layout  # of one rank
-        self.shards = [PageManager(layout) for _ in range(num_shards)]
+        self.shards = [PageManager(layout, tier_pages) for _ in range(num_shards)]
         self._evicted: list[int] = []  # entries evicted for pages, until taken
 
     # ------------------------------------------------------ the tightest rank
@@ -225,6 +226,57 @@ class ShardedPageManager:
     def drop_entry(self, entry_id: int) -> int:
         return sum(shard.drop_entry(entry_id) for shard in self.shards)
 
+    # ------------------------------------------------------------ offload tier
+    @property
+    def has_tier(self) -> bool:
+        return self.shards[0].tier is not None
+
+    def known_entries(self, entry_id: int) -> list:
+        """Every rank's entry, resident or offloaded (None where a rank has none)."""
+        return [shard.known_entry(entry_id) for shard in self.shards]
+
+    def is_offloaded(self, entry_id: int) -> bool:
+        """Whether the entry is in the tier (on every rank: ranks offload together)."""
+        return self.shards[0].is_offloaded(entry_id)
+
+    def offloaded_ids(self) -> list[int]:
+        return self.shards[0].offloaded_ids()
+
+    def can_restore(self, entry_id: int, hit: int, logical_len: int, reserve: int = 0) -> bool:
+        return all(shard.can_restore(entry_id, hit, logical_len, reserve)
+                   for shard in self.shards)
+
+    def restore(self, entry_id: int) -> bool:
+        """On every rank (``can_restore`` first)."""
+        restored = [shard.restore(entry_id) for shard in self.shards]
+        assert all(restored) or not any(restored), "ranks disagree on a restore"
+        self._sync_evictions()
+        return restored[0]
+
+    def tier_totals(self) -> dict[str, int]:
+        """The offload tier over every rank since the start: bytes saved and loaded, entries
+        saved, loaded and dropped (each on every rank), and bytes held now. Empty: no tier."""
+        tiers = [shard.tier for shard in self.shards if shard.tier is not None]
+        if not tiers:
+            return {}
+        page_bytes = self.layout.page_bytes
+        first = tiers[0].counts
+        return {
+            "saved_bytes": page_bytes * sum(tier.counts.saved_pages for tier in tiers),
+            "loaded_bytes": page_bytes * sum(tier.counts.loaded_pages for tier in tiers),
+            # pages offloaded entries had that the tier held already (not written again)
+            "known_bytes": page_bytes * sum(tier.counts.known_pages for tier in tiers),
+            "saved_entries": first.saved_entries,
+            "loaded_entries": first.loaded_entries,
+            "dropped_entries": first.dropped_entries,
+            "refused_entries": first.refused_entries,
+            "held_bytes": page_bytes * sum(tier.used_pages for tier in tiers),
+        }
+
+    def take_tier_orders(self) -> list[list]:
+        """Each rank's tier orders (``PageManager.take_tier_orders``), by rank."""
+        return [shard.take_tier_orders() for shard in self.shards]
+
     def entry_ids(self) -> list[int]:
         return self.shards[0].entry_ids()
 
@@ -283,8 +335,20 @@ class ShardedPageManager:
         return evicted
 
     def _sync_evictions(self) -> None:
-        """An entry evicted on one rank (ranks can differ in pages) leaves every rank."""
-        evicted = {entry_id for shard in self.shards for entry_id in shard.take_evicted_entries()}
+        """An entry evicted on one rank (ranks can differ in pages) leaves every rank; one
+        offloaded on one rank is offloaded on every rank, or dropped from all."""
+        offloaded = {entry_id for shard in self.shards for entry_id in shard.cache.take_offloaded()}
+        evicted: set[int] = set()
+        if len(self.shards) > 1:
+            for entry_id in sorted(offloaded):
+                moved = [shard.is_offloaded(entry_id) or shard.offload(entry_id)
+                         for shard in self.shards]
+                if not all(moved):
+                    evicted.add(entry_id)
+            for shard in self.shards:
+                shard.cache.take_offloaded()  # (those just made to follow)
+        evicted.update(entry_id for shard in self.shards
+                       for entry_id in shard.take_evicted_entries())
         if len(self.shards) > 1:
             for entry_id in evicted:
                 self.drop_entry(entry_id)
@@ -305,3 +369,5 @@ class ShardedPageManager:
             assert shard.entry_ids() == self.shards[0].entry_ids(), (
                 f"rank {rank} caches other entries than rank 0"
             )
+            assert sorted(shard.offloaded_ids()) == sorted(self.shards[0].offloaded_ids()), (
+                f"rank {rank} offloaded other entries than rank 0")

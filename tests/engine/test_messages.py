@@ -60,3 +60,17 @@ def test_a_segment_compaction_failed_on_another_rank_reaches_the_scheduler():
         "r": "compacting the shared prefix it reads failed: fault"})
     merged = merge_rank_reports([rank0, rank1])
     assert set(merged.failures) == {"kvcompress-segment-3", "r"} and not merged.compactions
+
+
+def test_a_tier_load_failed_on_one_rank_reloads_on_every_rank():
+    """Rank 0's load failed (its adopter ran on an empty context, uncompacted); rank 1's
+    worked and compacted: the request prefills again, neither failed nor compacted. Lost
+    entries and chunks are every rank's."""
+    rank0 = WorkerReport(reload=["a"], lost_entries=[7], lost_chunks=[(0, 12)])
+    rank1 = report({"a": Compaction(90, np.array([10])), "b": Compaction(40, np.array([3]))})
+    rank0.compactions["b"] = Compaction(40, np.array([4]))
+    merged = merge_rank_reports([rank0, rank1])
+    assert merged.reload == ["a"] and "a" not in merged.failures
+    assert set(merged.compactions) == {"b"}
+    assert merged.compactions["b"].physical_lengths.tolist() == [4, 3]
+    assert (merged.lost_entries, merged.lost_chunks) == ([7], [(0, 12)])

@@ -479,8 +479,9 @@ class ReuseMachine(RuleBasedStateMachine):
 
     def _forget_evicted(self):
         for entry_id in self.manager.take_evicted_entries():
-            pages = list(self.entry_content.pop(entry_id))
-            self._released(np.array(pages, dtype=np.int64))
+            content = self.entry_content.pop(entry_id, None)  # (None: left the tier, below)
+            if content is not None:
+                self._released(np.array(list(content), dtype=np.int64))
             self.segments.pop(entry_id, None)
 
     @invariant()

@@ -158,6 +158,12 @@ class PagedKVCacheManager:
                                                           self.max_num_batched_tokens)
             if needed + reserve > self.pages.num_available:
                 return None
+        if match is not None and self.pages.is_offloaded(match.entry_id):
+            # Its pages come back from the offload tier first (the worker loads them before
+            # the step's forward), then it is adopted as a resident entry.
+            if not self.pages.can_restore(match.entry_id, match.hit, logical_len, reserve):
+                return None
+            self.reuse.restore(match)
         share = False
         if match is not None:
             # A share keeps the entry for other adopters (now or later), reading its whole

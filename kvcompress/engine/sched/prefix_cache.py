@@ -146,7 +146,9 @@ class PrefixCachePolicy:
         best: Match | None = None
         for entry_id, shared, same in self.index.candidates(
                 self.chain_of(request), request.num_prompt_tokens - 1, settings):
-            entries = [shard.entry(entry_id) for shard in self.pages.shards]
+            entries = self.pages.known_entries(entry_id)  # (resident or offloaded)
+            if any(entry is None for entry in entries):
+                continue
             hit = min(entry.best_hit(shared) for entry in entries)
             # (A segment's entry is read by many: kept whole where its plan dropped no page.)
             if all(entry.exact_prompt and not entry.segment for entry in entries) and (
@@ -243,9 +245,15 @@ class PrefixCachePolicy:
             self.pages.drop_entry(entry_id)  # (nothing where it is gone already)
             self.index.remove(entry_id)
 
+    def restore(self, match: Match) -> None:
+        """Bring the match's offloaded entry back into pages (``can_restore`` said it fits)."""
+        restored = self.pages.restore(match.entry_id)
+        assert restored, "restore check and restore disagree"
+        self.forget_evicted()
+
     def clear(self) -> None:
-        """vLLM's reset_prefix_cache: every entry's pages are freed."""
-        for entry_id in self.pages.entry_ids():
+        """vLLM's reset_prefix_cache: every entry's pages are freed, the tier emptied."""
+        for entry_id in self.pages.entry_ids() + self.pages.offloaded_ids():
             self.pages.drop_entry(entry_id)
             self.index.remove(entry_id)
 

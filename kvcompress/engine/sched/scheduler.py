@@ -19,6 +19,7 @@ vLLM's ``Scheduler`` is in this module, each through the narrowest seam it offer
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -28,6 +29,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import RequestStatus
 
+from kvcompress.engine.engine_args import OFFLOAD_BYTES_KEY
 from kvcompress.engine.messages import (
     SEGMENT_READERS_AFTER_ARG,
     Compaction,
@@ -37,9 +39,10 @@ from kvcompress.engine.messages import (
     attach_page_deltas,
     attach_pass_grants,
     attach_segment_orders,
+    attach_tier_orders,
     worker_report,
 )
-from kvcompress.engine.metrics import STATS_FIELD, StepFigures
+from kvcompress.engine.metrics import STATS_FIELD, StepFigures, TierFigures
 from kvcompress.engine.pass_schedule import PassSchedule, StepPasses
 from kvcompress.engine.request_settings import resolve
 from kvcompress.engine.sched.admission import AdmissionPlanner
@@ -84,9 +87,12 @@ class KVCompressScheduler(Scheduler):
             max_model_len=vllm_config.model_config.max_model_len,
         )
         super().__init__(vllm_config, virtual_config, *args, **kwargs)
-        # Tensor parallelism: every rank holds its own KV heads in its own pool.
-        self.page_manager = ShardedPageManager(
-            layout, vllm_config.parallel_config.tensor_parallel_size)
+        # Tensor parallelism: every rank holds its own KV heads in its own pool (and its
+        # share of the offload tier, --kv-offloading-size being the ranks' total).
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        tier_bytes = int((vllm_config.additional_config or {}).get(OFFLOAD_BYTES_KEY, 0))
+        tier_pages = tier_bytes // ranks // layout.page_bytes
+        self.page_manager = ShardedPageManager(layout, ranks, tier_pages)
         self.admission = AdmissionPlanner(
             self.page_manager, self.compression_config,
             max_model_len=vllm_config.model_config.max_model_len,
@@ -123,6 +129,7 @@ class KVCompressScheduler(Scheduler):
         # Requests given no tokens in the schedule under way (parked, deferred).
         self._resting: frozenset[str] = frozenset()
         self.figures = StepFigures()  # for /metrics, taken by make_stats
+        self.tier_figures = TierFigures()
         # Tests and soak runs check the page invariants after every step.
         self.check_pages_every_step = os.environ.get("KVCOMPRESS_CHECK_PAGES") == "1"
         logger.info(
@@ -131,6 +138,10 @@ class KVCompressScheduler(Scheduler):
             layout.total_pages, layout.page_size, layout.num_layers, layout.num_kv_heads,
             layout.token_capacity,
         )
+        if tier_pages:
+            logger.info("kvcompress: offload tier of %d pages per rank (%.2f GiB in all) for "
+                        "evicted prefix-cache entries", tier_pages,
+                        tier_pages * ranks * layout.page_bytes / (1 << 30))
 
     def _cap_running_at_decode_reserve(self, layout: Any) -> None:
         """A running request may hold decode scores, and a small pool reserves them for fewer
@@ -187,6 +198,7 @@ class KVCompressScheduler(Scheduler):
              for request_id in ready}))
         attach_page_deltas(scheduler_output, self.page_manager.take_deltas())
         attach_segment_orders(scheduler_output, self.page_manager.take_segment_orders())
+        attach_tier_orders(scheduler_output, self.page_manager.take_tier_orders())
         attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
 
@@ -272,6 +284,7 @@ class KVCompressScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Any:
         report = worker_report(model_runner_output)
+        self._reload(report.reload)
         failed = dict(report.failures)
         sharing = self.sharing
         known_segments = self.lives.in_state(Life.SEGMENT)
@@ -282,6 +295,12 @@ class KVCompressScheduler(Scheduler):
             except Exception as error:  # a bad report ends its request, not the engine
                 logger.exception("kvcompress: compaction report of %s rejected", request_id)
                 failed[request_id] = f"compaction report rejected: {error!r}"
+        if report.lost_entries or report.lost_chunks:  # (their readers failed already)
+            lost = list(report.lost_entries)
+            for rank, chunk in report.lost_chunks:
+                lost += self.page_manager.shards[rank].forget_tier_chunk(chunk)
+            logger.error("kvcompress: the offload tier lost prefix-cache entries %s", lost)
+            self.reuse.drop(lost)
         if sharing.forks:
             sharing.file_forks(report, failed)
         sharing.drop_failed_segments(failed)
@@ -307,6 +326,19 @@ class KVCompressScheduler(Scheduler):
             self.check_pages()
         return outputs
 
+    def _reload(self, request_ids: list[str]) -> None:
+        """Requests whose adopted cache failed to load from the offload tier ran this step
+        on an empty context: preempted with their output dropped, they prefill again (the
+        entry is gone: ``lost_entries``)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            logger.warning("kvcompress: request %s prefills again: its cached context failed "
+                           "to load from the offload tier", request_id)
+            self.running.remove(request)
+            self._preempt_request(request, time.monotonic(), drop_stale_output=True)
+
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:  # vllm_hooks gave SchedulerStats this field
@@ -315,6 +347,8 @@ class KVCompressScheduler(Scheduler):
                                         manager.total_pages_all_ranks)
             figures.update(self.reuse.figures.take(),
                            pages_cached=manager.cached_pages_all_ranks)
+            if manager.has_tier:
+                figures["offload"] = self.tier_figures.take(manager.tier_totals())
             setattr(stats, STATS_FIELD, figures)
         return stats
 
@@ -353,9 +387,11 @@ class KVCompressScheduler(Scheduler):
         request or entry holding exactly ceil(length / page_size) pages per row."""
         self.page_manager.check_invariants()
         entry_ids = self.page_manager.entry_ids()
+        known = entry_ids + self.page_manager.offloaded_ids()
         index = self.reuse.index
-        assert len(index) == len(entry_ids) and all(e in index for e in entry_ids), (
-            f"cached entries {entry_ids} and the {len(index)} indexed ones differ")
+        assert len(index) == len(known) and all(e in index for e in known), (
+            f"cached entries {entry_ids}, offloaded {known[len(entry_ids):]} and the "
+            f"{len(index)} indexed ones differ")
         for rank, manager in enumerate(self.page_manager.shards):
             forks = {fork.request_id for fork in self.sharing.forks.values()}  # (in flight)
             leaked = manager.request_ids() - set(self.requests) - forks

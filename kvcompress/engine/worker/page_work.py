@@ -45,7 +45,7 @@ def run_segment_plans(state: WorkerKVState, pool: torch.Tensor, mover: KVMover,
                 f"compacting the shared prefix in place failed: {error!r}")
             written = np.unique(moves.destination_pages(request_id))
             for reader, delta in deltas.items():
-                if delta.removals or _adopts_any(delta, written):
+                if delta.removals or adopts_any(delta, written):
                     readers_failed[reader] = (
                         f"compacting the shared prefix it reads failed: {error!r}")
     return readers_failed
@@ -79,7 +79,7 @@ def copy_adopted_pages(state: WorkerKVState, pool: torch.Tensor) -> None:
                 f"copying the adopted pages failed: {error!r}")
 
 
-def _adopts_any(delta: Any, pages: np.ndarray) -> bool:
+def adopts_any(delta: Any, pages: np.ndarray) -> bool:
     """Whether a fresh table's adopted pages (read in place or copied) include any of
     ``pages``."""
     if not delta.fresh or delta.adopted_lengths is None:

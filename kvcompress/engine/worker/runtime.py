@@ -29,10 +29,12 @@ from kvcompress.engine.messages import (
     page_deltas,
     pass_grants,
     segment_orders,
+    tier_orders,
 )
 from kvcompress.engine.worker.compaction import CompactionStats, compact_completed_prompts
 from kvcompress.engine.worker.compression import compress_step
 from kvcompress.engine.worker.expected import ExpectedScorer
+from kvcompress.engine.worker.offload import HostTier
 from kvcompress.engine.worker.page_work import copy_adopted_pages, run_segment_plans
 from kvcompress.engine.worker.reconstruction import (
     CompletedPasses,
@@ -96,6 +98,12 @@ class PagedKVRuntime:
         self._pass_failures: dict[str, str] = {}
         # Segments whose in-place compaction failed in this step, by segment request id.
         self._segment_failures: dict[str, str] = {}
+        # Offloaded prefix-cache entries' K/V (``--kv-offloading-size``), and the entries
+        # whose save or load failed, until reported.
+        self.tier = HostTier()
+        self._lost_entries: list[int] = []
+        self._lost_chunks: list[tuple[int, int]] = []
+        self._reload: set[str] = set()  # adopters of a failed load, until reported
         # Prompts compacted a step late (``DeferredCompactions``): this step's orders, and
         # the requests this worker deferred (prompt complete, scores kept) until compacted.
         self._deferred_orders = DeferredCompactions()
@@ -172,6 +180,12 @@ class PagedKVRuntime:
         readers_failed = run_segment_plans(
             self.state, self.pool, self.kernel, segment_orders(scheduler_output, self.rank),
             deltas, self._segment_failures)
+        lost_chunks, lost_entries, tier_failed = self.tier.run(
+            tier_orders(scheduler_output, self.rank), self.pool, deltas)
+        self._lost_chunks += [(self.rank, chunk) for chunk in lost_chunks]
+        self._lost_entries += lost_entries
+        self._reload.update(tier_failed)
+        readers_failed.update(tier_failed)  # (this step: an empty context, not compressed)
         self.state.apply_deltas(deltas)
         self.state.adoption_failures.update(readers_failed)  # (a fresh table clears them)
         self._start_forks()
@@ -351,7 +365,11 @@ class PagedKVRuntime:
         self._segment_failures = {}
         registered, self._passes_registered = self._passes_registered, {}
         orders, self._deferred_orders = self._deferred_orders, DeferredCompactions()
-        if step is None and not (passes_done or failures or registered or orders.run):
+        lost, self._lost_entries = self._lost_entries, []
+        lost_chunks, self._lost_chunks = self._lost_chunks, []
+        reload, self._reload = sorted(self._reload), set()
+        if step is None and not (passes_done or failures or registered or orders.run or lost
+                                 or lost_chunks or reload):
             return WorkerReport()
         compactions = {}
         if step is not None:
@@ -377,8 +395,12 @@ class PagedKVRuntime:
         seconds = self.compaction_timer.take()
         self.stats.score_seconds += score_seconds
         self.stats.seconds += seconds
+        for request_id in reload:  # they prefill again: not a failure, nothing compacted
+            failures.pop(request_id, None)
+            compactions.pop(request_id, None)
         return WorkerReport(compactions, failures, score_seconds, seconds,
-                            passes_pending=registered)
+                            passes_pending=registered, lost_entries=lost,
+                            lost_chunks=lost_chunks, reload=reload)
 
     def _defer_compactions(self, step: Any, defer: frozenset[str]) -> None:
         """The prompts the scheduler deferred are not compacted in this step (their scores
