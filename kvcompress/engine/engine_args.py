@@ -117,7 +117,7 @@ def _take_offloading_size(engine_args: Any) -> int:
     size = getattr(engine_args, "kv_offloading_size", None)
     if size is None:
         return 0
-    if not isinstance(size, (int, float)) or not size > 0 or size != size:
+    if not isinstance(size, (int, float)) or not size > 0:  # (NaN is not > 0)
         raise ValueError(f"--kv-offloading-size must be a number of GiB > 0, got {size!r}")
     engine_args.kv_offloading_size = None
     return int(size * (1 << 30))

@@ -114,6 +114,9 @@ class OffloadTier:
         self._next_page = 0
         self.used_pages = 0  # pages of live chunks
         self.counts = TierCounts()
+        # The entry being restored: never dropped to make room for the entries its restore
+        # evicts from the pool (it leaves the tier once its pages are taken).
+        self.restoring: int | None = None
 
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._entries
@@ -170,8 +173,10 @@ class OffloadTier:
         more pages fit or nothing is left to drop."""
         freed = self.sweep() if self.used_pages + count > self.capacity_pages else []
         dropped = []
-        while self.used_pages + count > self.capacity_pages and self._entries:
-            oldest = next(iter(self._entries))
+        while self.used_pages + count > self.capacity_pages:
+            oldest = next((e for e in self._entries if e != self.restoring), None)
+            if oldest is None:
+                break
             freed += self.drop(oldest)
             dropped.append(oldest)
         return dropped, freed

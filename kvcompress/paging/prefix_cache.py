@@ -502,8 +502,12 @@ class PrefixCache:
                                                        + self.pool.num_evictable):
             return False
         self.version += 1
-        pages = self.pool.pop(offloaded.num_pages)  # (it stays in the tier meanwhile)
-        tier.take(entry_id)  # type: ignore[union-attr]  # (set: offloaded is not None)
+        tier.restoring = entry_id  # type: ignore[union-attr]  # (set: offloaded is not None)
+        try:  # it stays in the tier while others are evicted for its pages
+            pages = self.pool.pop(offloaded.num_pages)
+        finally:
+            tier.restoring = None  # type: ignore[union-attr]
+        tier.take(entry_id)  # type: ignore[union-attr]
         self.pool.transfer(pages, Holder.OWNER, Holder.ENTRY)
         self.pool.tier_copy[pages] = offloaded.tier_pages  # (so they live on)
         table = HeadPageTable(self.layout.num_rows, self.layout.page_size)
@@ -524,6 +528,11 @@ class PrefixCache:
         copies[(copies >= chunk) & (copies < chunk + size)] = -1
         self.version += 1
         return users
+
+    def sweep_tier(self) -> None:
+        """Free the tier's chunks nothing uses any more (after dropping every entry)."""
+        if self.tier is not None:
+            self._tier_orders += [TierOrder("free", chunk) for chunk in self.tier.sweep()]
 
     def take_tier_orders(self) -> list[TierOrder]:
         orders, self._tier_orders = self._tier_orders, []

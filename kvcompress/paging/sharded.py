@@ -253,6 +253,11 @@ class ShardedPageManager:
         self._sync_evictions()
         return restored[0]
 
+    def sweep_tier(self) -> None:
+        """``PrefixCache.sweep_tier`` on every rank."""
+        for shard in self.shards:
+            shard.cache.sweep_tier()
+
     def tier_totals(self) -> dict[str, int]:
         """The offload tier over every rank since the start: bytes saved and loaded, entries
         saved, loaded and dropped (each on every rank), and bytes held now. Empty: no tier."""

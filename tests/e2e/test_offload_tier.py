@@ -142,3 +142,34 @@ def test_failed_saves_lose_only_the_tier_copies(tiny_llama, monkeypatch):
     assert all(len(turn["output"]) == 24 for conversation in history for turn in conversation)
     assert sum(turn["cached"] == 0 for turn in later) > 0
     assert held == [(0, 0)] and counts["chunks"] == 0
+
+
+def test_tp2_ranks_offload_and_load_together(tiny_llama_kv4, monkeypatch):
+    """Tensor parallel 2 (each rank its KV heads, its pool, its tier): the small pool
+    offloads on both ranks at once and loads back on both, and the answers are those of a
+    pool with room for every conversation at the same tensor parallelism."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # (one NUMA node here)
+    tp2 = dict(tensor_parallel_size=2, distributed_executor_backend="mp", dtype="float32")
+    results = {}
+    for name, pool, tier in (("tiered", SMALL_POOL, 2 * TIER_GIB), ("roomy", LARGE_POOL, None)):
+        engine = {**ENGINE, **tp2, "max_model_len": 768}
+        if tier:
+            engine["kv_offloading_size"] = tier  # (the ranks' total)
+        harness = EngineHarness(tiny_llama_kv4, SETTINGS, kv_cache_memory_bytes=pool, **engine)
+        try:
+            history = converse(harness, turns=TURNS, conversations=CONVERSATIONS,
+                               user_tokens=120, answer_tokens=24, seed=5)
+            assert_pages_back(harness)
+            tiers = [shard.tier for shard in harness.page_manager.shards]
+            loaded = [None if t is None else t.counts.loaded_entries for t in tiers]
+            chunks = harness.on_workers(
+                lambda worker: len(worker.model_runner.paged_runtime.tier))
+        finally:
+            harness.shutdown()
+        results[name] = history, loaded, chunks, [len(t._chunks) if t else 0 for t in tiers]
+    (tiered, loaded, chunks, counted), (roomy, *_) = results["tiered"], results["roomy"]
+    assert loaded[0] > 0 and loaded[0] == loaded[1]
+    assert chunks == counted  # each rank's worker holds what its scheduler counts
+    for conversation, reference in zip(tiered, roomy):
+        assert [t["output"] for t in conversation] == [t["output"] for t in reference]
+        assert [t["cached"] for t in conversation] == [t["cached"] for t in reference]

@@ -111,6 +111,37 @@ def test_a_restore_that_does_not_fit_changes_nothing():
     manager.check_invariants()
 
 
+def test_a_restore_never_drops_itself_to_make_room_for_what_it_evicts():
+    """The tier holds only the entry being restored; the pool must evict a resident entry
+    for its pages, and that one does not fit in the tier beside it: it is dropped, the
+    restore goes on."""
+    manager = make_manager(total_pages=16, tier_pages=8)
+    finished(manager, "a", 1, logical=8, prompt_len=8)  # 8 pages
+    assert manager.offload(1)
+    finished(manager, "b", 2, logical=8, prompt_len=8)  # 8 pages
+    assert manager.allocate("c", 4)  # 4 pages: the pool has 8 free, now 4
+    manager.take_tier_orders()
+    assert manager.restore(1)  # 8 pages: entry 2 must leave the pool
+    assert manager.offloaded_ids() == [] and manager.entry(1) is not None
+    assert manager.take_evicted_entries() == [2]
+    assert [order.kind for order in manager.take_tier_orders()] == ["load"]
+    manager.check_invariants()
+
+
+def test_a_cleared_cache_leaves_no_chunk_behind():
+    """vLLM's reset_prefix_cache drops every entry, resident or offloaded: a chunk kept alive
+    only by a restored entry's pages dies with them."""
+    manager = ShardedPageManager(LAYOUT, tier_pages=16)
+    finished(manager.shards[0], "a", 1, logical=8, prompt_len=8)
+    assert manager.shards[0].offload(1) and manager.restore(1)
+    manager.take_tier_orders()
+    manager.drop_entry(1)
+    assert manager.shards[0].tier.used_pages == 8  # the pages were freed, nobody swept
+    manager.sweep_tier()
+    assert [order.kind for order in manager.take_tier_orders()[0]] == ["free"]
+    assert manager.shards[0].tier.used_pages == 0
+
+
 def test_dropping_an_offloaded_entry_forgets_its_copy():
     manager = make_manager(total_pages=16, tier_pages=16)
     finished(manager, "a", 1, logical=8, prompt_len=8)

@@ -256,6 +256,7 @@ class PrefixCachePolicy:
         for entry_id in self.pages.entry_ids() + self.pages.offloaded_ids():
             self.pages.drop_entry(entry_id)
             self.index.remove(entry_id)
+        self.pages.sweep_tier()  # (chunks the dropped entries' pages kept alive)
 
     def count_segment(self, tokens: int) -> None:
         """A segment request of ``tokens`` prompt tokens was queued (``prefix_segments``)."""

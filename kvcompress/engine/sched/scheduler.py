@@ -138,7 +138,10 @@ class KVCompressScheduler(Scheduler):
             layout.total_pages, layout.page_size, layout.num_layers, layout.num_kv_heads,
             layout.token_capacity,
         )
-        if tier_pages:
+        if tier_pages and not self.reuse.enabled:
+            logger.warning("kvcompress: --kv-offloading-size has nothing to keep: the prefix "
+                           "cache (--kv-reuse) is off")
+        elif tier_pages:
             logger.info("kvcompress: offload tier of %d pages per rank (%.2f GiB in all) for "
                         "evicted prefix-cache entries", tier_pages,
                         tier_pages * ranks * layout.page_bytes / (1 << 30))
