@@ -31,7 +31,7 @@ class PageManager:
     def __init__(self, layout: PageLayout, tier_pages: int = 0) -> None:
         """``tier_pages``: pages of the offload tier (0: none, evicted entries are dropped)."""
         self.layout = layout
-        self.pool = PagePool(layout.total_pages)
+        self.pool = PagePool(layout.total_pages, track_tier_copies=tier_pages > 0)
         self.tables = RequestTables(layout, self.pool)
         self.tier = OffloadTier(tier_pages, self._tier_copies) if tier_pages > 0 else None
         self.cache = PrefixCache(layout, self.pool, self.tier)

@@ -46,7 +46,9 @@ class PageState(IntEnum):
 
 
 class PagePool:
-    def __init__(self, total_pages: int) -> None:
+    def __init__(self, total_pages: int, track_tier_copies: bool = False) -> None:
+        """``track_tier_copies``: keep ``tier_copy`` (an offload tier saves and loads pages;
+        without one nothing sets it, and reference changes skip clearing it)."""
         self.total_pages = total_pages
         # Popped from the end: the lowest ids go first (a fresh pool hands out 0, 1, ...).
         self._stack = np.arange(total_pages - 1, -1, -1, dtype=np.int32)
@@ -61,6 +63,7 @@ class PagePool:
         # cache when it saves or loads the page (``offload_tier``): true while the page is
         # only read, so cleared when it is freed or owned (its owner writes it).
         self.tier_copy = np.full(total_pages, -1, dtype=np.int64)
+        self._tracks_tier_copies = track_tier_copies
 
     # ----------------------------------------------------------------- figures
     @property
@@ -107,7 +110,8 @@ class PagePool:
         page_ids = self._stack[start : self._num_free].copy()
         self._num_free = start
         self._refs[Holder.OWNER, page_ids] = 1
-        self.tier_copy[page_ids] = -1
+        if self._tracks_tier_copies:
+            self.tier_copy[page_ids] = -1
         self._states[PageState.FREE] -= count
         self._states[PageState.OWNED] += count
         return page_ids
@@ -145,7 +149,8 @@ class PagePool:
                 self._refs[holder, pages] -= delta
             raise RuntimeError("a page released by a holder that did not hold it")
         after = self._state_of(pages)
-        self.tier_copy[pages[(after == PageState.FREE) | (after == PageState.OWNED)]] = -1
+        if self._tracks_tier_copies:
+            self.tier_copy[pages[(after == PageState.FREE) | (after == PageState.OWNED)]] = -1
         self._states += (np.bincount(after, minlength=len(PageState))
                          - np.bincount(before, minlength=len(PageState)))
         freed = pages[(after == PageState.FREE) & (before != PageState.FREE)]
