@@ -220,17 +220,19 @@ class OffloadTier:
             freed.append(start)
         return freed
 
-    def forget_chunk(self, chunk: int) -> list[int]:
+    def forget_chunk(self, chunk: int) -> tuple[list[int], list[int]]:
         """The worker lost chunk ``chunk`` (its save failed): the entries using it are
-        dropped (returned), and the chunk freed."""
+        dropped, and the chunk forgotten. Returns those entries and the other chunks that
+        died with them."""
         users = [entry_id for entry_id, offloaded in self._entries.items()
                  if chunk in self._chunks_of(offloaded.tier_pages)]
+        freed: list[int] = []
         for entry_id in users:
-            self.drop(entry_id)
+            freed += self.drop(entry_id)
         if chunk in self._chunks:
             self.used_pages -= len(self._chunks.pop(chunk))
             self._starts.remove(chunk)
-        return users
+        return users, [start for start in freed if start != chunk]
 
     def chunk_of(self, tier_pages: np.ndarray) -> np.ndarray:
         """The chunk (first tier page) of each tier page."""

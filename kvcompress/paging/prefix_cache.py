@@ -497,17 +497,19 @@ class PrefixCache:
         for them), most recently used, the worker loading them before anything reads
         them. False, nothing changed, when it is not offloaded or its pages do not fit."""
         tier = self.tier
-        offloaded = None if tier is None else tier.get(entry_id)
+        if tier is None:
+            return False
+        offloaded = tier.get(entry_id)
         if offloaded is None or offloaded.num_pages > (self.pool.num_free
                                                        + self.pool.num_evictable):
             return False
         self.version += 1
-        tier.restoring = entry_id  # type: ignore[union-attr]  # (set: offloaded is not None)
+        tier.restoring = entry_id
         try:  # it stays in the tier while others are evicted for its pages
             pages = self.pool.pop(offloaded.num_pages)
         finally:
-            tier.restoring = None  # type: ignore[union-attr]
-        tier.take(entry_id)  # type: ignore[union-attr]
+            tier.restoring = None
+        tier.take(entry_id)
         self.pool.transfer(pages, Holder.OWNER, Holder.ENTRY)
         self.pool.tier_copy[pages] = offloaded.tier_pages  # (so they live on)
         table = HeadPageTable(self.layout.num_rows, self.layout.page_size)
@@ -523,7 +525,8 @@ class PrefixCache:
         if self.tier is None:
             return []
         size = self.tier.chunk_size(chunk)
-        users = self.tier.forget_chunk(chunk)
+        users, freed = self.tier.forget_chunk(chunk)
+        self._tier_orders += [TierOrder("free", start) for start in freed]
         copies = self.pool.tier_copy
         copies[(copies >= chunk) & (copies < chunk + size)] = -1
         self.version += 1

@@ -81,6 +81,25 @@ def test_a_conversation_s_next_entry_writes_only_its_own_pages():
     manager.check_invariants()
 
 
+def test_a_lost_chunk_drops_its_users_and_frees_what_died_with_them():
+    """Turn 2's entry uses turn 1's chunk and its own; its own chunk's save failed: the
+    entry goes, turn 1's chunk dies with it (a free order: the worker still holds it), and
+    no pool page claims to hold the lost chunk's pages."""
+    manager = make_manager(total_pages=40, tier_pages=40)
+    finished(manager, "t1", 1, logical=10, prompt_len=10)
+    assert manager.offload(1) and manager.restore(1) and manager.adopt("t2", 1, 10, False)
+    assert manager.allocate("t2", 20)
+    manager.take_deltas()
+    assert manager.retire("t2", 2, 20, 20) and manager.offload(2)
+    orders = manager.take_tier_orders()
+    lost = orders[-1].key
+    assert kinds(orders) == [("save", 0), ("load", 1), ("save", lost)]
+    assert manager.forget_tier_chunk(lost) == [2]
+    assert kinds(manager.take_tier_orders()) == [("free", 0)]
+    assert not manager.offloaded_ids() and manager.tier.used_pages == 0
+    manager.check_invariants()
+
+
 def test_a_full_tier_drops_its_oldest_entries_and_never_blocks():
     manager = make_manager(total_pages=16, tier_pages=10)
     for number in range(1, 5):  # each 8 pages (2 per row): the pool holds 2, the tier 1
