@@ -298,7 +298,7 @@ class KVCompressScheduler(Scheduler):
             except Exception as error:  # a bad report ends its request, not the engine
                 logger.exception("kvcompress: compaction report of %s rejected", request_id)
                 failed[request_id] = f"compaction report rejected: {error!r}"
-        if report.lost_entries or report.lost_chunks:  # (their readers failed already)
+        if report.lost_entries or report.lost_chunks:  # (their readers reload: _reload)
             lost = list(report.lost_entries)
             for rank, chunk in report.lost_chunks:
                 lost += self.page_manager.shards[rank].forget_tier_chunk(chunk)
