@@ -4,11 +4,13 @@ import importlib.metadata
 import json
 
 import pytest
+from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from kvcompress.engine.engine_args import OFFLOAD_BYTES_KEY
+from kvcompress.engine.handoff import CONNECTOR_NAME, HANDOFF_KEY
 from kvcompress.plugin import register
 from kvcompress.settings.config import KVCompressionConfigError
 from kvcompress.settings.flags import FLAG_SPECS
@@ -111,6 +113,33 @@ def test_offloading_size_becomes_kvcompress_s_own_tier(embedded_model):
         engine_args = EngineArgs(model=embedded_model, kv_offloading_size=size,
                                  additional_config={"kv_compression": "snapkv"})
         with pytest.raises(ValueError, match=r"--kv-offloading-size must be a number of GiB > 0"):
+            engine_args.create_engine_config()
+
+
+def test_transfer_config_naming_our_connector_becomes_the_hand_off(embedded_model, tmp_path):
+    """--kv-transfer-config naming KVCompressConnector sets this instance's side of a
+    prefill/decode hand-off (vLLM makes no connector); any other connector, no folder, a
+    consumer without --kv-reuse, or compression off, is refused by field (vLLM itself
+    refuses a bad kv_role)."""
+    folder = str(tmp_path / "handoff")
+    ours = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"path": folder}}
+    engine_args = EngineArgs(model=embedded_model, kv_transfer_config=KVTransferConfig(**ours),
+                             additional_config={"kv_compression": "snapkv"})
+    config = engine_args.create_engine_config()
+    assert config.kv_transfer_config is None
+    assert config.additional_config[HANDOFF_KEY] == {"role": "kv_consumer", "path": folder}
+    cases = [
+        ({**ours, "kv_connector": "NixlConnector"}, {}, r"kv_connector 'NixlConnector'"),
+        ({**ours, "kv_connector_extra_config": {}}, {}, r"kv_connector_extra_config.path"),
+        (ours, {"kv_reuse": "off"}, r"kv_role kv_consumer needs --kv-reuse on"),
+        (ours, {"kv_compression": "none"}, r"needs --kv-compression"),
+    ]
+    for transfer, settings, message in cases:
+        engine_args = EngineArgs(model=embedded_model,
+                                 kv_transfer_config=KVTransferConfig(**transfer),
+                                 additional_config={"kv_compression": "snapkv", **settings})
+        with pytest.raises(ValueError, match=message):
             engine_args.create_engine_config()
 
 

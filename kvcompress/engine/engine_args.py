@@ -6,6 +6,12 @@ import dataclasses
 import os
 from typing import Any
 
+from kvcompress.engine.handoff import (
+    CONNECTOR_NAME,
+    HANDOFF_KEY,
+    Handoff,
+    names_our_connector,
+)
 from kvcompress.engine.request_settings import VALIDATOR_PATH, record_engine_config
 from kvcompress.log import get_logger
 from kvcompress.settings.config import KVCompressionConfig
@@ -39,7 +45,12 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
     """
     config = KVCompressionConfig.from_mapping(engine_args.additional_config)
     if not config.enabled:
+        if names_our_connector(engine_args.kv_transfer_config):
+            raise ValueError(f"--kv-transfer-config: kv_connector {CONNECTOR_NAME} hands off "
+                             "compressed caches: it needs --kv-compression (a method other "
+                             "than none; requests may still ask for none)")
         return config
+    handoff = _take_transfer_config(engine_args)
     _refuse_unsupported(engine_args)
     explicit = "kv_reuse" in (engine_args.additional_config or {})
     if engine_args.enable_prefix_caching is False and not explicit:
@@ -55,6 +66,11 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
                                      REQUESTED_SCORING_KEY: requested}
     if offload_bytes:
         engine_args.additional_config[OFFLOAD_BYTES_KEY] = offload_bytes
+    if handoff is not None:
+        if handoff.consumes and config.reuse != "on":
+            raise ValueError(f"--kv-transfer-config kv_role {handoff.role} needs --kv-reuse on "
+                             "(a decode instance adopts hand-offs from its prefix cache)")
+        engine_args.additional_config[HANDOFF_KEY] = handoff.to_mapping()
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
     # its own cache of finished requests' pages (--kv-reuse) and answers vLLM's lookups.
     engine_args.enable_prefix_caching = False
@@ -89,8 +105,6 @@ def _refuse_unsupported(engine_args: Any) -> None:
         problems.append(f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} (only 1; "
                         "tensor parallelism is supported)")
     problems += _kv_cache_dtype_problems(engine_args)
-    if engine_args.kv_transfer_config:
-        problems.append("KV connectors (--kv-transfer-config)")
     backend = getattr(engine_args, "kv_offloading_backend", "native") or "native"
     if getattr(engine_args, "kv_offloading_size", None) and backend not in _OFFLOAD_BACKENDS:
         # The size then configures LMCache's connector, which stores whole vLLM blocks.
@@ -108,6 +122,18 @@ def _refuse_unsupported(engine_args: Any) -> None:
             "--kv-compression cannot be combined with " + "; ".join(problems)
             + " yet; use --kv-compression none for these setups"
         )
+
+
+def _take_transfer_config(engine_args: Any) -> Handoff | None:
+    """--kv-transfer-config naming kvcompress's connector as this instance's side of a
+    prefill/decode hand-off (``engine.handoff``); vLLM then makes no connector. Any other
+    connector is refused, naming the field (vLLM's move whole blocks, not per-head rows)."""
+    transfer = engine_args.kv_transfer_config
+    if not transfer:
+        return None
+    handoff = Handoff.from_transfer_config(transfer)
+    engine_args.kv_transfer_config = None
+    return handoff
 
 
 def _take_offloading_size(engine_args: Any) -> int:

@@ -110,11 +110,14 @@ class WorkerReport:
     # empty context): the scheduler drops the step's output and preempts them, so that they
     # prefill again.
     reload: list[str] = field(default_factory=list)
+    # Prefill/decode hand-off (``engine.handoff``): bytes of kept rows written for a decode
+    # instance and read from a prefill instance's.
+    handoff_bytes: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.compactions or self.failures or self.score_seconds
                     or self.compaction_seconds or self.passes_pending or self.lost_entries
-                    or self.lost_chunks or self.reload)
+                    or self.lost_chunks or self.reload or self.handoff_bytes)
 
     def merge(self, later: WorkerReport) -> None:
         merge_compactions(self.compactions, later.compactions)
@@ -125,6 +128,7 @@ class WorkerReport:
         self.passes_pending.update(later.passes_pending)
         self.score_seconds += later.score_seconds
         self.compaction_seconds += later.compaction_seconds
+        self.handoff_bytes = _summed([self.handoff_bytes, later.handoff_bytes])
 
 
 def merge_compactions(compactions: dict[str, Compaction],
@@ -145,6 +149,14 @@ def _merged_failures(reports: list[WorkerReport]) -> dict[str, str]:
     return failures
 
 
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    summed: dict[str, int] = {}
+    for count in counts:
+        for name, value in count.items():
+            summed[name] = summed.get(name, 0) + value
+    return summed
+
+
 def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
     """One report of every tensor-parallel rank's, in rank order: compactions join their
     rows rank-major; a request that failed on any rank failed. Times are the slowest
@@ -160,6 +172,7 @@ def merge_rank_reports(reports: list[WorkerReport]) -> WorkerReport:
         lost_entries=sorted({entry_id for report in reports for entry_id in report.lost_entries}),
         lost_chunks=sorted({lost for report in reports for lost in report.lost_chunks}),
         reload=sorted({request_id for report in reports for request_id in report.reload}),
+        handoff_bytes=_summed([report.handoff_bytes for report in reports]),
     )
     for request_id in merged.reload:  # (a rank whose load worked went on: moot, it reloads)
         merged.failures.pop(request_id, None)

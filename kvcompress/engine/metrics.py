@@ -36,8 +36,11 @@ class StepFigures:
     kept_fractions: list[float] = field(default_factory=list)
     score_seconds: list[float] = field(default_factory=list)
     compaction_seconds: list[float] = field(default_factory=list)
+    handoff_bytes: dict[str, int] = field(default_factory=dict)  # exported / imported
 
     def add_report(self, report: WorkerReport) -> None:
+        for direction, count in report.handoff_bytes.items():
+            self.handoff_bytes[direction] = self.handoff_bytes.get(direction, 0) + count
         if report.score_seconds:
             self.score_seconds.append(report.score_seconds)
         if report.compaction_seconds:
@@ -66,6 +69,7 @@ class StepFigures:
             "kept_fractions": self.kept_fractions,
             "score_seconds": self.score_seconds,
             "compaction_seconds": self.compaction_seconds,
+            "handoff_bytes": self.handoff_bytes,
             "pages_free": pages_free,
             "pages_total": pages_total,
         }
@@ -167,6 +171,14 @@ class _Metrics:
         self.offload_held = Gauge(
             "kvcompress:offload_bytes_held", "Bytes the offload tier holds now", labels,
             multiprocess_mode="mostrecent")
+        self.handoff_bytes = Counter(
+            "kvcompress:handoff_bytes",
+            "Bytes of compressed prompts' kept rows handed to a decode instance (exported) or "
+            "taken from a prefill instance (imported), --kv-transfer-config "
+            "KVCompressConnector", labels + ["direction"])
+        self.handoffs = Counter(
+            "kvcompress:handoff_requests",
+            "Requests a decode instance continued from a prefill instance's hand-off", labels)
         self.whole_segment_reads = Counter(
             "kvcompress:prefix_segment_whole_reads",
             "Requests that read a shared prefix before its compaction: they prefilled their "
@@ -238,6 +250,9 @@ class KVCompressStatLogger(StatLoggerBase):
         metrics.segment_tokens.labels(engine).inc(figures.get("segment_tokens", 0))
         metrics.fork_tokens.labels(engine).inc(figures.get("fork_tokens", 0))
         metrics.whole_segment_reads.labels(engine).inc(figures.get("whole_segment_reads", 0))
+        for direction, count in figures.get("handoff_bytes", {}).items():
+            metrics.handoff_bytes.labels(engine, direction).inc(count)
+        metrics.handoffs.labels(engine).inc(figures.get("handoffs", 0))
         tier = figures.get("offload")
         if tier:
             for direction in ("saved", "known", "loaded"):

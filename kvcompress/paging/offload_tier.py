@@ -55,12 +55,15 @@ class TierOrder:
     - ``save``: pool ``pages`` (row order) become chunk ``key`` (tier pages ``key``,
       ``key + 1``, ...);
     - ``load``: tier pages ``tier_pages`` into pool ``pages`` (entry ``key`` restored);
-    - ``free``: chunk ``key`` is no longer needed."""
+    - ``free``: chunk ``key`` is no longer needed;
+    - ``import``: a prefill instance's hand-off named ``source`` into pool ``pages`` (row
+      order; entry ``key`` imported, ``PrefixCache.import_entry``), which fail as a load."""
 
     kind: str
     key: int
     pages: np.ndarray = field(default_factory=lambda: _NONE)
     tier_pages: np.ndarray = field(default_factory=lambda: _NONE)
+    source: str = ""
 
 
 @dataclass

@@ -222,6 +222,14 @@ class PageManager:
     def offload(self, entry_id: int) -> bool:
         return self.cache.offload(entry_id)
 
+    def import_entry(self, entry_id: int, lengths: np.ndarray, prompt_len: int,
+                     source: str) -> bool:
+        """``PrefixCache.import_entry``: a handed-off prompt filed on fresh pages."""
+        return self.cache.import_entry(entry_id, lengths, prompt_len, source)
+
+    def can_import(self, entry_id: int, lengths: np.ndarray, prompt_len: int) -> bool:
+        return self.cache.can_import(entry_id, lengths, prompt_len)
+
     def forget_tier_chunk(self, chunk: int) -> list[int]:
         """``PrefixCache.forget_tier_chunk``: the offloaded entries lost with it."""
         return self.cache.forget_tier_chunk(chunk)

@@ -518,6 +518,37 @@ class PrefixCache:
         self._tier_orders.append(TierOrder("load", entry_id, pages, offloaded.tier_pages))
         return True
 
+    def import_entry(self, entry_id: int, lengths: np.ndarray, prompt_len: int,
+                     source: str) -> bool:
+        """File a prefill instance's handed-off prompt (``engine.handoff``: per row the
+        tokens kept of its ``prompt_len``) as entry ``entry_id`` on fresh pages (evicting,
+        or offloading, others for them), most recently used; the worker loads them before
+        anything reads them (an ``import`` order). False, nothing changed, when they do not
+        fit or a row holds more tokens than the prompt."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not self.can_import(entry_id, lengths, prompt_len):
+            return False
+        row_pages = pages_for_lengths(lengths, self.layout.page_size)
+        self.version += 1
+        pages = self.pool.pop(int(row_pages.sum()))
+        self.pool.transfer(pages, Holder.OWNER, Holder.ENTRY)
+        table = HeadPageTable(self.layout.num_rows, self.layout.page_size)
+        table.append(row_pages, pages)
+        evicted = prompt_len - lengths
+        self._entries[entry_id] = CacheEntry(table, prompt_len, evicted, prompt_len,
+                                             evicted.copy(), tail_in_order=True)
+        self._tier_orders.append(TierOrder("import", entry_id, pages, source=source))
+        return True
+
+    def can_import(self, entry_id: int, lengths: np.ndarray, prompt_len: int) -> bool:
+        """Whether ``import_entry`` would file it."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if (entry_id in self._entries or lengths.shape != (self.layout.num_rows,)
+                or (lengths < 1).any() or (lengths > prompt_len).any()):
+            return False
+        needed = int(pages_for_lengths(lengths, self.layout.page_size).sum())
+        return needed <= self.pool.num_free + self.pool.num_evictable
+
     def forget_tier_chunk(self, chunk: int) -> list[int]:
         """The worker lost a chunk (its save failed): the offloaded entries using it are
         dropped (returned: the caller drops them on every rank), and no pool page is a copy

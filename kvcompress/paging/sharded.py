@@ -206,6 +206,20 @@ class ShardedPageManager:
             shard.drop_entry(entry_id)
         return False
 
+    def import_entry(self, entry_id: int, lengths: Sequence[np.ndarray], prompt_len: int,
+                     source: str) -> bool:
+        """A handed-off prompt (``lengths``: each rank's rows) filed as entry ``entry_id``
+        on every rank, or on none (False: it does not fit, or does not match the layout)."""
+        if len(lengths) != len(self.shards) or not all(
+                shard.can_import(entry_id, rows, prompt_len)
+                for shard, rows in zip(self.shards, lengths)):
+            return False
+        imported = [shard.import_entry(entry_id, rows, prompt_len, source)
+                    for shard, rows in zip(self.shards, lengths)]
+        assert all(imported), "import check and import disagree"
+        self._sync_evictions()
+        return True
+
     def can_adopt(self, entry_id: int, hit: int, logical_len: int, share: bool,
                   reserve: int = 0) -> bool:
         return all(shard.can_adopt(entry_id, hit, logical_len, share, reserve)

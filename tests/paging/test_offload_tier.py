@@ -15,6 +15,7 @@ from kvcompress.paging import PageLayout, PageManager, ShardedPageManager
 from kvcompress.paging.offload_tier import OffloadTier
 from tests.paging.test_prefix_cache import PAGE, ReuseMachine, accounted, finished
 
+HANDOFF_LABELS = 10**9  # labels an import writes (above every other label)
 LAYOUT = PageLayout(2, 2, head_size=8, page_size=PAGE, dtype_bytes=2, total_pages=40)
 
 
@@ -238,6 +239,10 @@ class TierMachine(ReuseMachine):
                     self.tier_store[order.key + number] = int(self.pool[page])
                 self.chunk_sizes[order.key] = len(order.pages)
                 saved.append(order.pages)
+            elif order.kind == "import":  # a hand-off's rows, read from its file
+                labels = [HANDOFF_LABELS + order.key * 100 + n for n in range(len(order.pages))]
+                self.pool[order.pages] = labels
+                self.entry_content[order.key] = dict(zip(order.pages.tolist(), labels))
             elif order.kind == "load":
                 labels = [self.tier_store[int(t)] for t in order.tier_pages]
                 self.pool[order.pages] = labels
@@ -280,6 +285,29 @@ class TierMachine(ReuseMachine):
         self._forget_evicted()
         self._sync()  # the load: the adopter must then read what the entry held
         self._adopt(entry_id, hit, extra, share)
+
+    @rule(data=st.data(), prompt_len=st.integers(17, 30), extra=st.integers(1, 6),
+          share=st.booleans(), adopt=st.booleans())
+    def import_handoff(self, data, prompt_len, extra, share, adopt):
+        """A prefill instance's hand-off arrives (between any other operations: entries
+        pending, offloaded, read): filed on fresh pages (evicting or offloading others),
+        written by its import before anything reads them; an adopter of the whole prompt
+        then reads exactly the handed-off rows."""
+        rows = self.layout.num_rows
+        lengths = np.array(data.draw(st.lists(st.integers(1, prompt_len), min_size=rows,
+                                              max_size=rows)))
+        entry_id = 1_000_000 + self.next_id
+        self.next_id += 1
+        fits = self.manager.can_import(entry_id, lengths, prompt_len)
+        assert self.manager.import_entry(entry_id, lengths, prompt_len, f"h{entry_id}") == fits
+        self._forget_evicted()  # (runs the orders: saves of those offloaded, the import)
+        if not fits:
+            return
+        entry = self.manager.entry(entry_id)
+        assert entry.lengths_at(prompt_len).tolist() == lengths.tolist()
+        assert sorted(self.entry_content[entry_id]) == sorted(entry.table.all_pages().tolist())
+        if adopt:
+            self._adopt(entry_id, prompt_len, extra, share)
 
     @precondition(lambda self: self.manager.offloaded_ids())
     @rule(data=st.data())

@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 from vllm.v1.request import RequestStatus
 
+from kvcompress.engine.handoff import Described, Handoff, claim, discard, prompt_key
 from kvcompress.engine.request_settings import resolve
 from kvcompress.log import get_logger
 from kvcompress.paging import ShardedPageManager
-from kvcompress.paging.prefix_index import PrefixIndex, PromptChains, TokenChain
+from kvcompress.paging.prefix_index import BLOCK_TOKENS, PrefixIndex, PromptChains, TokenChain
 from kvcompress.settings.config import KVCompressionConfig
 
 logger = get_logger(__name__)
@@ -75,6 +76,8 @@ class PrefixCacheFigures:
     # once, within that request's prompt.
     forks: int = 0
     fork_tokens: int = 0
+    # Requests continued from a prefill instance's hand-off (``engine.handoff``).
+    handoffs: int = 0
 
     def take(self) -> dict[str, int]:
         figures = dataclasses.asdict(self)
@@ -102,8 +105,17 @@ class PrefixCachePolicy:
     """The engine's prefix cache over every rank's pages: lookup, retire, adopt, clear."""
 
     def __init__(self, pages: ShardedPageManager, engine_config: KVCompressionConfig,
-                 chains: PromptChains | None = None) -> None:
+                 chains: PromptChains | None = None, handoff: Handoff | None = None,
+                 fingerprint: str = "") -> None:
         self.pages = pages
+        # A decode instance's hand-offs (``engine.handoff``): each request looks once.
+        self.handoff = handoff if handoff is not None and handoff.consumes else None
+        self.fingerprint = fingerprint
+        self._handoff_looked: set[str] = set()
+        # Requests continued from a hand-off -> the first token, until it is reported; and
+        # those the worker knows with that token as their prompt's last (for life).
+        self.continuing: dict[str, int] = {}
+        self.continued: set[str] = set()
         self.engine_config = engine_config
         self.enabled = engine_config.reuse == "on" and not pages.layout.has_sliding_layers
         self.index = PrefixIndex()
@@ -129,11 +141,78 @@ class PrefixCachePolicy:
         prompt token is always computed: vLLM needs its logits)."""
         if not self.enabled or not self._may_read(request):
             return None
+        if self.handoff is not None and request.request_id not in self._handoff_looked:
+            self._handoff_looked.add(request.request_id)
+            self._import_handoff(request)
         self.forget_evicted()
         if not len(self.index):
             return None
         return self._lookups.get(self.state_version(), request.request_id,
                                  lambda: self._best_match(request))
+
+    def _import_handoff(self, request: Any) -> None:
+        """File the prefill instance's hand-off of the request's prompt, if there is one, as
+        an entry of the whole prompt (``PrefixCache.import_entry``), and continue the
+        request from the token the prefill instance sampled (``continuing``): it is the
+        request's first output token, reported with its next (the scheduler's
+        ``_report_first_tokens``). One made under other settings or for another model, with
+        no room, or for a request that cannot start from a given token, is discarded: the
+        request prefills itself."""
+        assert self.handoff is not None
+        if request.num_computed_tokens or request.num_output_tokens:
+            return
+        chain = self.chain_of(request)
+        key = prompt_key(chain.tokens)
+        ranks = len(self.pages.shards)
+        described = claim(self.handoff.path, key, ranks)
+        if described is None:
+            return
+        settings = resolve(self.engine_config, request.sampling_params)
+        problem = next((problem for part in described
+                        if (problem := self._handoff_problem(part, settings, request))), None)
+        entry_id = next(self._entry_ids)
+        if problem is None and not self.pages.import_entry(
+                entry_id, [part.lengths for part in described], request.num_prompt_tokens,
+                key):
+            problem = "no room for its pages"
+        if problem is not None:
+            logger.warning("kvcompress: request %s prefills itself: its hand-off %s was not "
+                           "used (%s)", request.request_id, key, problem)
+            discard(self.handoff.path, key, ranks)
+            return
+        exact = not any((request.num_prompt_tokens - part.lengths).any() for part in described)
+        filed = self.index.add(entry_id, chain.tokens, 1 if exact else request.num_prompt_tokens,
+                               settings, exact)
+        assert filed, "a hand-off longer than a block is filed"
+        request.append_output_token_ids(described[0].first_token)
+        self.continuing[request.request_id] = described[0].first_token
+        self._count(handoffs=1)
+
+    def _handoff_problem(self, part: Described, settings: KVCompressionConfig,
+                         request: Any) -> str | None:
+        params = request.sampling_params
+        if part.fingerprint != self.fingerprint:
+            return f"made for {part.fingerprint}, this instance is {self.fingerprint}"
+        if part.prompt_len != request.num_prompt_tokens:
+            return f"{part.prompt_len} prompt tokens, the request has {request.num_prompt_tokens}"
+        if part.settings != settings.to_mapping():
+            return "made under other compression settings"
+        if request.num_prompt_tokens <= BLOCK_TOKENS:
+            return "a prompt shorter than a block is not filed"
+        if params is None or params.logprobs is not None or params.prompt_logprobs is not None:
+            return "the request asks for logprobs, which the given first token has none of"
+        if params.max_tokens is not None and params.max_tokens < 2:
+            return "the request asks for one token, which the prefill instance sampled"
+        if request.use_structured_output:
+            return "structured output starts from the first token itself"
+        if part.first_token in (params.stop_token_ids or ()) or (
+                not params.ignore_eos and part.first_token == params.eos_token_id):
+            return "its first token ends the request"
+        return None
+
+    def forget_handoff(self, request_id: str) -> None:
+        """The request left or was preempted (its hand-off, if any, was looked up once)."""
+        self._handoff_looked.discard(request_id)
 
     def state_version(self) -> tuple:
         """Changes whenever an entry is filed, dropped, adopted whole or compacted: what
@@ -144,8 +223,11 @@ class PrefixCachePolicy:
     def _best_match(self, request: Any) -> Match | None:
         settings = resolve(self.engine_config, request.sampling_params)
         best: Match | None = None
-        for entry_id, shared, same in self.index.candidates(
-                self.chain_of(request), request.num_prompt_tokens - 1, settings):
+        # vLLM computes a prompt's last token (for its logits); a request continued from a
+        # hand-off computes its first output token instead.
+        limit = request.num_prompt_tokens - (request.request_id not in self.continuing)
+        for entry_id, shared, same in self.index.candidates(self.chain_of(request), limit,
+                                                            settings):
             entries = self.pages.known_entries(entry_id)  # (resident or offloaded)
             if any(entry is None for entry in entries):
                 continue

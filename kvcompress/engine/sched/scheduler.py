@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import RequestStatus
 
 from kvcompress.engine.engine_args import OFFLOAD_BYTES_KEY
+from kvcompress.engine.handoff import Handoff, handoff_fingerprint
 from kvcompress.engine.messages import (
     SEGMENT_READERS_AFTER_ARG,
     Compaction,
@@ -102,8 +103,11 @@ class KVCompressScheduler(Scheduler):
         )
         # Prompts with their block hashes, made once per request (lookups and grouping).
         self.prompt_chains = PromptChains()
-        self.reuse = PrefixCachePolicy(self.page_manager, self.compression_config,
-                                       self.prompt_chains)
+        handoff = Handoff.from_additional_config(vllm_config.additional_config)
+        self.reuse = PrefixCachePolicy(
+            self.page_manager, self.compression_config, self.prompt_chains, handoff,
+            handoff_fingerprint(vllm_config.model_config.model, layout,
+                                kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype, ranks))
         if self.compression_config.reuse == "on" and not self.reuse.enabled:
             logger.info("kvcompress: the prefix cache (--kv-reuse) is off for models with "
                         "sliding-window layers")
@@ -190,6 +194,7 @@ class KVCompressScheduler(Scheduler):
         finally:
             self.max_num_scheduled_tokens = self._full_token_budget
             self._resting = frozenset()
+        self._continue_handoffs(scheduler_output)
         for request_id in ready:
             if self.lives.state(request_id) is Life.DEFERRED:  # (not preempted meanwhile)
                 self.lives.move(request_id, Life.FREE)
@@ -204,6 +209,39 @@ class KVCompressScheduler(Scheduler):
         attach_tier_orders(scheduler_output, self.page_manager.take_tier_orders())
         attach_pass_grants(scheduler_output, passes.grants)
         return scheduler_output
+
+    def _continue_handoffs(self, scheduler_output: SchedulerOutput) -> None:
+        """A request continued from a hand-off (``PrefixCachePolicy.continuing``) reaches the
+        worker with the prefill instance's token as its prompt's last: the worker computes
+        it over the adopted rows (as a decode step) and samples the next."""
+        continuing, continued = self.reuse.continuing, self.reuse.continued
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in continuing and new.prompt_token_ids is not None:
+                request = self.requests[new.req_id]
+                new.prompt_token_ids = request.all_token_ids[:request.num_prompt_tokens + 1]
+                continued.add(new.req_id)
+        # The worker counts that token in the prompt: its output is one token shorter (it
+        # drops what it sampled past the scheduler's count, after a preemption).
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            if request_id in continued:
+                cached.num_output_tokens[index] -= 1
+        for request_id in [r for r in continued if r not in self.requests]:
+            continued.discard(request_id)
+
+    def _report_first_tokens(self, outputs: dict[int, Any]) -> None:
+        """The first output of a request continued from a hand-off carries the prefill
+        instance's token before the one sampled here (the client sees both)."""
+        continuing = self.reuse.continuing
+        if not continuing:
+            return
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.new_token_ids and output.request_id in continuing:
+                    first = continuing.pop(output.request_id)
+                    output.new_token_ids = [first, *output.new_token_ids]
+        for request_id in [r for r in continuing if r not in self.requests]:
+            del continuing[request_id]  # (ended before any output)
 
     def _grant_passes(self) -> StepPasses:
         """This step's pass chunks, out of the token budget after one token per decoding
@@ -318,6 +356,7 @@ class KVCompressScheduler(Scheduler):
         self.kv_cache_manager.unfileable = set(failed)
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
+            self._report_first_tokens(outputs)
             self.passes.add(report.passes_pending, self.requests)
             self.scoring_gate.prune(self.requests, held=self._holding_scores())
             if failed:

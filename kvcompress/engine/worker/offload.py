@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from kvcompress.device_faults import raise_if_fatal
+from kvcompress.engine import handoff
 from kvcompress.engine.worker.page_work import adopts_any
 from kvcompress.log import get_logger
 from kvcompress.paging.offload_tier import TierOrder
 
 logger = get_logger(__name__)
 
-# Fault injection for the tests (the value: "save" or "load"), read at each order.
+# Fault injection for the tests (the value: "save", "load" or "import"), read at each order.
 FAULT_ENV = "KVCOMPRESS_TIER_FAULT"
 
 
@@ -40,9 +41,14 @@ class HostTier:
     save wrote, in order; tier page ``t`` is row ``t - start`` of the chunk starting at
     ``start``."""
 
-    def __init__(self) -> None:
+    def __init__(self, handoff_folder: str | None = None, rank: int = 0) -> None:
         self._chunks: dict[int, torch.Tensor] = {}
         self._starts = np.zeros(0, dtype=np.int64)  # sorted
+        # Where a prefill instance's hand-offs are read from (``engine.handoff``), and as
+        # which tensor-parallel rank.
+        self.handoff_folder = handoff_folder
+        self.rank = rank
+        self.imported_bytes = 0
 
     def __len__(self) -> int:
         """Chunks held."""
@@ -67,6 +73,8 @@ class HostTier:
                     self._save(order.key, order.pages, pool)
                 elif order.kind == "load":
                     self._load(order.tier_pages, order.pages, pool)
+                elif order.kind == "import":
+                    self._import(order.source, order.pages, pool)
                 else:
                     self._free(order.key)
             except Exception as error:
@@ -76,13 +84,14 @@ class HostTier:
                 if order.kind == "save":
                     self._free(order.key)
                     lost_chunks.append(order.key)
-                elif order.kind == "load":
+                elif order.kind in ("load", "import"):
                     lost_entries.append(order.key)
                     for request_id in [r for r, delta in deltas.items()
                                        if adopts_any(delta, order.pages)]:
+                        source = ("the offload tier" if order.kind == "load"
+                                  else "its prefill instance's hand-off")
                         readers_failed[request_id] = (
-                            "loading its cached context from the offload tier failed: "
-                            f"{error!r}")
+                            f"loading its cached context from {source} failed: {error!r}")
         return lost_chunks, lost_entries, readers_failed
 
     def _save(self, start: int, pages: np.ndarray, pool: torch.Tensor) -> None:
@@ -115,6 +124,18 @@ class HostTier:
         destination = np.asarray(pages, dtype=np.int64)[np.concatenate(order)]
         index = torch.from_numpy(destination).to(pool.device)
         pool.index_copy_(0, index, packed.to(pool.device, non_blocking=True))
+
+    def _import(self, source: str, pages: np.ndarray, pool: torch.Tensor) -> None:
+        """A prefill instance's handed-off rows onto the entry's fresh pages."""
+        if self.handoff_folder is None:
+            raise RuntimeError("a hand-off import without a hand-off folder")
+        try:
+            _maybe_fail("import")
+        except TierFault:
+            handoff.discard_rank(self.handoff_folder, source, self.rank)
+            raise
+        self.imported_bytes += handoff.load(self.handoff_folder, source, self.rank, pages,
+                                            pool)  # (its file removed, read or not)
 
     def _free(self, start: int) -> None:
         if self._chunks.pop(start, None) is not None:

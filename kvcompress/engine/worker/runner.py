@@ -20,6 +20,7 @@ from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.utils import bind_kv_cache
 
+from kvcompress.engine.handoff import Handoff, handoff_fingerprint
 from kvcompress.engine.messages import REPORT_ATTR, WorkerReport, merge_rank_reports
 from kvcompress.engine.scoring_memory import reconstruction_chunk
 from kvcompress.engine.vllm_layout import ScoringReserve, attention_layer_names, page_layout
@@ -67,10 +68,15 @@ class PagedKVRunnerMixin:
         page_dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
         kernel = self.make_kernel(layout, self.vllm_config.model_config.dtype,
                                   self.vllm_config.cache_config.cache_dtype)
-        runtime = PagedKVRuntime(config, layout, layer_names, kernel, page_dtype, self.device,
-                                 rank=get_tensor_model_parallel_rank())
+        ranks = get_tensor_model_parallel_world_size()
+        runtime = PagedKVRuntime(
+            config, layout, layer_names, kernel, page_dtype, self.device,
+            rank=get_tensor_model_parallel_rank(),
+            handoff=Handoff.from_additional_config(self.vllm_config.additional_config),
+            fingerprint=handoff_fingerprint(self.vllm_config.model_config.model, layout,
+                                            page_dtype, ranks))
         runtime.bind_runner(self)
-        if get_tensor_model_parallel_world_size() > 1:
+        if ranks > 1:
             runtime.agree_on_failures = _failed_on_any_rank
         if layout.scratch_pages:
             self._enable_reconstruction(runtime, config)
@@ -106,6 +112,7 @@ class PagedKVRunnerMixin:
             runtime.reconstruct(self._forward_reconstruction)
             self._pending_report.merge(_gather_over_ranks(runtime.end_step()))
             if isinstance(result, ModelRunnerOutput):
+                runtime.publish_exports(result.req_ids, result.sampled_token_ids)
                 result = self._attach_report(result)
         return result
 
@@ -176,6 +183,7 @@ class PagedKVRunnerMixin:
     def sample_tokens(self, grammar_output: Any) -> Any:
         output = super().sample_tokens(grammar_output)  # type: ignore[misc]
         if self.paged_runtime is not None and isinstance(output, ModelRunnerOutput):
+            self.paged_runtime.publish_exports(output.req_ids, output.sampled_token_ids)
             output = self._attach_report(output)
         return output
 

@@ -11,6 +11,7 @@ metadata builder finds it through ``kvcompress.step.runtime_for``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
+from kvcompress.engine import handoff
+from kvcompress.engine.handoff import Handoff
 from kvcompress.engine.messages import (
     FAILED_ON_ANOTHER_RANK,
     SEGMENT_READERS_AFTER_ARG,
@@ -45,6 +48,7 @@ from kvcompress.engine.worker.state import WorkerKVState
 from kvcompress.faults import maybe_fail
 from kvcompress.log import get_logger
 from kvcompress.paging import PageLayout
+from kvcompress.paging.page_table import pages_for_lengths
 from kvcompress.profile_model.profiles import QueryProfile
 from kvcompress.profile_model.surrogates import ScoreSurrogate
 from kvcompress.settings.config import KVCompressionConfig
@@ -63,8 +67,12 @@ class PagedKVRuntime:
         dtype: torch.dtype,
         device: torch.device,
         rank: int = 0,
+        handoff: Handoff | None = None,
+        fingerprint: str = "",
     ) -> None:
-        """``rank``: the tensor-parallel rank whose KV heads (and pool) this is."""
+        """``rank``: the tensor-parallel rank whose KV heads (and pool) this is; ``handoff``:
+        this instance's side of a prefill/decode hand-off (``engine.handoff``), whose rows
+        must mean the same on both sides (``fingerprint``)."""
         self.config = config
         self.rank = rank
         self.layout = layout
@@ -100,7 +108,13 @@ class PagedKVRuntime:
         self._segment_failures: dict[str, str] = {}
         # Offloaded prefix-cache entries' K/V (``--kv-offloading-size``), and the entries
         # whose save or load failed, until reported.
-        self.tier = HostTier()
+        self.handoff = handoff
+        self.fingerprint = fingerprint
+        self.exported_bytes = 0
+        self._prompts_completing: list[str] = []
+        # Rows written this step, described once the first token is sampled, by request.
+        self._unpublished: dict[str, tuple[str, handoff.Described]] = {}
+        self.tier = HostTier(handoff.path if handoff and handoff.consumes else None, rank)
         self._lost_entries: list[int] = []
         self._lost_chunks: list[tuple[int, int]] = []
         self._reload: set[str] = set()  # adopters of a failed load, until reported
@@ -239,7 +253,8 @@ class PagedKVRuntime:
             wants_compression=[
                 policy_layers and config.compresses(request.new_prompt_tokens(int(n)))
                 and request_id not in failed_adoptions
-                and not self._ends_this_step(request_id)
+                # (a prefill instance's prompt is compressed for its decode instance)
+                and (self._exports or not self._ends_this_step(request_id))
                 for request_id, request, config, n in zip(req_ids, requests, configs,
                                                           prompt_lens)
             ],
@@ -248,6 +263,11 @@ class PagedKVRuntime:
             surrogate_scored=[self.surrogate is not None and config.loads_surrogate
                               for config in configs],
         )
+        # Every prompt completing in this step, compressed or not (hand-offs).
+        self._prompts_completing = [
+            request_id for request_id, start, n, prompt_len
+            in zip(req_ids, num_computed, num_new, prompt_lens)
+            if start < prompt_len <= start + n]
         self._reconstructing = [req_ids[index] for index in step.completing_prompt
                                 if reconstructs[index]]
         self.state.prepare_decode_scoring(step)
@@ -370,7 +390,7 @@ class PagedKVRuntime:
         reload, self._reload = sorted(self._reload), set()
         if step is None and not (passes_done or failures or registered or orders.run or lost
                                  or lost_chunks or reload):
-            return WorkerReport()
+            return WorkerReport(handoff_bytes=self._take_handoff_bytes())
         compactions = {}
         if step is not None:
             self.state.finish_step(step)
@@ -389,6 +409,8 @@ class PagedKVRuntime:
                 compactions.update(self._compact_deferred(orders, failures))
             if not compactions:
                 measurement.discard()  # a step with nothing to compact reports no time
+        if step is not None and self._exports:
+            self._export_prompts(failures)
         # On CUDA these are the seconds of stages the device finished by now (this step's or
         # earlier ones'): reading the events does not wait for it.
         score_seconds = self.state.score_timer.take()
@@ -400,7 +422,64 @@ class PagedKVRuntime:
             compactions.pop(request_id, None)
         return WorkerReport(compactions, failures, score_seconds, seconds,
                             passes_pending=registered, lost_entries=lost,
-                            lost_chunks=lost_chunks, reload=reload)
+                            lost_chunks=lost_chunks, reload=reload,
+                            handoff_bytes=self._take_handoff_bytes())
+
+    def _take_handoff_bytes(self) -> dict[str, int]:
+        counts = {"exported": self.exported_bytes, "imported": self.tier.imported_bytes}
+        self.exported_bytes = self.tier.imported_bytes = 0
+        return {name: value for name, value in counts.items() if value}
+
+    @property
+    def _exports(self) -> bool:
+        return self.handoff is not None and self.handoff.produces
+
+    def _export_prompts(self, failures: Collection[str]) -> None:
+        """A prefill instance hands every prompt completed (and compressed) in this step to
+        its decode instance: the rows now (``handoff.write_rows``), what they are once the
+        first token is sampled (``publish_exports``). A prompt whose compaction comes later
+        (deferred, reconstruction passes) or failed is not handed off: the decode instance
+        then prefills it itself. A failed write only loses the hand-off."""
+        assert self.handoff is not None
+        for request_id in self._prompts_completing:
+            request = self.state.requests.get(request_id)
+            request_state = self._runner.requests.get(request_id)
+            if (request is None or request_state is None or request_id in failures
+                    or request_id in self._deferred_here
+                    or request_id in self._reconstructing):
+                continue
+            lengths = request.lengths.astype(np.int64)
+            pages = request.table.leading_pages(
+                pages_for_lengths(lengths, self.layout.page_size))
+            key = handoff.prompt_key(request_state.prompt_token_ids)
+            try:
+                index = torch.from_numpy(pages.astype(np.int64)).to(self.pool.device)
+                self.exported_bytes += handoff.write_rows(
+                    self.handoff.path, key, self.rank, self.pool.index_select(0, index))
+            except Exception as error:
+                raise_if_fatal(error, self.pool.device, "hand-off export")
+                logger.exception("kvcompress: handing off request %s failed", request_id)
+                continue
+            self._unpublished[request_id] = (key, handoff.Described(
+                lengths, request.prompt_len, -1, self.fingerprint,
+                self.request_config(request_id).to_mapping()))
+
+    def publish_exports(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The step's hand-offs become visible with the token sampled after each prompt
+        (``req_ids`` / ``sampled``: vLLM's output of the step); one without a token (its
+        request failed) is removed."""
+        unpublished, self._unpublished = self._unpublished, {}
+        tokens = {request_id: ids[0] for request_id, ids in zip(req_ids, sampled) if ids}
+        for request_id, (key, part) in unpublished.items():
+            assert self.handoff is not None
+            try:
+                if request_id not in tokens:
+                    handoff.discard_rank(self.handoff.path, key, self.rank)
+                    continue
+                handoff.publish(self.handoff.path, key, self.rank,
+                                dataclasses.replace(part, first_token=int(tokens[request_id])))
+            except OSError:
+                logger.exception("kvcompress: handing off request %s failed", request_id)
 
     def _defer_compactions(self, step: Any, defer: frozenset[str]) -> None:
         """The prompts the scheduler deferred are not compacted in this step (their scores

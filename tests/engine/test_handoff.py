@@ -1,0 +1,104 @@
+"""The hand-off store (``engine.handoff``): a producer's rows and their description go through
+a folder to one consumer, found by the prompt's tokens; an incomplete or foreign hand-off is
+never taken, and a taken one leaves nothing behind."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvcompress.engine import handoff
+from kvcompress.engine.handoff import Described, Handoff
+from kvcompress.engine.worker.offload import FAULT_ENV, HostTier
+from kvcompress.paging import PageTableDelta
+from kvcompress.paging.offload_tier import TierOrder
+
+PAGE_SHAPE = (2, 4, 8)  # (K, V) x page tokens x head size
+
+
+def describe(lengths, prompt_len=12, first_token=7):
+    return Described(np.asarray(lengths, dtype=np.int64), prompt_len, first_token, "model|x",
+                     {"kv_compression": "snapkv"})
+
+
+def test_the_prompt_key_depends_on_every_token():
+    assert handoff.prompt_key([1, 2, 3]) == handoff.prompt_key(np.array([1, 2, 3]))
+    assert handoff.prompt_key([1, 2, 3]) != handoff.prompt_key([1, 2, 4])
+    assert handoff.prompt_key([1, 2, 3]) != handoff.prompt_key([1, 2, 3, 0])
+
+
+def test_rows_go_to_one_consumer_once_and_leave_nothing_behind(tmp_path):
+    folder = str(tmp_path)
+    rows = [torch.randn(3, *PAGE_SHAPE), torch.randn(2, *PAGE_SHAPE)]  # two ranks
+    for rank, packed in enumerate(rows):
+        assert handoff.write_rows(folder, "k", rank, packed) == packed.numel() * 4
+    assert handoff.claim(folder, "k", 2) is None  # written, not described: not yet
+    handoff.publish(folder, "k", 0, describe([9, 3]))
+    assert handoff.claim(folder, "k", 2) is None  # one rank of two described
+    handoff.publish(folder, "k", 1, describe([4, 2]))
+    first, second = handoff.claim(folder, "k", 2)
+    assert first.lengths.tolist() == [9, 3] and second.lengths.tolist() == [4, 2]
+    assert (first.prompt_len, first.first_token, first.settings) == (
+        12, 7, {"kv_compression": "snapkv"})
+    assert handoff.claim(folder, "k", 2) is None  # taken: nobody else gets it
+    pool = torch.zeros(10, *PAGE_SHAPE)
+    assert handoff.load(folder, "k", 1, np.array([6, 2]), pool) == rows[1].numel() * 4
+    assert torch.equal(pool[[6, 2]], rows[1])
+    handoff.discard(folder, "k", 2)
+    assert os.listdir(folder) == []
+
+
+def test_rows_that_do_not_fit_their_pages_fail_the_load_and_are_removed(tmp_path):
+    folder = str(tmp_path)
+    handoff.write_rows(folder, "k", 0, torch.randn(3, *PAGE_SHAPE))
+    with pytest.raises(ValueError, match="does not fit its 2 pages"):
+        handoff.load(folder, "k", 0, np.array([1, 2]), torch.zeros(10, *PAGE_SHAPE))
+    with pytest.raises(FileNotFoundError):
+        handoff.load(folder, "k", 0, np.array([1, 2, 3]), torch.zeros(10, *PAGE_SHAPE))
+    assert os.listdir(folder) == []
+
+
+def test_a_broken_description_is_discarded(tmp_path):
+    folder = str(tmp_path)
+    handoff.write_rows(folder, "k", 0, torch.randn(1, *PAGE_SHAPE))
+    (tmp_path / "k.r0.json").write_text("{not json")
+    assert handoff.claim(folder, "k", 1) is None
+    assert os.listdir(folder) == []
+
+
+def test_an_import_order_fails_as_a_load_for_its_adopters(tmp_path, monkeypatch):
+    """The worker's import: rows onto the entry's pages; a failed one loses the entry and
+    fails this step's adopters of its pages (they prefill again, like a failed load)."""
+    folder = str(tmp_path)
+    packed = torch.randn(2, *PAGE_SHAPE)
+    handoff.write_rows(folder, "k", 1, packed)
+    tier, pool = HostTier(folder, rank=1), torch.zeros(8, *PAGE_SHAPE)
+    assert tier.run([TierOrder("import", 5, np.array([3, 4]), source="k")], pool, {}) == (
+        [], [], {})
+    assert torch.equal(pool[[3, 4]], packed) and tier.imported_bytes == packed.numel() * 4
+    handoff.write_rows(folder, "j", 1, packed)
+    monkeypatch.setenv(FAULT_ENV, "import")
+
+    adopter = PageTableDelta(fresh=True, appends=[(np.array([1]), np.array([4]))],
+                             adopted_len=12, adopted_lengths=np.array([4]))
+    bystander = PageTableDelta(fresh=True, appends=[(np.array([1]), np.array([7]))],
+                               adopted_len=12, adopted_lengths=np.array([4]))
+    lost_chunks, lost_entries, failed = tier.run(
+        [TierOrder("import", 6, np.array([3, 4]), source="j")], pool,
+        {"adopter": adopter, "bystander": bystander})
+    assert (lost_chunks, lost_entries, list(failed)) == ([], [6], ["adopter"])
+    assert "hand-off" in failed["adopter"]
+
+
+def test_the_transfer_config_names_what_is_wrong(tmp_path):
+    good = {"kv_connector": "KVCompressConnector", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"path": str(tmp_path / "a")}}
+    assert Handoff.from_transfer_config(good) == Handoff("kv_producer", str(tmp_path / "a"))
+    assert os.path.isdir(tmp_path / "a")
+    with pytest.raises(ValueError, match="kv_connector 'LMCacheConnectorV1' cannot carry"):
+        Handoff.from_transfer_config({**good, "kv_connector": "LMCacheConnectorV1"})
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        Handoff.from_transfer_config({**good, "kv_role": "decode"})
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.path"):
+        Handoff.from_transfer_config({**good, "kv_connector_extra_config": {"path": ""}})
