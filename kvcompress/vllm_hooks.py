@@ -113,6 +113,12 @@ OFFLOADING_HELP = (" With --kv-compression set: the size of kvcompress's own off
                    "(host memory, backend native; the ranks' total), which keeps the "
                    "compressed caches the page pool evicts, packed per conversation, and "
                    "loads them back for the next turn.")
+TRANSFER_HELP = (" With --kv-compression set, only kvcompress's own connector works: "
+                 '{"kv_connector":"KVCompressConnector","kv_role":"kv_producer"|"kv_consumer",'
+                 '"kv_connector_extra_config":{"path":FOLDER}} hands compressed prompts from a '
+                 "prefill to a decode instance through a shared folder (python -m "
+                 "kvcompress.disagg_proxy in front); vLLM's connectors (NIXL, Mooncake, "
+                 "LMCache, the example connector) move whole blocks and are refused.")
 
 
 def add_compression_flags(parser: Any) -> None:
@@ -122,9 +128,12 @@ def add_compression_flags(parser: Any) -> None:
 
     if any(spec.flag in parser._option_string_actions for spec in FLAG_SPECS):
         return  # AsyncEngineArgs and EngineArgs may both pass through here.
-    offloading = parser._option_string_actions.get("--kv-offloading-size")
-    if offloading is not None:  # vLLM's own flag: what it does with compression on
-        offloading.help = (offloading.help or "") + OFFLOADING_HELP
+    # vLLM's own flags: what they do with compression on
+    for flag, addition in (("--kv-offloading-size", OFFLOADING_HELP),
+                           ("--kv-transfer-config", TRANSFER_HELP)):
+        action = parser._option_string_actions.get(flag)
+        if action is not None:
+            action.help = (action.help or "") + addition
     for flag_group in FLAG_GROUPS:
         group = parser.add_argument_group(title=flag_group.title,
                                           description=flag_group.description)

@@ -38,6 +38,12 @@ def test_serve_parser_has_every_flag_with_help():
     help_text = serve_parser().format_help()
     for spec in FLAG_SPECS:
         assert spec.flag in help_text
+    # vLLM's own flags say what they do with compression on (which connectors work; vLLM
+    # shows them under `--help=KVTransferConfig` / `--help=CacheConfig`).
+    actions = serve_parser()._option_string_actions
+    assert "only kvcompress's own connector works" in actions["--kv-transfer-config"].help
+    assert "KVCompressConnector" in actions["--kv-transfer-config"].help
+    assert "kvcompress's own offload tier" in actions["--kv-offloading-size"].help
 
 
 def test_flags_reach_additional_config_and_merge_with_it(embedded_model):
@@ -134,6 +140,8 @@ def test_transfer_config_naming_our_connector_becomes_the_hand_off(embedded_mode
         ({**ours, "kv_connector_extra_config": {}}, {}, r"kv_connector_extra_config.path"),
         (ours, {"kv_reuse": "off"}, r"kv_role kv_consumer needs --kv-reuse on"),
         (ours, {"kv_compression": "none"}, r"needs --kv-compression"),
+        ({**ours, "kv_role": "kv_producer"}, {"kv_scoring": "reconstruct"},
+         r"needs prompts compacted in their last prefill step: --kv-scoring"),
     ]
     for transfer, settings, message in cases:
         engine_args = EngineArgs(model=embedded_model,

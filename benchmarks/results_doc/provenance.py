@@ -36,7 +36,7 @@ NOT_RECORDED = "not recorded"
 ENGINE_SECTIONS = (
     "throughput", "tensor_parallel", "memory_sweep", "long_generation", "paging_overhead",
     "decode_fidelity", "decode_recall", "quality", "compression_cost", "hybrid_memory",
-    "multi_turn", "multi_turn_recall", "shared_context", "offload_tier",
+    "multi_turn", "multi_turn_recall", "shared_context", "offload_tier", "handoff",
 )
 COMPRESSED_THROUGHPUT = ("throughput", "tensor_parallel", "memory_sweep", "long_generation")
 

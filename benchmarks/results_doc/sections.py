@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks import (
+    handoff,
     memory_sweep,
     serve_prefix,
     shared_context,
@@ -152,6 +153,10 @@ def _offload_tier(report: Report) -> str:
             + multi_turn_report.render(report["configs"]))
 
 
+def _handoff(report: Report) -> str:
+    return handoff.render(report["configs"])
+
+
 def _multi_turn_recall(report: Report) -> str:
     return (multi_turn_report.render_recall(report["configs"]) + "\n\n"
             + multi_turn_report.render(report["configs"]))
@@ -236,6 +241,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("multi_turn", "Multi-turn reuse", ("multi_turn.json", "multi_turn_uncompressed.json"),
             _multi_turn),
     Section("offload_tier", "Offload tier", ("offload_tier.json",), _offload_tier),
+    Section("handoff", "Prefill/decode hand-off", ("handoff.json", "handoff_concurrent.json"),
+            _handoff),
     Section("multi_turn_recall", "Multi-turn recall",
             ("multi_turn_recall.json", "multi_turn_recall_budgets.json"), _multi_turn_recall),
     Section("shared_context", "Scoring across turns", ("shared_context.json",

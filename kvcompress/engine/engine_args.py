@@ -70,6 +70,11 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
         if handoff.consumes and config.reuse != "on":
             raise ValueError(f"--kv-transfer-config kv_role {handoff.role} needs --kv-reuse on "
                              "(a decode instance adopts hand-offs from its prefix cache)")
+        if handoff.produces and config.reserves_reconstruction:
+            # Passes run in the steps after the prompt: the prefill request has ended by then.
+            raise ValueError(f"--kv-transfer-config kv_role {handoff.role} needs prompts "
+                             "compacted in their last prefill step: --kv-scoring window, "
+                             f"surrogate or hybrid-surrogate, not {config.resolved_scoring}")
         engine_args.additional_config[HANDOFF_KEY] = handoff.to_mapping()
     # vLLM's block-level prefix cache cannot index compacted per-head pages: kvcompress keeps
     # its own cache of finished requests' pages (--kv-reuse) and answers vLLM's lookups.

@@ -30,8 +30,9 @@ TOKEN_BYTES = 4 * 2 * 2 * 32 * 4  # tiny_llama: layers x (K, V) x KV heads x hea
 
 
 def run(model: str, prompts: dict, max_tokens: int, folder: str | None = None,
-        role: str | None = None, **request_settings) -> tuple[dict, dict, dict]:
-    engine = dict(ENGINE)
+        role: str | None = None, engine_extra: dict | None = None,
+        **request_settings) -> tuple[dict, dict, dict]:
+    engine = {**ENGINE, **(engine_extra or {})}
     if role is not None:
         engine["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVCompressConnector", kv_role=role,
@@ -76,6 +77,24 @@ def test_a_decode_instance_answers_as_one_instance_from_the_handed_off_rows(
         assert uncompressed <= moved < 1.2 * uncompressed  # whole pages, the last partial
     else:
         assert moved <= uncompressed / 5  # an eighth of each row, in whole 16-token pages
+
+
+def test_tp2_every_rank_hands_off_its_own_heads(tiny_llama_kv4, tmp_path, monkeypatch):
+    """Tensor parallel 2 on both sides: each rank writes and reads its own KV heads' rows;
+    a hand-off is taken only when every rank's is there, and the answers are one TP 2
+    instance's."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # (one NUMA node here)
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    folder = str(tmp_path)
+    prompts = random_prompts(LENGTHS[:3], seed=6)
+    single, _, _ = run(tiny_llama_kv4, prompts, 10, engine_extra=tp2)
+    run(tiny_llama_kv4, prompts, 1, folder, "kv_producer", engine_extra=tp2)
+    assert sorted({name.split(".")[1] for name in os.listdir(folder)}) == ["r0", "r1"]
+    decoded, cached, totals = run(tiny_llama_kv4, prompts, 10, folder, "kv_consumer",
+                                  engine_extra=tp2)
+    assert decoded == single and totals["handoffs"] == len(prompts)
+    assert cached == {r: len(prompt) for r, prompt in prompts.items()}
+    assert os.listdir(folder) == []
 
 
 def test_a_failed_or_unusable_hand_off_makes_the_request_prefill_itself(

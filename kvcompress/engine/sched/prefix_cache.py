@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,7 +196,7 @@ class PrefixCachePolicy:
             return f"made for {part.fingerprint}, this instance is {self.fingerprint}"
         if part.prompt_len != request.num_prompt_tokens:
             return f"{part.prompt_len} prompt tokens, the request has {request.num_prompt_tokens}"
-        if part.settings != settings.to_mapping():
+        if part.settings != json.loads(json.dumps(settings.to_mapping())):  # (as written)
             return "made under other compression settings"
         if request.num_prompt_tokens <= BLOCK_TOKENS:
             return "a prompt shorter than a block is not filed"

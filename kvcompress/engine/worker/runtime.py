@@ -106,14 +106,16 @@ class PagedKVRuntime:
         self._pass_failures: dict[str, str] = {}
         # Segments whose in-place compaction failed in this step, by segment request id.
         self._segment_failures: dict[str, str] = {}
-        # Offloaded prefix-cache entries' K/V (``--kv-offloading-size``), and the entries
-        # whose save or load failed, until reported.
+        # Prefill/decode hand-off: this step's completing prompts, the rows written this
+        # step (described once the first token is sampled, by request), bytes written.
         self.handoff = handoff
         self.fingerprint = fingerprint
         self.exported_bytes = 0
         self._prompts_completing: list[str] = []
-        # Rows written this step, described once the first token is sampled, by request.
         self._unpublished: dict[str, tuple[str, handoff.Described]] = {}
+        # Offloaded prefix-cache entries' K/V (``--kv-offloading-size``; hand-offs are
+        # imported with its orders), and the entries whose save or load failed, until
+        # reported.
         self.tier = HostTier(handoff.path if handoff and handoff.consumes else None, rank)
         self._lost_entries: list[int] = []
         self._lost_chunks: list[tuple[int, int]] = []
