@@ -303,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             print(render(runs[-1:]), flush=True)
     add_ratios(runs)
     report = {"benchmark": "serve_prefix", "command": command, "machine": machine,
-              "settings": {key: str(value) if isinstance(value, Path) else value
-                           for key, value in vars(args).items()},
+              "settings": dict(vars(args)),  # (write_json writes paths as text)
               "runs": runs, "runtime_s": time.perf_counter() - started}
     write_json(args.json, report)
     print()

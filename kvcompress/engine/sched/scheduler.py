@@ -215,6 +215,8 @@ class KVCompressScheduler(Scheduler):
         worker with the prefill instance's token as its prompt's last: the worker computes
         it over the adopted rows (as a decode step) and samples the next."""
         continuing, continued = self.reuse.continuing, self.reuse.continued
+        if not (continuing or continued):
+            return  # (no hand-off: nothing to do on each step)
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in continuing and new.prompt_token_ids is not None:
                 request = self.requests[new.req_id]
