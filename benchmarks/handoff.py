@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--check-prompts", type=int, default=16,
-                        help="prompts asked again of the decode instance alone")
+                        help="prompts asked again of one instance (the side's flags)")
     parser.add_argument("--kv-cache-memory-bytes", default="400M")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=2048)
