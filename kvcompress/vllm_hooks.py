@@ -116,7 +116,8 @@ OFFLOADING_HELP = (" With --kv-compression set: the size of kvcompress's own off
 TRANSFER_HELP = (" With --kv-compression set, only kvcompress's own connector works: "
                  '{"kv_connector":"KVCompressConnector","kv_role":"kv_producer"|"kv_consumer",'
                  '"kv_connector_extra_config":{"path":FOLDER}} hands compressed prompts from a '
-                 "prefill to a decode instance through a shared folder (python -m "
+                 "prefill to a decode instance through a shared folder (untaken ones removed "
+                 'after "timeout_s", default 480; "max_gib" bounds it; python -m '
                  "kvcompress.disagg_proxy in front); vLLM's connectors (NIXL, Mooncake, "
                  "LMCache, the example connector) move whole blocks and are refused.")
 

@@ -134,7 +134,8 @@ def test_transfer_config_naming_our_connector_becomes_the_hand_off(embedded_mode
                              additional_config={"kv_compression": "snapkv"})
     config = engine_args.create_engine_config()
     assert config.kv_transfer_config is None
-    assert config.additional_config[HANDOFF_KEY] == {"role": "kv_consumer", "path": folder}
+    assert config.additional_config[HANDOFF_KEY] == {"role": "kv_consumer", "path": folder,
+                                                     "timeout_s": 480.0, "max_bytes": None}
     cases = [
         ({**ours, "kv_connector": "NixlConnector"}, {}, r"kv_connector 'NixlConnector'"),
         ({**ours, "kv_connector_extra_config": {}}, {}, r"kv_connector_extra_config.path"),

@@ -15,15 +15,20 @@ entry's fresh pages before the step that reads them (``load``). The proxy
 the consumer, as vLLM's disaggregated-serving proxies do. Only kept tokens move.
 
 Files are written under a temporary name and renamed, the data before its description: a
-consumer that sees a description reads complete data. No vLLM imports.
+consumer that sees a description reads complete data. The folder is bounded (``sweep``, run
+by each producer rank over its own files): a hand-off nobody took within ``timeout_s`` (the
+decode request never came) is removed, and the oldest go first when a rank's files pass its
+share of ``max_bytes``. No vLLM imports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +42,17 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # --kv-transfer-config, which kvcompress takes over (vLLM then makes no connector).
 HANDOFF_KEY = "kvcompress_handoff"
 _FORMAT = 1
+# As long as vLLM's NIXL connector keeps a prefill's blocks for a decode instance that never
+# reads them (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+DEFAULT_TIMEOUT_S = 480.0
 
 
 @dataclass(frozen=True)
 class Handoff:
     role: str
     path: str
+    timeout_s: float = DEFAULT_TIMEOUT_S  # an untaken hand-off is removed after this
+    max_bytes: int | None = None  # the folder's bound (None: only the timeout)
 
     @property
     def produces(self) -> bool:
@@ -56,7 +66,10 @@ class Handoff:
     def from_additional_config(cls, additional_config: Mapping[str, Any] | None
                                ) -> Handoff | None:
         value = (additional_config or {}).get(HANDOFF_KEY)
-        return None if not value else cls(value["role"], value["path"])
+        if not value:
+            return None
+        return cls(value["role"], value["path"],
+                   float(value.get("timeout_s", DEFAULT_TIMEOUT_S)), value.get("max_bytes"))
 
     @classmethod
     def from_transfer_config(cls, transfer: Any) -> Handoff:
@@ -76,7 +89,10 @@ class Handoff:
             raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(ROLES)}, "
                              f"got {role!r}")
         extra = field_of("kv_connector_extra_config") or {}
-        path = extra.get("path") if isinstance(extra, Mapping) else None
+        if not isinstance(extra, Mapping):
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config must be an object "
+                             f"({{\"path\": FOLDER, ...}}), got {extra!r}")
+        path = extra.get("path")
         if not isinstance(path, str) or not path:
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.path must name "
                              "the folder both instances share (a tmpfs such as /dev/shm on "
@@ -85,10 +101,34 @@ class Handoff:
         if not os.access(path, os.W_OK):
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.path {path!r} "
                              "is not writable")
-        return cls(role, os.path.abspath(path))
+        timeout_s = _positive(extra, "timeout_s", DEFAULT_TIMEOUT_S)
+        max_gib = _positive(extra, "max_gib", None)
+        unknown = sorted(set(extra) - {"path", "timeout_s", "max_gib"})
+        if unknown:
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config has no field "
+                             f"{unknown[0]!r} (fields: path, timeout_s, max_gib)")
+        max_bytes = None if max_gib is None else int(max_gib * (1 << 30))
+        return cls(role, os.path.abspath(path), timeout_s, max_bytes)
 
-    def to_mapping(self) -> dict[str, str]:
-        return {"role": self.role, "path": self.path}
+    def per_rank(self, ranks: int) -> Handoff:
+        """Each tensor-parallel rank bounds its own files by its share of the folder."""
+        if self.max_bytes is None or ranks <= 1:
+            return self
+        return dataclasses.replace(self, max_bytes=self.max_bytes // ranks)
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {"role": self.role, "path": self.path, "timeout_s": self.timeout_s,
+                "max_bytes": self.max_bytes}
+
+
+def _positive(extra: Mapping[str, Any], name: str, default: float | None) -> float | None:
+    value = extra.get(name, default)
+    if value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.{name} must be a "
+                         f"number > 0, got {value!r}")
+    return float(value)
 
 
 def _field(transfer: Any, name: str) -> Any:
@@ -206,6 +246,48 @@ def load(folder: str, key: str, rank: int, pages: np.ndarray, pool: torch.Tensor
     index = torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(pool.device)
     pool.index_copy_(0, index, packed.to(pool.device, non_blocking=True))
     return packed.numel() * packed.element_size()
+
+
+def sweep(folder: str, rank: int, timeout_s: float, max_bytes: int | None,
+          now: float | None = None) -> int:
+    """Remove this rank's hand-offs nobody took within ``timeout_s`` of their last write (and
+    writes left half done), then its oldest until its files hold at most ``max_bytes``.
+    Returns the hand-offs removed. A consumer that claimed one of them just before finds
+    its data gone and prefills the prompt itself (a failed import)."""
+    now = time.time() if now is None else now
+    suffix = f".r{rank}."
+    ages: dict[str, float] = {}  # key -> newest write
+    sizes: dict[str, int] = {}
+    stale: list[str] = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if suffix not in entry.name:
+                continue
+            try:
+                status = entry.stat()
+            except FileNotFoundError:  # taken meanwhile
+                continue
+            if entry.name.endswith(".tmp"):
+                if now - status.st_mtime > timeout_s:
+                    stale.append(entry.path)
+                continue
+            key = entry.name.split(suffix, 1)[0]
+            ages[key] = max(ages.get(key, 0.0), status.st_mtime)
+            sizes[key] = sizes.get(key, 0) + status.st_size
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    removed = [key for key, written in ages.items() if now - written > timeout_s]
+    held = sum(sizes.values()) - sum(sizes[key] for key in removed)
+    if max_bytes is not None and held > max_bytes:
+        for key in sorted(set(ages) - set(removed), key=ages.__getitem__):
+            removed.append(key)
+            held -= sizes[key]
+            if held <= max_bytes:
+                break
+    for key in removed:
+        discard_rank(folder, key, rank)
+    return len(removed)
 
 
 def handoff_fingerprint(model: str, layout: Any, dtype: Any, ranks: int) -> str:

@@ -118,6 +118,63 @@ def test_a_failed_or_unusable_hand_off_makes_the_request_prefill_itself(
     assert os.listdir(folder) == []
 
 
+def handoff_engine(model: str, folder: str, role: str, **extra_config) -> EngineHarness:
+    transfer = KVTransferConfig(kv_connector="KVCompressConnector", kv_role=role,
+                                kv_connector_extra_config={"path": folder, **extra_config})
+    return EngineHarness(model, SETTINGS, kv_cache_memory_bytes=64 << 20,
+                         kv_transfer_config=transfer, **ENGINE)
+
+
+def test_a_producer_removes_the_hand_offs_nobody_took(tiny_llama, tmp_path):
+    """``timeout_s``: a hand-off no decode instance took in time is removed by the prefill
+    instance as it works on (the decode request never came); newer ones stay."""
+    folder = str(tmp_path)
+    producer = handoff_engine(tiny_llama, folder, "kv_producer", timeout_s=1.0)
+    try:
+        old = random_prompts(LENGTHS[:2], seed=7)
+        producer.generate(old, greedy(1))
+        assert len(os.listdir(folder)) == 2 * len(old)  # rows and description each
+        time.sleep(2.5)
+        new = {f"n{r}": prompt for r, prompt in random_prompts(LENGTHS[2:4], seed=8).items()}
+        producer.generate(new, greedy(1))
+        left = {name.split(".")[0] for name in os.listdir(folder)}
+        assert len(left) == len(new) and len(os.listdir(folder)) == 2 * len(new)
+        assert_pages_back(producer)
+    finally:
+        producer.shutdown()
+
+
+def test_a_continued_request_aborted_before_its_first_output_leaves_nothing(
+        tiny_llama, tmp_path, monkeypatch):
+    """Every import fails, so after the first step the continued requests have no output
+    yet (preempted, to prefill again); aborting half of them then ends them cleanly: the
+    others answer in full from the producer's token, pages come back, the first-token
+    bookkeeping empties, the folder too."""
+    folder = str(tmp_path)
+    prompts = random_prompts(LENGTHS[:4], seed=9)
+    first, _, _ = run(tiny_llama, prompts, 1, folder, "kv_producer")
+    monkeypatch.setenv(FAULT_ENV, "import")
+    consumer = handoff_engine(tiny_llama, folder, "kv_consumer")
+    try:
+        for request_id, prompt in prompts.items():
+            consumer.add(request_id, prompt, greedy(6))
+        consumer.step()
+        reuse = consumer.scheduler.reuse
+        continuing = {request_id.rsplit("-", 1)[0] for request_id in reuse.continuing}
+        assert continuing == set(prompts) and not consumer.outputs
+        aborted = sorted(prompts)[::2]
+        consumer.abort(aborted)
+        consumer.run_until_done()
+        for request_id in set(prompts) - set(aborted):
+            assert len(consumer.outputs[request_id]) == 6
+            assert consumer.outputs[request_id][0] == first[request_id][0]
+        assert not reuse.continuing and not reuse.continued
+        assert_pages_back(consumer)
+        assert os.listdir(folder) == []
+    finally:
+        consumer.shutdown()
+
+
 def test_two_vllm_serve_instances_behind_the_proxy_answer_as_one_over_http(
         embedded_model, tmp_path):
     """The recipe of docs/usage.md on one machine: a prefill and a decode `vllm serve` with

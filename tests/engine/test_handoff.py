@@ -102,3 +102,56 @@ def test_the_transfer_config_names_what_is_wrong(tmp_path):
         Handoff.from_transfer_config({**good, "kv_role": "decode"})
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\.path"):
         Handoff.from_transfer_config({**good, "kv_connector_extra_config": {"path": ""}})
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.timeout_s must be a "
+                                         r"number > 0, got 0"):
+        Handoff.from_transfer_config(
+            {**good, "kv_connector_extra_config": {"path": str(tmp_path), "timeout_s": 0}})
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.max_gib must be"):
+        Handoff.from_transfer_config(
+            {**good, "kv_connector_extra_config": {"path": str(tmp_path), "max_gib": "1"}})
+    with pytest.raises(ValueError, match="has no field 'ttl'"):
+        Handoff.from_transfer_config(
+            {**good, "kv_connector_extra_config": {"path": str(tmp_path), "ttl": 5}})
+    bounded = Handoff.from_transfer_config(
+        {**good, "kv_connector_extra_config": {"path": str(tmp_path), "timeout_s": 30,
+                                               "max_gib": 0.5}})
+    assert (bounded.timeout_s, bounded.max_bytes) == (30.0, 1 << 29)
+    # What the workers get back from the engine's settings, each rank its share.
+    again = Handoff.from_additional_config({handoff.HANDOFF_KEY: bounded.to_mapping()})
+    assert again == bounded and again.per_rank(2).max_bytes == 1 << 28
+
+
+def write_handoff(folder, key, rank, pages, written_at):
+    handoff.write_rows(folder, key, rank, torch.zeros(pages, *PAGE_SHAPE))
+    handoff.publish(folder, key, rank, describe([pages * 4, 1]))
+    for name in os.listdir(folder):
+        if name.startswith(f"{key}.r{rank}."):
+            os.utime(os.path.join(folder, name), (written_at, written_at))
+
+
+def test_the_folder_keeps_no_hand_off_past_its_timeout_or_bound(tmp_path):
+    folder = str(tmp_path)
+    now = 10_000.0
+    for index, key in enumerate(["old", "a", "b", "c"]):
+        write_handoff(folder, key, 0, pages=2, written_at=now - 100 + 10 * index)
+    write_handoff(folder, "other-rank", 1, pages=2, written_at=now - 1000)
+    with open(os.path.join(folder, "a.r0.pt.123.tmp"), "w") as half_done:
+        half_done.write("x")
+    os.utime(os.path.join(folder, "a.r0.pt.123.tmp"), (now - 1000, now - 1000))
+
+    # Nothing is old enough, no bound: nothing goes.
+    assert handoff.sweep(folder, 0, timeout_s=500, max_bytes=None, now=now) == 0
+    # Older than 95 s: "old" (written 100 s ago) and the half-done write; rank 1's stay.
+    assert handoff.sweep(folder, 0, timeout_s=95, max_bytes=None, now=now) == 1
+    names = sorted(os.listdir(folder))
+    assert not any(name.startswith("old.") or name.endswith(".tmp") for name in names)
+    assert {name.split(".")[0] for name in names} == {"a", "b", "c", "other-rank"}
+    # A bound of two hand-offs' bytes: the oldest ("a") goes, the claimable ones stay whole.
+    one = sum(os.path.getsize(os.path.join(folder, name)) for name in names
+              if name.startswith("b."))
+    assert handoff.sweep(folder, 0, timeout_s=500, max_bytes=2 * one, now=now) == 1
+    assert handoff.claim(folder, "a", 1) is None
+    for key in ("b", "c"):
+        assert handoff.claim(folder, key, 1) is not None
+    assert handoff.claim(folder, "other-rank", 2) is None  # rank 0's half never existed
+    assert handoff.sweep(folder, 1, timeout_s=500, max_bytes=None, now=now + 10_000) == 1

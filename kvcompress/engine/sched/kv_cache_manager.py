@@ -239,7 +239,7 @@ class PagedKVCacheManager:
         """A finished request's pages become a prefix-cache entry (when the cache is on and
         they are worth it); a preempted or failed one's are freed."""
         self._matches.pop(request.request_id, None)
-        self.reuse.forget_handoff(request.request_id)
+        self.reuse.forget_handoff(request.request_id, request.is_finished())
         if (request.request_id in self.unfileable or not request.is_finished()
                 or not self.reuse.retire(request)):
             self.pages.free(request.request_id)

@@ -69,10 +69,11 @@ class PagedKVRunnerMixin:
         kernel = self.make_kernel(layout, self.vllm_config.model_config.dtype,
                                   self.vllm_config.cache_config.cache_dtype)
         ranks = get_tensor_model_parallel_world_size()
+        handoff = Handoff.from_additional_config(self.vllm_config.additional_config)
         runtime = PagedKVRuntime(
             config, layout, layer_names, kernel, page_dtype, self.device,
             rank=get_tensor_model_parallel_rank(),
-            handoff=Handoff.from_additional_config(self.vllm_config.additional_config),
+            handoff=None if handoff is None else handoff.per_rank(ranks),
             fingerprint=handoff_fingerprint(self.vllm_config.model_config.model, layout,
                                             page_dtype, ranks))
         runtime.bind_runner(self)
