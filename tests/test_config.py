@@ -49,7 +49,7 @@ def test_other_plugins_keys_are_ignored_but_unknown_kv_keys_are_not():
          "0 < R < 1"),
         ({"kv_compression": "snapkv", "kv_page_size": 24}, "--kv-page-size", "power of two"),
         ({"kv_compression": "snapkv", "kv_page_size": 512}, "--kv-page-size", "power of two"),
-        ({"kv_compression": "snapkv", "kv_reuse": "maybe"}, "--kv-reuse", "on, off"),
+        ({"kv_compression": "snapkv", "kv_reuse": "maybe"}, "--kv-reuse", "on, prompts, off"),
         ({"kv_compression": "snapkv", "kv_pooling": "median"}, "--kv-pooling", "max"),
         ({"kv_compression": "snapkv", "kv_budget_sharing": "head"}, "--kv-budget-sharing",
          "auto, layer, model"),

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = benchmark_parser(WORKER_MODULE, __doc__)
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help="comma-separated: vanilla (prefix caching on), vanilla-noprefix, "
-                             "METHOD:BUDGET or METHOD:r=RATIO with +reuse=on|off and "
+                             "METHOD:BUDGET or METHOD:r=RATIO with +reuse=on|prompts|off and "
                              "+offload=GIB (kvcompress's offload tier, --kv-offloading-size)")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--recall", action="store_true",

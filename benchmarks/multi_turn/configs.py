@@ -76,8 +76,8 @@ def parse_configs(text: str) -> list[RunConfig]:
             continue
         part, offload_gib = _offload_of(part)
         config = RunConfig(CompressionSpec.parse(part), offload_gib=offload_gib)
-        if config.reuse not in (None, "on", "off"):
-            raise ValueError(f"{part!r}: reuse must be on or off, got {config.reuse!r}")
+        if config.reuse not in (None, "on", "prompts", "off"):
+            raise ValueError(f"{part!r}: reuse must be on, prompts or off, got {config.reuse!r}")
         configs.append(config)
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):

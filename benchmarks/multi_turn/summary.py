@@ -102,12 +102,13 @@ def ratios(row: Mapping[str, Any], base: Mapping[str, Any] | None) -> dict[str, 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """``vs_vanilla``: over ``vanilla`` (prefix caching on). ``vs_no_reuse``: a kvcompress
-    configuration with reuse on over the same one with reuse off (None for the others)."""
+    configuration with reuse on (or prompts) over the same one with reuse off (None for the
+    others)."""
     vanilla = next((r for r in rows if r["label"] == "vanilla"), None)
     for row in rows:
         row["vs_vanilla"] = ratios(row, vanilla)
         twin = None
-        if row.get("reuse") == "on":
+        if row.get("reuse") in ("on", "prompts"):
             twin = next((r for r in rows if r.get("reuse") == "off"
                          and r["base_label"] == row["base_label"]), None)
         row["vs_no_reuse"] = ratios(row, twin)

@@ -67,9 +67,10 @@ def prepare_engine_args(engine_args: Any) -> KVCompressionConfig:
     if offload_bytes:
         engine_args.additional_config[OFFLOAD_BYTES_KEY] = offload_bytes
     if handoff is not None:
-        if handoff.consumes and config.reuse != "on":
+        if handoff.consumes and config.reuse == "off":
             raise ValueError(f"--kv-transfer-config kv_role {handoff.role} needs --kv-reuse on "
-                             "(a decode instance adopts hand-offs from its prefix cache)")
+                             "or prompts (a decode instance adopts hand-offs from its prefix "
+                             "cache)")
         if handoff.produces and config.reserves_reconstruction:
             # Passes run in the steps after the prompt: the prefill request has ended by then.
             raise ValueError(f"--kv-transfer-config kv_role {handoff.role} needs prompts "

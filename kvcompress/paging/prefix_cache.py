@@ -229,7 +229,11 @@ class PrefixCache:
         (everything released) when its rows do not hold those tokens. A segment request
         with a deferred plan (``RequestPages.planned``) is filed pending."""
         self.version += 1
-        lengths = logical_len - state.evicted
+        evicted = state.evicted
+        if logical_len == prompt_len < state.logical_len and state.prompt_evicted is not None:
+            # Cut at the prompt's end: what the generated tokens evicted is not in the entry.
+            evicted = state.prompt_evicted
+        lengths = logical_len - evicted
         if (logical_len <= 0 or logical_len > state.logical_len or (lengths < 0).any()
                 or state.cuts_shared_run(lengths, self.layout.page_size)):
             release_request(self.pool, state)
@@ -247,7 +251,7 @@ class PrefixCache:
         prompt_evicted = (state.prompt_evicted if state.prompt_evicted is not None
                           else np.zeros_like(state.evicted))
         entry = self._entries[entry_id] = CacheEntry(
-            state.table, logical_len, state.evicted.copy(), prompt_len, prompt_evicted.copy(),
+            state.table, logical_len, evicted.copy(), prompt_len, prompt_evicted.copy(),
             state.tail_in_order, sealed=state.sealed, segment=state.planned is not None)
         if state.planned is not None:
             # Only a segment cut at its prompt's end, as planned, is compacted by its plan.

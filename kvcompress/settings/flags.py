@@ -55,7 +55,7 @@ DEFAULT_ADMISSION_LOOKAHEAD = 512
 # filed uncompressed that it cannot adopt whole until it is compacted) before it goes on with
 # a copy of its own. A schedule is one engine step: about 30-300 ms on a CPU here.
 DEFAULT_SHARING_WAIT = 256
-REUSE_CHOICES = ("on", "off")
+REUSE_CHOICES = ("on", "prompts", "off")
 # Which prompt tokens a compressed head keeps is decided by scores: "window" (the prompt's
 # last queries, question-aware), "reconstruct" (how much a reconstruction of the context
 # attends to each token, query-agnostic: what later questions about it can rely on, at the
@@ -327,7 +327,10 @@ _POOL_SPECS: tuple[FlagSpec, ...] = (
         "Multi-turn reuse: a finished request's compressed cache stays in the pool (evicted "
         "least-recently-used when pages are needed) and a later prompt that starts with its "
         "tokens adopts it and prefills only the rest (vLLM reports them as cached tokens). "
-        "'on' (default) or 'off'; --no-enable-prefix-caching also turns it off.",
+        "'on' (default): the cache of the prompt and the answer; 'prompts': of the prompt "
+        "only, so the next turn computes the answer again and compresses it with its own "
+        "new tokens (smaller caches and offload-tier writes, a few more tokens to prefill); "
+        "'off'. --no-enable-prefix-caching also turns it off.",
         REUSE_CHOICES,
     ),
 )

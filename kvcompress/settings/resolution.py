@@ -90,7 +90,7 @@ def resolve_auto_scoring(config: Settings, model: str) -> Settings:
     prefill")."""
     if config.scoring != "auto" or not config.enabled:
         return config
-    if config.reuse != "on":
+    if config.reuse == "off":
         return dataclasses.replace(config, scoring="window")
     surrogate = dataclasses.replace(config, scoring="surrogate")
     if config.surrogate:  # named by the user: a wrong one stops the start

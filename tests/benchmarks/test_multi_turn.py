@@ -59,8 +59,10 @@ def test_config_parsing_variants_and_errors():
     assert RunConfig.from_json(json.loads(json.dumps(plain.to_json()))) == plain
     with pytest.raises(ValueError, match="duplicate"):
         parse_configs("vanilla,none")
-    with pytest.raises(ValueError, match="reuse must be on or off"):
+    with pytest.raises(ValueError, match="reuse must be on, prompts or off"):
         parse_configs("pyramidkv:64+reuse=sometimes")
+    prompts = parse_configs("pyramidkv:64+reuse=prompts")[0]
+    assert prompts.reuse == "prompts" and prompts.base_label == "pyramidkv:64"
     with pytest.raises(ValueError, match="no configurations"):
         parse_configs(" , ")
 

@@ -46,9 +46,12 @@ def assert_pages_back(harness: EngineHarness) -> None:
 
 def test_conversation_identical_to_vanilla_with_prefix_caching(tiny_llama):
     """Budget above every prompt: each turn adopts the previous turn's whole cache (prompt and
-    answer but its last token, which was never computed) and its tokens are vanilla's."""
+    answer but its last token, which was never computed) and its tokens are vanilla's. With
+    ``--kv-reuse prompts`` it adopts the previous prompt and computes the answer again: the
+    same tokens."""
     histories = {}
-    for name, compression in (("vanilla", None), ("kvcompress", EXACT)):
+    for name, compression in (("vanilla", None), ("kvcompress", EXACT),
+                              ("prompts", {**EXACT, "kv_reuse": "prompts"})):
         harness = EngineHarness(tiny_llama, compression, enable_prefix_caching=True,
                                 kv_cache_memory_bytes=64 << 20, **ENGINE)
         try:
@@ -60,14 +63,49 @@ def test_conversation_identical_to_vanilla_with_prefix_caching(tiny_llama):
         finally:
             harness.shutdown()
     ours, vanilla = histories["kvcompress"], histories["vanilla"]
-    for conversation, reference in zip(ours, vanilla):
+    for conversation, prompts_only, reference in zip(ours, histories["prompts"], vanilla):
         assert [t["output"] for t in conversation] == [t["output"] for t in reference]
-        assert conversation[0]["cached"] == 0
+        assert [t["output"] for t in prompts_only] == [t["output"] for t in reference]
+        assert conversation[0]["cached"] == prompts_only[0]["cached"] == 0
         for before, turn in zip(conversation, conversation[1:]):
             assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
+        for before, turn in zip(prompts_only, prompts_only[1:]):
+            assert turn["cached"] == len(before["prompt"])
         # vLLM caches whole blocks: fewer tokens than we adopt, but some.
         assert all(0 < t["cached"] <= o["cached"] for t, o in zip(reference[1:],
                                                                    conversation[1:]))
+
+
+def test_with_reuse_prompts_the_answer_is_compressed_with_the_next_turn(tiny_llama):
+    """``--kv-reuse prompts``, budget 64 with 200-token turns: a turn adopts the last turn's
+    compressed prompt only, and its compaction keeps the budget's total of the answer and
+    the new message together (with ``on`` the answer is kept whole besides)."""
+    settings = {"kv_compression": "snapkv", "kv_budget": 64, "kv_reuse": "prompts"}
+    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
+    try:
+        kept = {}
+        original_release = harness.scheduler._release
+
+        def record(request_id, compaction):
+            if compaction.kind == "prompt":
+                kept[request_id.split("-")[0]] = compaction.physical_lengths.copy()
+            original_release(request_id, compaction)
+
+        harness.scheduler._release = record
+        history = converse(harness, turns=3, conversations=2, user_tokens=200,
+                           answer_tokens=12)
+        for entry_id in harness.page_manager.entry_ids():  # each a compacted prompt
+            entry = harness.rank_pages().entry(entry_id)
+            assert entry.logical_len == entry.prompt_len
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+    for c, conversation in enumerate(history):
+        for before, turn in zip(conversation, conversation[1:]):
+            assert turn["cached"] == len(before["prompt"])
+        first, second, third = (kept[f"c{c}t{t}"] for t in range(3))
+        rows = first.size
+        assert (second - first).sum() == rows * 64 and (third - second).sum() == rows * 64
 
 
 def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):

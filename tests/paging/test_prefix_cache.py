@@ -72,6 +72,26 @@ def test_cut_points_follow_what_the_rows_hold():
     manager.check_invariants()
 
 
+@pytest.mark.parametrize("decode_eviction", [False, True])
+def test_a_request_retired_at_its_prompt_s_end_keeps_only_the_prompt_s_rows(decode_eviction):
+    """``--kv-reuse prompts``: the entry is the compacted prompt, the generated tokens' pages
+    go back (whatever a decode eviction did to them) and the only cut is the prompt's end."""
+    manager = make_manager(total_pages=40)
+    assert manager.allocate("a", 12)
+    manager.release_after_compression("a", 12, np.array([5, 6, 7, 12]))
+    assert manager.allocate("a", 20)
+    if decode_eviction:
+        manager.release_after_compression("a", 20, np.array([9, 10, 11, 16]), kind="decode")
+    manager.take_deltas()
+    assert manager.retire("a", 1, 12, prompt_len=12)
+    entry = manager.entry(1)
+    assert entry.table.num_pages.tolist() == [2, 2, 2, 3]  # 5, 6, 7 and 12 tokens
+    assert manager.num_cached == 9 and manager.num_free == 40 - 9
+    assert entry.lengths_at(12).tolist() == [5, 6, 7, 12]
+    assert (entry.logical_len, entry.best_hit(30), entry.best_hit(11)) == (12, 12, 0)
+    manager.check_invariants()
+
+
 def test_a_share_reads_whole_pages_in_place_and_copies_only_partial_ones():
     manager = make_manager(total_pages=60)
     finished(manager, "a", 1, logical=12, prompt_len=12, physical=[5, 6, 7, 12])
@@ -339,13 +359,16 @@ class ReuseMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.logical)
     @rule(data=st.data())
     def retire_or_free(self, data):
-        """A request ends (finished: maybe retired into an entry) or is preempted."""
+        """A request ends (finished: maybe retired into an entry, whole or, as with
+        ``--kv-reuse prompts``, cut at its prompt's end) or is preempted."""
         request_id = data.draw(st.sampled_from(sorted(self.logical)))
         entry_id = self.next_id
         self.next_id += 1
         table = self.worker.requests[request_id].table
+        length = data.draw(st.sampled_from(sorted({self.logical[request_id],
+                                                   self.prompt[request_id]})))
         if data.draw(st.booleans()) and self.manager.retire(
-                request_id, entry_id, self.logical[request_id], self.prompt[request_id]):
+                request_id, entry_id, length, self.prompt[request_id]):
             kept = self.manager.entry(entry_id).table.all_pages()
             self.entry_content[entry_id] = {int(p): int(self.pool[p]) for p in kept}
         else:

@@ -118,7 +118,7 @@ class PrefixCachePolicy:
         self.continuing: dict[str, int] = {}
         self.continued: set[str] = set()
         self.engine_config = engine_config
-        self.enabled = engine_config.reuse == "on" and not pages.layout.has_sliding_layers
+        self.enabled = engine_config.reuse != "off" and not pages.layout.has_sliding_layers
         self.index = PrefixIndex()
         self.figures = PrefixCacheFigures()  # since the last /metrics update
         self.totals = PrefixCacheFigures()  # since the start
@@ -211,9 +211,13 @@ class PrefixCachePolicy:
             return "its first token ends the request"
         return None
 
-    def forget_handoff(self, request_id: str) -> None:
-        """The request left or was preempted (its hand-off, if any, was looked up once)."""
+    def forget_handoff(self, request_id: str, finished: bool) -> None:
+        """The request left or was preempted (its hand-off, if any, was looked up once). A
+        finished one is no longer continued (its first token, if not reported yet, still is
+        with the outputs of the step it ended in)."""
         self._handoff_looked.discard(request_id)
+        if finished:
+            self.continued.discard(request_id)
 
     def state_version(self) -> tuple:
         """Changes whenever an entry is filed, dropped, adopted whole or compacted: what
@@ -276,6 +280,9 @@ class PrefixCachePolicy:
                 or request_id not in self.pages or computed <= 0
                 or not self._keyed_by_tokens(request)):
             return False
+        if self.engine_config.reuse == "prompts":
+            # The answer is computed again by the next turn and compressed with it.
+            computed = min(computed, request.num_prompt_tokens)
         tokens = np.asarray(request.all_token_ids[:computed], dtype=np.int64)
         return self._file(request_id, tokens, request.num_prompt_tokens,
                           resolve(self.engine_config, request.sampling_params))
