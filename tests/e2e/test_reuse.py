@@ -44,6 +44,21 @@ def assert_pages_back(harness: EngineHarness) -> None:
     harness.scheduler.check_pages()
 
 
+def record_prompt_compactions(harness: EngineHarness) -> dict[str, np.ndarray]:
+    """Filled as the engine runs: per request (by the id it was given) its rows' lengths
+    after its prompt's compaction."""
+    compacted: dict[str, np.ndarray] = {}
+    release = harness.scheduler._release
+
+    def record(request_id, compaction):
+        if compaction.kind == "prompt":
+            compacted[request_id.split("-")[0]] = compaction.physical_lengths.copy()
+        release(request_id, compaction)
+
+    harness.scheduler._release = record
+    return compacted
+
+
 def test_conversation_identical_to_vanilla_with_prefix_caching(tiny_llama):
     """Budget above every prompt: each turn adopts the previous turn's whole cache (prompt and
     answer but its last token, which was never computed) and its tokens are vanilla's. With
@@ -83,15 +98,7 @@ def test_with_reuse_prompts_the_answer_is_compressed_with_the_next_turn(tiny_lla
     settings = {"kv_compression": "snapkv", "kv_budget": 64, "kv_reuse": "prompts"}
     harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
     try:
-        kept = {}
-        original_release = harness.scheduler._release
-
-        def record(request_id, compaction):
-            if compaction.kind == "prompt":
-                kept[request_id.split("-")[0]] = compaction.physical_lengths.copy()
-            original_release(request_id, compaction)
-
-        harness.scheduler._release = record
+        kept = record_prompt_compactions(harness)
         history = converse(harness, turns=3, conversations=2, user_tokens=200,
                            answer_tokens=12)
         for entry_id in harness.page_manager.entry_ids():  # each a compacted prompt
@@ -114,15 +121,7 @@ def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
     settings = {"kv_compression": "snapkv", "kv_budget": 64}
     harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
     try:
-        lengths = []
-        original_release = harness.scheduler._release
-
-        def record(request_id, compaction):
-            if compaction.kind == "prompt":
-                lengths.append((request_id, compaction.physical_lengths.copy()))
-            original_release(request_id, compaction)
-
-        harness.scheduler._release = record
+        rows_by_turn = record_prompt_compactions(harness)
         history = converse(harness, turns=3, conversations=2, user_tokens=200,
                            answer_tokens=12)
         assert_pages_back(harness)
@@ -131,9 +130,6 @@ def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
     for conversation in history:
         for before, turn in zip(conversation, conversation[1:]):
             assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
-    rows_by_turn = {}
-    for request_id, rows in lengths:
-        rows_by_turn[request_id.split("-")[0]] = rows
     for c in range(2):
         first, second, third = (rows_by_turn[f"c{c}t{t}"] for t in range(3))
         # The budget's total, shared model-wide (the default where a reconstruction scores):
@@ -242,15 +238,7 @@ def test_a_prompt_that_ended_in_its_prefill_is_not_adopted_uncompressed(tiny_lla
     harness = EngineHarness(tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64},
                             kv_cache_memory_bytes=64 << 20, **ENGINE)
     try:
-        compacted = {}
-        original_release = harness.scheduler._release
-
-        def record(request_id, compaction):
-            if compaction.kind == "prompt":
-                compacted[request_id.split("-")[0]] = compaction.physical_lengths.copy()
-            original_release(request_id, compaction)
-
-        harness.scheduler._release = record
+        compacted = record_prompt_compactions(harness)
         prompt = new_tokens(rng, 300)
         harness.generate({"warm": prompt}, greedy(1))
         assert "warm" not in compacted and harness.page_manager.entry_ids()
