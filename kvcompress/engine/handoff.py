@@ -36,12 +36,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcompress.paging.page_format import PageFormat
+
 CONNECTOR_NAME = "KVCompressConnector"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # additional_config key holding the hand-off ({"role": ..., "path": ...}), from
 # --kv-transfer-config, which kvcompress takes over (vLLM then makes no connector).
 HANDOFF_KEY = "kvcompress_handoff"
-_FORMAT = 1
+# 2: pages in the row layout whatever the writer's kernel (1 held them as the kernel did).
+_FORMAT = 2
 # As long as vLLM's NIXL connector keeps a prefill's blocks for a decode instance that never
 # reads them (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
 DEFAULT_TIMEOUT_S = 480.0
@@ -176,10 +179,13 @@ def _replace_atomically(path: str, write: Any) -> None:
             os.remove(temporary)
 
 
-def write_rows(folder: str, key: str, rank: int, packed: torch.Tensor) -> int:
-    """Write one rank's kept rows (``packed``: their pages in row order); returns bytes.
-    Nobody reads them before ``publish`` describes them."""
-    packed = packed.detach().to("cpu").contiguous()
+def write_rows(folder: str, key: str, rank: int, packed: torch.Tensor, *,
+               page_format: PageFormat) -> int:
+    """Write one rank's kept rows (``packed``: their pages in row order, laid out as
+    ``page_format`` says); returns bytes. The file holds them in the row layout, which every
+    kernel's pages convert to and from (``PageFormat.to_row_layout``). Nobody reads them
+    before ``publish`` describes them."""
+    packed = page_format.to_row_layout(packed.detach()).to("cpu").contiguous()
     _replace_atomically(_data_path(folder, key, rank), lambda path: torch.save(packed, path))
     return packed.numel() * packed.element_size()
 
@@ -210,6 +216,8 @@ def claim(folder: str, key: str, ranks: int) -> list[Described] | None:
             with open(path) as file:
                 raw = json.load(file)
             os.remove(path)
+            if raw.get("format") != _FORMAT:  # another version wrote it: its pages differ
+                raise ValueError(f"hand-off format {raw.get('format')!r}, not {_FORMAT}")
             described.append(Described(np.asarray(raw["lengths"], dtype=np.int64),
                                        int(raw["prompt_len"]), int(raw["first_token"]),
                                        str(raw["fingerprint"]), dict(raw["settings"])))
@@ -231,9 +239,11 @@ def discard_rank(folder: str, key: str, rank: int) -> None:
             os.remove(path)
 
 
-def load(folder: str, key: str, rank: int, pages: np.ndarray, pool: torch.Tensor) -> int:
-    """Put one rank's handed-off rows onto ``pages`` (row order) of ``pool`` and remove their
-    file; returns bytes read. Raises when the data is missing or does not fit the pages."""
+def load(folder: str, key: str, rank: int, pages: np.ndarray, pool: torch.Tensor, *,
+         page_format: PageFormat) -> int:
+    """Put one rank's handed-off rows onto ``pages`` (row order) of ``pool``, laid out as
+    ``page_format`` says, and remove their file; returns bytes read. Raises when the data is
+    missing or does not fit the pages."""
     path = _data_path(folder, key, rank)
     try:
         packed = torch.load(path, map_location="cpu", weights_only=True)
@@ -244,7 +254,8 @@ def load(folder: str, key: str, rank: int, pages: np.ndarray, pool: torch.Tensor
             or packed.shape[1:] != pool.shape[1:] or packed.dtype != pool.dtype):
         raise ValueError(f"hand-off {key} (rank {rank}) does not fit its {len(pages)} pages")
     index = torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(pool.device)
-    pool.index_copy_(0, index, packed.to(pool.device, non_blocking=True))
+    packed = page_format.from_row_layout(packed.to(pool.device, non_blocking=True))
+    pool.index_copy_(0, index, packed)
     return packed.numel() * packed.element_size()
 
 
@@ -290,8 +301,11 @@ def sweep(folder: str, rank: int, timeout_s: float, max_bytes: int | None,
     return len(removed)
 
 
-def handoff_fingerprint(model: str, layout: Any, dtype: Any, ranks: int) -> str:
+def handoff_fingerprint(model: str, layout: Any, dtype: Any, kv_cache_dtype: str,
+                        ranks: int) -> str:
     """What both instances must share for rows to mean the same thing (``layout``: a
-    ``PageLayout``): the model, its rows per rank, the page shape and dtype."""
+    ``PageLayout``): the model, its rows per rank, the page shape, the pages' dtype and
+    ``--kv-cache-dtype`` (fp8_e4m3 and fp8_e5m2 pages are both uint8). Not the kernel's page
+    layout: files hold the row layout."""
     return (f"{model}|rows={layout.num_rows}|page={layout.page_size}x{layout.head_size}"
-            f"|{dtype}|tp={ranks}")
+            f"|{dtype}|{kv_cache_dtype}|tp={ranks}")

@@ -130,6 +130,38 @@ class PageFormat:
         keys, values = self.read_tokens(pool, src_slots)
         self.write_tokens(pool, keys, values, dst_slots)
 
+    def to_row_layout(self, pages: torch.Tensor) -> torch.Tensor:
+        """Packed pages ``[N, 2, page_size, head_size]`` of this format in the ``row`` layout:
+        what a hand-off file holds, so instances whose kernels lay pages out differently (an
+        AMX machine and one without, a GPU) read each other's pages."""
+        if self.key_layout == "row":
+            return pages
+        count, _, page_size, head_size = pages.shape
+        keys, values = pages[:, 0], pages[:, 1]
+        if self.key_layout == "transposed":
+            keys = keys.reshape(count, head_size, page_size).transpose(1, 2)
+        else:  # amx: K [group, pair, token, 2], V [block, token pair, dimension, 2]
+            keys = keys.reshape(count, page_size // AMX_TILE, head_size // 2, AMX_TILE, 2)
+            keys = keys.permute(0, 1, 3, 2, 4).reshape(count, page_size, head_size)
+            values = values.reshape(count, head_size // AMX_TILE, page_size // 2, AMX_TILE, 2)
+            values = values.permute(0, 2, 4, 1, 3).reshape(count, page_size, head_size)
+        return torch.stack((keys, values), dim=1)
+
+    def from_row_layout(self, pages: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_row_layout``: ``row``-layout pages in this format."""
+        if self.key_layout == "row":
+            return pages
+        count, _, page_size, head_size = pages.shape
+        keys, values = pages[:, 0], pages[:, 1]
+        if self.key_layout == "transposed":
+            keys = keys.transpose(1, 2).reshape(count, page_size, head_size)
+        else:
+            keys = keys.reshape(count, page_size // AMX_TILE, AMX_TILE, head_size // 2, 2)
+            keys = keys.permute(0, 1, 3, 2, 4).reshape(count, page_size, head_size)
+            values = values.reshape(count, page_size // 2, 2, head_size // AMX_TILE, AMX_TILE)
+            values = values.permute(0, 3, 1, 4, 2).reshape(count, page_size, head_size)
+        return torch.stack((keys, values), dim=1)
+
     def gather_key_pages(self, pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """K of ``pages [...]`` as ``[..., head_size, page_size]`` (dimension-major): one
         contiguous gather on CPU, where pages already hold K transposed (the amx layout is

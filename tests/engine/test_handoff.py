@@ -13,8 +13,10 @@ from kvcompress.engine.handoff import Described, Handoff
 from kvcompress.engine.worker.offload import FAULT_ENV, HostTier
 from kvcompress.paging import PageTableDelta
 from kvcompress.paging.offload_tier import TierOrder
+from kvcompress.paging.page_format import AMX_PAGE_FORMAT, CPU_PAGE_FORMAT, GPU_PAGE_FORMAT
 
 PAGE_SHAPE = (2, 4, 8)  # (K, V) x page tokens x head size
+ROWS = GPU_PAGE_FORMAT  # pages as files hold them
 
 
 def describe(lengths, prompt_len=12, first_token=7):
@@ -32,7 +34,7 @@ def test_rows_go_to_one_consumer_once_and_leave_nothing_behind(tmp_path):
     folder = str(tmp_path)
     rows = [torch.randn(3, *PAGE_SHAPE), torch.randn(2, *PAGE_SHAPE)]  # two ranks
     for rank, packed in enumerate(rows):
-        assert handoff.write_rows(folder, "k", rank, packed) == packed.numel() * 4
+        assert handoff.write_rows(folder, "k", rank, packed, page_format=ROWS) == packed.numel() * 4
     assert handoff.claim(folder, "k", 2) is None  # written, not described: not yet
     handoff.publish(folder, "k", 0, describe([9, 3]))
     assert handoff.claim(folder, "k", 2) is None  # one rank of two described
@@ -43,7 +45,8 @@ def test_rows_go_to_one_consumer_once_and_leave_nothing_behind(tmp_path):
         12, 7, {"kv_compression": "snapkv"})
     assert handoff.claim(folder, "k", 2) is None  # taken: nobody else gets it
     pool = torch.zeros(10, *PAGE_SHAPE)
-    assert handoff.load(folder, "k", 1, np.array([6, 2]), pool) == rows[1].numel() * 4
+    read = handoff.load(folder, "k", 1, np.array([6, 2]), pool, page_format=ROWS)
+    assert read == rows[1].numel() * 4
     assert torch.equal(pool[[6, 2]], rows[1])
     handoff.discard(folder, "k", 2)
     assert os.listdir(folder) == []
@@ -51,17 +54,18 @@ def test_rows_go_to_one_consumer_once_and_leave_nothing_behind(tmp_path):
 
 def test_rows_that_do_not_fit_their_pages_fail_the_load_and_are_removed(tmp_path):
     folder = str(tmp_path)
-    handoff.write_rows(folder, "k", 0, torch.randn(3, *PAGE_SHAPE))
+    handoff.write_rows(folder, "k", 0, torch.randn(3, *PAGE_SHAPE), page_format=ROWS)
+    pool = torch.zeros(10, *PAGE_SHAPE)
     with pytest.raises(ValueError, match="does not fit its 2 pages"):
-        handoff.load(folder, "k", 0, np.array([1, 2]), torch.zeros(10, *PAGE_SHAPE))
+        handoff.load(folder, "k", 0, np.array([1, 2]), pool, page_format=ROWS)
     with pytest.raises(FileNotFoundError):
-        handoff.load(folder, "k", 0, np.array([1, 2, 3]), torch.zeros(10, *PAGE_SHAPE))
+        handoff.load(folder, "k", 0, np.array([1, 2, 3]), pool, page_format=ROWS)
     assert os.listdir(folder) == []
 
 
 def test_a_broken_description_is_discarded(tmp_path):
     folder = str(tmp_path)
-    handoff.write_rows(folder, "k", 0, torch.randn(1, *PAGE_SHAPE))
+    handoff.write_rows(folder, "k", 0, torch.randn(1, *PAGE_SHAPE), page_format=ROWS)
     (tmp_path / "k.r0.json").write_text("{not json")
     assert handoff.claim(folder, "k", 1) is None
     assert os.listdir(folder) == []
@@ -72,12 +76,12 @@ def test_an_import_order_fails_as_a_load_for_its_adopters(tmp_path, monkeypatch)
     fails this step's adopters of its pages (they prefill again, like a failed load)."""
     folder = str(tmp_path)
     packed = torch.randn(2, *PAGE_SHAPE)
-    handoff.write_rows(folder, "k", 1, packed)
+    handoff.write_rows(folder, "k", 1, packed, page_format=ROWS)
     tier, pool = HostTier(folder, rank=1), torch.zeros(8, *PAGE_SHAPE)
     assert tier.run([TierOrder("import", 5, np.array([3, 4]), source="k")], pool, {}) == (
         [], [], {})
     assert torch.equal(pool[[3, 4]], packed) and tier.imported_bytes == packed.numel() * 4
-    handoff.write_rows(folder, "j", 1, packed)
+    handoff.write_rows(folder, "j", 1, packed, page_format=ROWS)
     monkeypatch.setenv(FAULT_ENV, "import")
 
     adopter = PageTableDelta(fresh=True, appends=[(np.array([1]), np.array([4]))],
@@ -89,6 +93,37 @@ def test_an_import_order_fails_as_a_load_for_its_adopters(tmp_path, monkeypatch)
         {"adopter": adopter, "bystander": bystander})
     assert (lost_chunks, lost_entries, list(failed)) == ([], [6], ["adopter"])
     assert "hand-off" in failed["adopter"]
+
+
+def test_pages_cross_between_kernels_that_lay_them_out_differently(tmp_path):
+    """A producer on a CPU with AMX and a consumer without it (or on a GPU): the file holds
+    rows, so the consumer's pages hold the producer's tokens in its own layout."""
+    folder = str(tmp_path)
+    page_shape = (2, 32, 64)  # the amx layout needs multiples of 32
+    producer_pool = torch.randn(6, *page_shape, generator=torch.Generator().manual_seed(4))
+    handoff.write_rows(folder, "k", 0, producer_pool[[4, 1]], page_format=AMX_PAGE_FORMAT)
+    slots = torch.arange(2 * 32)
+    sent = AMX_PAGE_FORMAT.read_tokens(producer_pool[[4, 1]], slots)
+    for index, consumer_format in enumerate((CPU_PAGE_FORMAT, GPU_PAGE_FORMAT)):
+        if index:
+            handoff.write_rows(folder, "k", 0, producer_pool[[4, 1]],
+                               page_format=AMX_PAGE_FORMAT)
+        tier = HostTier(folder, page_format=consumer_format)
+        pool = torch.zeros(5, *page_shape)
+        tier.run([TierOrder("import", 1, np.array([3, 0]), source="k")], pool, {})
+        for theirs, mine in zip(sent, consumer_format.read_tokens(pool[[3, 0]], slots),
+                                strict=True):
+            assert torch.equal(theirs, mine)
+
+
+def test_a_hand_off_of_another_format_is_not_taken(tmp_path):
+    folder = str(tmp_path)
+    handoff.write_rows(folder, "k", 0, torch.randn(1, *PAGE_SHAPE), page_format=ROWS)
+    handoff.publish(folder, "k", 0, describe([4, 1]))
+    path = tmp_path / "k.r0.json"
+    path.write_text(path.read_text().replace('"format": 2', '"format": 1'))
+    assert handoff.claim(folder, "k", 1) is None
+    assert os.listdir(folder) == []
 
 
 def test_the_transfer_config_names_what_is_wrong(tmp_path):
@@ -122,7 +157,7 @@ def test_the_transfer_config_names_what_is_wrong(tmp_path):
 
 
 def write_handoff(folder, key, rank, pages, written_at):
-    handoff.write_rows(folder, key, rank, torch.zeros(pages, *PAGE_SHAPE))
+    handoff.write_rows(folder, key, rank, torch.zeros(pages, *PAGE_SHAPE), page_format=ROWS)
     handoff.publish(folder, key, rank, describe([pages * 4, 1]))
     for name in os.listdir(folder):
         if name.startswith(f"{key}.r{rank}."):

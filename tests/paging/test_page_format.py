@@ -64,6 +64,26 @@ def test_gathered_keys_are_each_rows_first_tokens_dimension_major(page_format):
         torch.testing.assert_close(keys[row], want.T, rtol=0, atol=0)
 
 
+@FORMATS
+def test_pages_in_the_row_layout_hold_the_same_tokens_and_convert_back(page_format):
+    """A hand-off file holds pages in the row layout: read there, a page's tokens are those
+    read from it in its own format, and converting back restores its bytes."""
+    generator = torch.Generator().manual_seed(3)
+    pool = torch.randn(PAGES, 2, PAGE_SIZE, HEAD_SIZE, generator=generator)
+    slots = torch.arange(PAGES * PAGE_SIZE)
+    rows = page_format.to_row_layout(pool)
+    assert rows.shape == pool.shape
+    for mine, theirs in zip(page_format.read_tokens(pool, slots),
+                            GPU_PAGE_FORMAT.read_tokens(rows, slots), strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(page_format.from_row_layout(rows), pool)
+    for other in (CPU_PAGE_FORMAT, AMX_PAGE_FORMAT, GPU_PAGE_FORMAT):  # any to any
+        converted = other.from_row_layout(rows)
+        for mine, theirs in zip(page_format.read_tokens(pool, slots),
+                                other.read_tokens(converted, slots), strict=True):
+            assert torch.equal(mine, theirs)
+
+
 def test_an_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="key_layout must be one of"):
         type(CPU_PAGE_FORMAT)("columns")

@@ -107,7 +107,8 @@ class KVCompressScheduler(Scheduler):
         self.reuse = PrefixCachePolicy(
             self.page_manager, self.compression_config, self.prompt_chains, handoff,
             handoff_fingerprint(vllm_config.model_config.model, layout,
-                                kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype, ranks))
+                                kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype,
+                                vllm_config.cache_config.cache_dtype, ranks))
         if self.compression_config.reuse != "off" and not self.reuse.enabled:
             logger.info("kvcompress: the prefix cache (--kv-reuse) is off for models with "
                         "sliding-window layers")

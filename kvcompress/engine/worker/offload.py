@@ -25,6 +25,7 @@ from kvcompress.engine import handoff
 from kvcompress.engine.worker.page_work import adopts_any
 from kvcompress.log import get_logger
 from kvcompress.paging.offload_tier import TierOrder
+from kvcompress.paging.page_format import GPU_PAGE_FORMAT, PageFormat
 
 logger = get_logger(__name__)
 
@@ -41,13 +42,15 @@ class HostTier:
     save wrote, in order; tier page ``t`` is row ``t - start`` of the chunk starting at
     ``start``."""
 
-    def __init__(self, handoff_folder: str | None = None, rank: int = 0) -> None:
+    def __init__(self, handoff_folder: str | None = None, rank: int = 0,
+                 page_format: PageFormat = GPU_PAGE_FORMAT) -> None:
         self._chunks: dict[int, torch.Tensor] = {}
         self._starts = np.zeros(0, dtype=np.int64)  # sorted
-        # Where a prefill instance's hand-offs are read from (``engine.handoff``), and as
-        # which tensor-parallel rank.
+        # Where a prefill instance's hand-offs are read from (``engine.handoff``), as which
+        # tensor-parallel rank, and how this instance's pages lay K/V out (files hold rows).
         self.handoff_folder = handoff_folder
         self.rank = rank
+        self.page_format = page_format
         self.imported_bytes = 0
 
     def __len__(self) -> int:
@@ -134,8 +137,8 @@ class HostTier:
         except TierFault:
             handoff.discard_rank(self.handoff_folder, source, self.rank)
             raise
-        self.imported_bytes += handoff.load(self.handoff_folder, source, self.rank, pages,
-                                            pool)  # (its file removed, read or not)
+        self.imported_bytes += handoff.load(  # (its file removed, read or not)
+            self.handoff_folder, source, self.rank, pages, pool, page_format=self.page_format)
 
     def _free(self, start: int) -> None:
         if self._chunks.pop(start, None) is not None:

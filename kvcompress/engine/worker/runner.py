@@ -75,7 +75,8 @@ class PagedKVRunnerMixin:
             rank=get_tensor_model_parallel_rank(),
             handoff=None if handoff is None else handoff.per_rank(ranks),
             fingerprint=handoff_fingerprint(self.vllm_config.model_config.model, layout,
-                                            page_dtype, ranks))
+                                            page_dtype,
+                                            self.vllm_config.cache_config.cache_dtype, ranks))
         runtime.bind_runner(self)
         if ranks > 1:
             runtime.agree_on_failures = _failed_on_any_rank

@@ -118,7 +118,8 @@ class PagedKVRuntime:
         # Offloaded prefix-cache entries' K/V (``--kv-offloading-size``; hand-offs are
         # imported with its orders), and the entries whose save or load failed, until
         # reported.
-        self.tier = HostTier(handoff.path if handoff and handoff.consumes else None, rank)
+        self.tier = HostTier(handoff.path if handoff and handoff.consumes else None, rank,
+                             kernel.page_format)
         self._lost_entries: list[int] = []
         self._lost_chunks: list[tuple[int, int]] = []
         self._reload: set[str] = set()  # adopters of a failed load, until reported
@@ -459,7 +460,8 @@ class PagedKVRuntime:
             try:
                 index = torch.from_numpy(pages.astype(np.int64)).to(self.pool.device)
                 self.exported_bytes += handoff.write_rows(
-                    self.handoff.path, key, self.rank, self.pool.index_select(0, index))
+                    self.handoff.path, key, self.rank, self.pool.index_select(0, index),
+                    page_format=self.kernel.page_format)
             except Exception as error:
                 raise_if_fatal(error, self.pool.device, "hand-off export")
                 logger.exception("kvcompress: handing off request %s failed", request_id)
