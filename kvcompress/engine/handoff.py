@@ -18,7 +18,8 @@ Files are written under a temporary name and renamed, the data before its descri
 consumer that sees a description reads complete data. The folder is bounded (``sweep``, run
 by each producer rank over its own files): a hand-off nobody took within ``timeout_s`` (the
 decode request never came) is removed, and the oldest go first when a rank's files pass its
-share of ``max_bytes``. No vLLM imports.
+share of ``max_bytes``; a thread of the producer's (``Sweeper``) does it every second, idle
+or not. No vLLM imports.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcompress.log import get_logger
 from kvcompress.paging.page_format import PageFormat
+
+logger = get_logger(__name__)
 
 CONNECTOR_NAME = "KVCompressConnector"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -299,6 +304,38 @@ def sweep(folder: str, rank: int, timeout_s: float, max_bytes: int | None,
     for key in removed:
         discard_rank(folder, key, rank)
     return len(removed)
+
+
+class Sweeper:
+    """Keeps one producer rank's files bounded (``sweep``) every ``interval_s`` from a daemon
+    thread, so that a prefill instance left idle after a burst whose decode requests never
+    came does not hold their rows (on a tmpfs, memory) until its next request."""
+
+    def __init__(self, settings: Handoff, rank: int, interval_s: float = 1.0) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvcompress-handoff-sweep-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            try:
+                removed = sweep(self.settings.path, self.rank, self.settings.timeout_s,
+                                self.settings.max_bytes)
+            except OSError:
+                logger.exception("kvcompress: bounding the hand-off folder failed")
+                continue
+            if removed:
+                logger.warning("kvcompress: removed %d hand-off(s) no decode instance took "
+                               "(older than %g s, or past the folder's max_gib)", removed,
+                               self.settings.timeout_s)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def handoff_fingerprint(model: str, layout: Any, dtype: Any, kv_cache_dtype: str,

@@ -127,14 +127,17 @@ def handoff_engine(model: str, folder: str, role: str, **extra_config) -> Engine
 
 def test_a_producer_removes_the_hand_offs_nobody_took(tiny_llama, tmp_path):
     """``timeout_s``: a hand-off no decode instance took in time is removed by the prefill
-    instance as it works on (the decode request never came); newer ones stay."""
+    instance (the decode request never came), idle or not; newer ones stay."""
     folder = str(tmp_path)
     producer = handoff_engine(tiny_llama, folder, "kv_producer", timeout_s=1.0)
     try:
         old = random_prompts(LENGTHS[:2], seed=7)
         producer.generate(old, greedy(1))
         assert len(os.listdir(folder)) == 2 * len(old)  # rows and description each
-        time.sleep(2.5)
+        deadline = time.monotonic() + 10  # idle: its sweeper thread removes them
+        while os.listdir(folder):
+            assert time.monotonic() < deadline, f"left: {os.listdir(folder)}"
+            time.sleep(0.1)
         new = {f"n{r}": prompt for r, prompt in random_prompts(LENGTHS[2:4], seed=8).items()}
         producer.generate(new, greedy(1))
         left = {name.split(".")[0] for name in os.listdir(folder)}

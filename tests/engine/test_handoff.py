@@ -3,6 +3,7 @@ a folder to one consumer, found by the prompt's tokens; an incomplete or foreign
 never taken, and a taken one leaves nothing behind."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -190,3 +191,22 @@ def test_the_folder_keeps_no_hand_off_past_its_timeout_or_bound(tmp_path):
         assert handoff.claim(folder, key, 1) is not None
     assert handoff.claim(folder, "other-rank", 2) is None  # rank 0's half never existed
     assert handoff.sweep(folder, 1, timeout_s=500, max_bytes=None, now=now + 10_000) == 1
+
+
+def test_an_idle_producer_still_removes_what_nobody_took(tmp_path):
+    """The sweeper thread bounds the folder with no step to call it: an old hand-off goes
+    within a few intervals, a new one stays, and stopping ends the thread."""
+    folder = str(tmp_path)
+    write_handoff(folder, "old", 0, pages=1, written_at=time.time() - 60)
+    write_handoff(folder, "new", 0, pages=1, written_at=time.time())
+    sweeper = handoff.Sweeper(Handoff("kv_producer", folder, timeout_s=30), rank=0,
+                              interval_s=0.02)
+    try:
+        deadline = time.monotonic() + 10
+        while any(name.startswith("old.") for name in os.listdir(folder)):
+            assert time.monotonic() < deadline, "the old hand-off was never removed"
+            time.sleep(0.02)
+        assert {name.split(".")[0] for name in os.listdir(folder)} == {"new"}
+    finally:
+        sweeper.stop()
+    assert not sweeper._thread.is_alive()

@@ -192,6 +192,7 @@ class PagedKVRunnerMixin:
     def shutdown(self) -> None:
         if self.paged_runtime is not None:
             register_runtime(self.vllm_config, None)
+            self.paged_runtime.close()
             self.paged_runtime = None  # releases the page pool
         super().shutdown()  # type: ignore[misc]
 

@@ -12,7 +12,6 @@ metadata builder finds it through ``kvcompress.step.runtime_for``.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 from kvcompress.device_faults import raise_if_fatal
 from kvcompress.device_timing import StageTimer
 from kvcompress.engine import handoff
-from kvcompress.engine.handoff import Handoff
+from kvcompress.engine.handoff import Handoff, Sweeper
 from kvcompress.engine.messages import (
     FAILED_ON_ANOTHER_RANK,
     SEGMENT_READERS_AFTER_ARG,
@@ -114,7 +113,9 @@ class PagedKVRuntime:
         self.exported_bytes = 0
         self._prompts_completing: list[str] = []
         self._unpublished: dict[str, tuple[str, handoff.Described]] = {}
-        self._next_sweep = 0.0  # (monotonic) the folder's bound is kept once a second
+        # The folder's bound, kept from a thread of each producer rank.
+        self._sweeper = (Sweeper(self.handoff, rank)
+                         if self.handoff is not None and self.handoff.produces else None)
         # Offloaded prefix-cache entries' K/V (``--kv-offloading-size``; hand-offs are
         # imported with its orders), and the entries whose save or load failed, until
         # reported.
@@ -486,24 +487,12 @@ class PagedKVRuntime:
                                 dataclasses.replace(part, first_token=int(tokens[request_id])))
             except OSError:
                 logger.exception("kvcompress: handing off request %s failed", request_id)
-        self._sweep_handoffs()
 
-    def _sweep_handoffs(self) -> None:
-        """Keep the folder bounded (``handoff.sweep``): hand-offs nobody took go."""
-        if self.handoff is None or not self.handoff.produces or (
-                time.monotonic() < self._next_sweep):
-            return
-        self._next_sweep = time.monotonic() + 1.0
-        try:
-            removed = handoff.sweep(self.handoff.path, self.rank, self.handoff.timeout_s,
-                                    self.handoff.max_bytes)
-        except OSError:
-            logger.exception("kvcompress: bounding the hand-off folder failed")
-            return
-        if removed:
-            logger.warning("kvcompress: removed %d hand-off(s) no decode instance took (older "
-                           "than %g s, or past the folder's max_gib)", removed,
-                           self.handoff.timeout_s)
+    def close(self) -> None:
+        """Stop what runs beside the engine (the hand-off folder's sweeper)."""
+        if self._sweeper is not None:
+            self._sweeper.stop()
+            self._sweeper = None
 
     def _defer_compactions(self, step: Any, defer: frozenset[str]) -> None:
         """The prompts the scheduler deferred are not compacted in this step (their scores
