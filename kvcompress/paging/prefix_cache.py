@@ -76,8 +76,8 @@ class CacheEntry:
     def best_hit(self, shared: int) -> int:
         """The longest cut at most ``shared`` tokens long (0: none)."""
         shared = min(shared, self.logical_len)
-        if shared > self.prompt_len and not self.tail_in_order:
-            shared = self.prompt_len
+        if self.prompt_len < shared < self.logical_len and not self.tail_in_order:
+            shared = self.prompt_len  # (the whole entry stays a cut: every slot is in it)
         if shared < self.prompt_len and not self.exact_prompt:
             return 0
         return shared
@@ -92,7 +92,10 @@ class CacheEntry:
             return np.full_like(self.evicted, hit) if self.exact_prompt else None
         if hit == self.prompt_len:
             lengths = self.prompt_len - self.prompt_evicted
-        elif self.tail_in_order:
+        elif self.tail_in_order or hit == self.logical_len:
+            # In order, a generated token's slot is its position less the evictions; after
+            # a decode eviction only the whole rows stand for a known set of tokens (all of
+            # them; their order does not matter to attention, positions are in the keys).
             lengths = hit - self.evicted
         else:
             return None

@@ -144,6 +144,36 @@ def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
         assert (third - second - 11).sum() == rows * 64
 
 
+def test_an_answer_compressed_by_decode_eviction_is_adopted_whole(tiny_llama):
+    """``--kv-decode-budget`` with ``on``: after a decode eviction the answer's slots are no
+    longer one per position, yet the entry's end is a cut: the next turn adopts the whole
+    previous context (prompt and answer) and computes only its new message, and its rows
+    hold the answer's decode budget, not the answer."""
+    settings = {"kv_compression": "snapkv", "kv_budget": 64, "kv_decode_policy": "window",
+                "kv_decode_budget": 16, "kv_decode_interval": 4}
+    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
+    try:
+        rows_by_turn = record_prompt_compactions(harness)
+        history = converse(harness, turns=3, conversations=2, user_tokens=200,
+                           answer_tokens=40)
+        entries = [harness.rank_pages().entry(entry_id)
+                   for entry_id in harness.page_manager.entry_ids()]
+        assert entries and not any(entry.tail_in_order for entry in entries)
+        assert_pages_back(harness)
+    finally:
+        harness.shutdown()
+    for conversation in history:
+        for before, turn in zip(conversation, conversation[1:]):
+            assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
+    for c in range(2):
+        first, second, third = (rows_by_turn[f"c{c}t{t}"] for t in range(3))
+        rows = first.size
+        # Each row adopted its prompt part and 16 to 20 of the 39 computed answer tokens
+        # (evicted down to 16 each time it held 4 more), then the new part's budget.
+        for before, after in ((first, second), (second, third)):
+            assert rows * (16 + 64) <= (after - before).sum() <= rows * (20 + 64)
+
+
 def test_under_pressure_entries_are_evicted_shared_and_adopters_preempted(
         surrogate_tiny_llama):
     """A pool too small for 5 conversations' caches: entries are evicted for running

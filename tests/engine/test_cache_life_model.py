@@ -820,7 +820,9 @@ def test_lives_nest_segments_and_compact_the_shorter_first(monkeypatch):
     """Prefixes of prefixes (issue 51): segments made while another they continue is
     pending, and compactions of the longer one after the shorter one's shifted its pages in
     the holders' rows (where pages recorded by position went wrong)."""
-    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(10)]
+    # Rare: 4 of these 30 lives shift a compaction (the first 10 did before entries could
+    # be cut at their end after a decode eviction, which changed what the lives do).
+    lives = [run_life(seed, Faults(), monkeypatch, steps=150) for seed in range(30)]
     assert sum(life.nested_segments for life in lives) >= 3
     assert sum(life.shifted_compactions for life in lives) >= 1
 

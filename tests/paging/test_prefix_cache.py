@@ -57,15 +57,18 @@ def test_cut_points_follow_what_the_rows_hold():
     assert entry.lengths_at(11) is None  # inside a compacted prompt: slots unknown
     assert entry.lengths_at(17) is None
     assert (entry.best_hit(11), entry.best_hit(15), entry.best_hit(99)) == (0, 15, 16)
-    # After a decode eviction only the prompt's end is a cut point.
+    # After a decode eviction the prompt's end and the entry's end are the cut points.
     assert manager.allocate("b", 12)
     manager.release_after_compression("b", 12, np.array([5, 6, 7, 12]))
     assert manager.allocate("b", 20)
     manager.release_after_compression("b", 20, np.array([9, 10, 11, 16]), kind="decode")
     manager.retire("b", 2, 20, prompt_len=12)
     entry = manager.entry(2)
-    assert entry.lengths_at(13) is None and entry.best_hit(18) == 12
+    assert entry.lengths_at(13) is None and entry.lengths_at(19) is None
+    assert (entry.best_hit(18), entry.best_hit(19), entry.best_hit(20)) == (12, 12, 20)
+    assert entry.best_hit(99) == 20
     assert entry.lengths_at(12).tolist() == [5, 6, 7, 12]
+    assert entry.lengths_at(20).tolist() == [9, 10, 11, 16]  # the whole rows
     # An exact prompt can be cut anywhere inside it.
     finished(manager, "c", 3, logical=9, prompt_len=6)
     assert manager.entry(3).lengths_at(3).tolist() == [3] * 4
