@@ -115,21 +115,32 @@ def test_with_reuse_prompts_the_answer_is_compressed_with_the_next_turn(tiny_lla
         assert (second - first).sum() == rows * 64 and (third - second).sum() == rows * 64
 
 
-def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
-    """Budget 64 with 200-token turns: each turn adopts the compressed cache of the last and
-    its rows grow by at most the budget of the new part; pages checked every step."""
-    settings = {"kv_compression": "snapkv", "kv_budget": 64}
-    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
+def converse_adopting_whole(model: str, settings: dict, answer_tokens: int
+                            ) -> tuple[dict[str, np.ndarray], list]:
+    """Three turns of two conversations with 200-token messages under ``settings``, each
+    turn adopting the whole previous context (prompt and answer but its last token); returns
+    each request's rows after its prompt's compaction and the entries left. Pages back."""
+    harness = EngineHarness(model, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
     try:
         rows_by_turn = record_prompt_compactions(harness)
         history = converse(harness, turns=3, conversations=2, user_tokens=200,
-                           answer_tokens=12)
+                           answer_tokens=answer_tokens)
+        entries = [harness.rank_pages().entry(entry_id)
+                   for entry_id in harness.page_manager.entry_ids()]
         assert_pages_back(harness)
     finally:
         harness.shutdown()
     for conversation in history:
         for before, turn in zip(conversation, conversation[1:]):
             assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
+    return rows_by_turn, entries
+
+
+def test_compressed_turns_adopt_and_compress_only_the_new_part(tiny_llama):
+    """Budget 64 with 200-token turns: each turn adopts the compressed cache of the last and
+    its rows grow by at most the budget of the new part; pages checked every step."""
+    rows_by_turn, _ = converse_adopting_whole(
+        tiny_llama, {"kv_compression": "snapkv", "kv_budget": 64}, answer_tokens=12)
     for c in range(2):
         first, second, third = (rows_by_turn[f"c{c}t{t}"] for t in range(3))
         # The budget's total, shared model-wide (the default where a reconstruction scores):
@@ -151,20 +162,8 @@ def test_an_answer_compressed_by_decode_eviction_is_adopted_whole(tiny_llama):
     hold the answer's decode budget, not the answer."""
     settings = {"kv_compression": "snapkv", "kv_budget": 64, "kv_decode_policy": "window",
                 "kv_decode_budget": 16, "kv_decode_interval": 4}
-    harness = EngineHarness(tiny_llama, settings, kv_cache_memory_bytes=64 << 20, **ENGINE)
-    try:
-        rows_by_turn = record_prompt_compactions(harness)
-        history = converse(harness, turns=3, conversations=2, user_tokens=200,
-                           answer_tokens=40)
-        entries = [harness.rank_pages().entry(entry_id)
-                   for entry_id in harness.page_manager.entry_ids()]
-        assert entries and not any(entry.tail_in_order for entry in entries)
-        assert_pages_back(harness)
-    finally:
-        harness.shutdown()
-    for conversation in history:
-        for before, turn in zip(conversation, conversation[1:]):
-            assert turn["cached"] == len(before["prompt"]) + len(before["output"]) - 1
+    rows_by_turn, entries = converse_adopting_whole(tiny_llama, settings, answer_tokens=40)
+    assert entries and not any(entry.tail_in_order for entry in entries)
     for c in range(2):
         first, second, third = (rows_by_turn[f"c{c}t{t}"] for t in range(3))
         rows = first.size
