@@ -102,13 +102,10 @@ def test_pages_cross_between_kernels_that_lay_them_out_differently(tmp_path):
     folder = str(tmp_path)
     page_shape = (2, 32, 64)  # the amx layout needs multiples of 32
     producer_pool = torch.randn(6, *page_shape, generator=torch.Generator().manual_seed(4))
-    handoff.write_rows(folder, "k", 0, producer_pool[[4, 1]], page_format=AMX_PAGE_FORMAT)
     slots = torch.arange(2 * 32)
     sent = AMX_PAGE_FORMAT.read_tokens(producer_pool[[4, 1]], slots)
-    for index, consumer_format in enumerate((CPU_PAGE_FORMAT, GPU_PAGE_FORMAT)):
-        if index:
-            handoff.write_rows(folder, "k", 0, producer_pool[[4, 1]],
-                               page_format=AMX_PAGE_FORMAT)
+    for consumer_format in (CPU_PAGE_FORMAT, GPU_PAGE_FORMAT):  # (a load removes the file)
+        handoff.write_rows(folder, "k", 0, producer_pool[[4, 1]], page_format=AMX_PAGE_FORMAT)
         tier = HostTier(folder, page_format=consumer_format)
         pool = torch.zeros(5, *page_shape)
         tier.run([TierOrder("import", 1, np.array([3, 0]), source="k")], pool, {})
